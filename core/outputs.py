@@ -1,0 +1,50 @@
+"""What goes into the engine (GenerationRequest) and what comes out (RequestOutput). Pure Python."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from conveyor.core.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    """A tokenized prompt and how to continue it. Lower `priority` runs earlier; ties run FIFO."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    priority: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """A finished request. Times are `time.monotonic()` seconds; derived durations are properties."""
+
+    req_id: str
+    output_token_ids: list[int]
+    text: str  # detokenized output, special tokens skipped, trimmed at a stop string
+    finish_reason: str  # "stop" | "length" | "abort"
+    num_prompt_tokens: int
+    num_cached_tokens: int  # prompt tokens whose K/V came from the prefix cache
+    num_preemptions: int
+    arrival_time: float
+    first_scheduled_time: float
+    first_token_time: float
+    finish_time: float
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def queue_s(self) -> float:
+        return self.first_scheduled_time - self.arrival_time
+
+    @property
+    def ttft_s(self) -> float:
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def latency_s(self) -> float:
+        return self.finish_time - self.arrival_time

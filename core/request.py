@@ -1,0 +1,106 @@
+"""Request: one prompt's life in the engine (tokens, progress, blocks, status). Pure Python.
+
+Only the scheduler changes a request's status and `num_computed_tokens`; only the block manager
+writes `block_ids` and `block_hashes`.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from conveyor.core.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+
+
+FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED})
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens reached
+    ABORT = "abort"  # cancelled by the caller
+
+
+_STATUS_OF_REASON = {
+    FinishReason.STOP: RequestStatus.FINISHED_STOPPED,
+    FinishReason.LENGTH: RequestStatus.FINISHED_LENGTH,
+    FinishReason.ABORT: RequestStatus.FINISHED_ABORTED,
+}
+
+
+class Request:
+    """Mutable engine-side state of one request.
+
+    token_ids = prompt tokens followed by output tokens. `num_computed_tokens` of them have K/V in
+    the cache: [0, num_computed_tokens) is cached, [num_computed_tokens, num_tokens) still to feed.
+    """
+
+    __slots__ = (
+        "req_id", "token_ids", "num_prompt_tokens", "sampling", "priority", "status",
+        "num_computed_tokens", "num_cached_tokens", "block_ids", "block_hashes", "finish_reason",
+        "arrival_time", "first_scheduled_time", "first_token_time", "finish_time", "num_preemptions",
+        "stop_text_hit",
+    )
+
+    def __init__(self, req_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
+                 priority: int = 0, arrival_time: float = 0.0) -> None:
+        if not prompt_token_ids:
+            raise ValueError(f"request {req_id!r}: the prompt has no tokens")
+        self.req_id = req_id
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.sampling = sampling
+        self.priority = priority
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0  # tokens whose K/V are in the cache
+        self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at first admission
+        self.block_ids: list[int] = []  # written by the block manager only
+        self.block_hashes: list[int] = []  # chained hashes of full blocks; block manager only
+        self.finish_reason: FinishReason | None = None
+        self.arrival_time = arrival_time
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+        self.num_preemptions = 0
+        self.stop_text_hit: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def max_total_tokens(self) -> int:
+        """Most tokens this request can ever hold in the cache."""
+        return self.num_prompt_tokens + self.sampling.max_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status in FINISHED
+
+    def finish(self, reason: FinishReason) -> None:
+        self.status = _STATUS_OF_REASON[reason]
+        self.finish_reason = reason
+
+    def __repr__(self) -> str:
+        return (f"Request({self.req_id!r}, {self.status.value}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={len(self.block_ids)})")

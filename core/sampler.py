@@ -1,0 +1,83 @@
+"""(torch) Logits -> token ids for a whole step at once: greedy, temperature, top-k, top-p, min-p.
+
+Randomness is per request and stateless: the uniform draw for a request's n-th output token is a
+hash of (seed, n), so its tokens depend on its seed and its own logits only, never on the batch
+around it or on how often it was preempted or the run restarted.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Collection, Sequence
+
+import torch
+
+from conveyor.core.schedule_types import ScheduledRequest
+
+_MASK64 = (1 << 64) - 1
+
+
+def uniform_for(seed: int, index: int) -> float:
+    """A float in [0, 1) from (seed, index) by splitmix64; the same on every machine."""
+    x = (seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xD1B54A32D192ED03) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    x ^= x >> 31
+    return (x >> 11) * (1.0 / (1 << 53))
+
+
+class Sampler:
+    def __init__(self, eos_token_ids: Collection[int]) -> None:
+        self.eos_token_ids = tuple(eos_token_ids)
+
+    def __call__(self, logits: torch.Tensor, entries: Sequence[ScheduledRequest]) -> list[int]:
+        """logits [B, V] (one row per sampled entry, same order) -> B token ids."""
+        logits = logits.float()
+        self._ban_early_stops(logits, entries)
+        tokens = torch.argmax(logits, dim=-1)  # greedy rows are done here
+        rows = [i for i, e in enumerate(entries) if not e.sampling.is_greedy]
+        if rows:
+            sampled = self._sample(logits[rows], [entries[i] for i in rows])
+            tokens[rows] = sampled
+        return tokens.tolist()
+
+    def _ban_early_stops(self, logits: torch.Tensor, entries: Sequence[ScheduledRequest]) -> None:
+        """min_tokens: EOS and stop token ids cannot be chosen before min_tokens tokens exist."""
+        for i, e in enumerate(entries):
+            if e.num_output_tokens < e.sampling.min_tokens:
+                banned = list(e.sampling.stop_token_ids)
+                if not e.sampling.ignore_eos:
+                    banned += self.eos_token_ids
+                if banned:
+                    logits[i, banned] = float("-inf")
+
+    def _sample(self, logits: torch.Tensor, entries: Sequence[ScheduledRequest]) -> torch.Tensor:
+        device = logits.device
+        temps = torch.tensor([e.sampling.temperature for e in entries], device=device)
+        probs = torch.softmax(logits / temps.unsqueeze(1), dim=-1)
+        sorted_probs, sorted_ids = torch.sort(probs, dim=-1, descending=True)
+        vocab = logits.shape[1]
+        ranks = torch.arange(vocab, device=device).unsqueeze(0)
+        keep = torch.ones_like(sorted_probs, dtype=torch.bool)
+        top_k = [e.sampling.top_k if e.sampling.top_k > 0 else vocab for e in entries]
+        if any(k < vocab for k in top_k):
+            keep &= ranks < torch.tensor(top_k, device=device).unsqueeze(1)
+        top_p = [e.sampling.top_p for e in entries]
+        if any(p < 1.0 for p in top_p):
+            # Keep the smallest prefix whose mass reaches top_p: a token stays if the mass before it is < top_p.
+            mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+            keep &= mass_before < torch.tensor(top_p, device=device).unsqueeze(1)
+        min_p = [e.sampling.min_p for e in entries]
+        if any(p > 0.0 for p in min_p):
+            threshold = sorted_probs[:, :1] * torch.tensor(min_p, device=device).unsqueeze(1)
+            keep &= sorted_probs >= threshold
+        keep[:, 0] = True  # the most likely token always survives
+        kept = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs)).double()
+        cdf = torch.cumsum(kept, dim=-1)
+        draws = [uniform_for(e.sampling.seed, e.num_output_tokens) if e.sampling.seed is not None
+                 else random.random() for e in entries]
+        u = torch.tensor(draws, dtype=torch.float64, device=device).unsqueeze(1) * cdf[:, -1:]
+        idx = torch.searchsorted(cdf, u, right=True).clamp_(max=vocab - 1)
+        # searchsorted can land on a zero-mass tail entry only through rounding: step back onto kept mass.
+        idx = torch.minimum(idx, keep.sum(dim=-1, keepdim=True) - 1)
+        return sorted_ids.gather(1, idx).squeeze(1)

@@ -1,0 +1,46 @@
+"""The plain data that crosses a step: the scheduler's plan and the runner's answer. Pure Python.
+
+Plan objects hold copies, never the scheduler's live lists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from conveyor.core.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledRequest:
+    req_id: str
+    token_ids: tuple[int, ...]  # fed this step: a prefill chunk or one decode token
+    start_pos: int  # position of token_ids[0] (= num_computed_tokens before the step)
+    block_ids: tuple[int, ...]  # the whole block table, covering start_pos + len(token_ids) slots
+    sample: bool  # true when the chunk reaches the last known token, so a token is sampled
+    sampling: SamplingParams
+    num_output_tokens: int  # tokens generated so far; the sampled one gets this index
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def context_len(self) -> int:
+        """Tokens attended to by the chunk's last query: cached ones plus the chunk."""
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]  # running requests first (admission order), then new ones
+    num_batched_tokens: int  # sum of len(token_ids) over scheduled
+    preempted_req_ids: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerOutput:
+    sampled_token_ids: dict[str, int]  # req_id -> token, only where ScheduledRequest.sample was true

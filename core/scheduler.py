@@ -1,0 +1,229 @@
+"""Iteration-level scheduler: which requests run this step, with how many tokens. Pure Python.
+
+Decides; the block manager answers and commits. Apart from preemption and admission (which sets
+the prefix-cache hit), only `update_from_output` advances `num_computed_tokens`, appends tokens and
+finishes requests.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections import deque
+from collections.abc import Collection
+from dataclasses import dataclass
+
+from conveyor.core.block_manager import BlockManager
+from conveyor.core.request import FinishReason, Request, RequestStatus
+from conveyor.core.schedule_types import RunnerOutput, ScheduledRequest, SchedulerOutput
+from conveyor.core.stopping import check_token_stop
+
+
+@dataclass
+class SchedulerStats:
+    num_preemptions: int = 0
+    num_prefix_queries: int = 0  # prompt tokens looked up in the prefix cache at first admission
+    num_prefix_hits: int = 0  # of those, tokens served from the cache
+    num_computed_prompt_tokens: int = 0  # prompt tokens actually fed to the model (recompute included)
+    num_cached_prompt_tokens: int = 0  # prompt tokens skipped thanks to the prefix cache
+    num_steps: int = 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.num_prefix_hits / self.num_prefix_queries if self.num_prefix_queries else 0.0
+
+
+class _Budget:
+    """What one step may still spend."""
+
+    __slots__ = ("tokens", "seqs")
+
+    def __init__(self, tokens: int, seqs: int) -> None:
+        self.tokens = tokens
+        self.seqs = seqs
+
+
+class Scheduler:
+    """Queues, token budget, chunked prefill, prefix-cache admission and preemption by recompute.
+
+    `running` is in admission order (the newest at the end: the preemption victim). `waiting` is
+    ordered by (priority, arrival); a preempted request goes back to its very front.
+    """
+
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 eos_token_ids: Collection[int] = (), clock=time.monotonic) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.clock = clock
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.stats = SchedulerStats()
+
+    # -- queues --------------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.req_id in self.requests:
+            raise ValueError(f"request id {request.req_id!r} is already in the engine")
+        if self.block_manager.blocks_for(request.max_total_tokens) > self.block_manager.num_blocks:
+            raise ValueError(
+                f"request {request.req_id!r} needs up to {request.max_total_tokens} tokens of KV cache "
+                f"but the pool holds {self.block_manager.num_blocks * self.block_manager.block_size}; "
+                "raise num_kv_blocks / kv_cache_memory or lower max_tokens")
+        self.requests[request.req_id] = request
+        if not self.waiting or request.priority >= self.waiting[-1].priority:
+            self.waiting.append(request)
+        else:  # rare: keep (priority, arrival) order
+            keys = [r.priority for r in self.waiting]
+            self.waiting.insert(bisect.bisect_right(keys, request.priority), request)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # -- one step ------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step.
+
+        1. Running requests, oldest first: one decode token each, or their next prefill chunk.
+           A request that cannot get the block it needs preempts the newest running request
+           (possibly itself) until it can.
+        2. Unless that preempted someone, waiting requests in order while the token budget, the
+           sequence cap and free blocks allow; a prompt larger than the budget left is chunked.
+        """
+        budget = _Budget(self.max_num_batched_tokens, self.max_num_seqs)
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[str] = []
+        self._schedule_running(budget, scheduled, preempted)
+        if not preempted:
+            self._schedule_waiting(budget, scheduled)
+        self.stats.num_steps += 1
+        return SchedulerOutput(scheduled=scheduled, num_batched_tokens=self.max_num_batched_tokens - budget.tokens,
+                               preempted_req_ids=preempted)
+
+    def _schedule_running(self, budget: _Budget, scheduled: list[ScheduledRequest], preempted: list[str]) -> None:
+        i = 0
+        while i < len(self.running) and budget.tokens > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget.tokens)
+            end = request.num_computed_tokens + num_new
+            while not self.block_manager.can_append(request, end):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim.req_id)
+                if victim is request:
+                    break
+            if request.status is not RequestStatus.RUNNING:
+                break  # it preempted itself: everything after it is gone too
+            self.block_manager.append_slots(request, end)
+            scheduled.append(self._plan_entry(request, num_new))
+            budget.tokens -= num_new
+            budget.seqs -= 1
+            i += 1
+
+    def _schedule_waiting(self, budget: _Budget, scheduled: list[ScheduledRequest]) -> None:
+        bm = self.block_manager
+        while self.waiting and budget.tokens > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            cached = bm.find_cached_prefix(request)
+            num_cached = len(cached) * bm.block_size
+            num_new = min(request.num_tokens - num_cached, budget.tokens)
+            if not bm.can_allocate(cached, num_cached + num_new):
+                break
+            self.waiting.popleft()
+            bm.allocate(request, cached, num_cached + num_new)
+            if request.status is RequestStatus.WAITING:  # first admission, not a readmission
+                self.stats.num_prefix_queries += request.num_prompt_tokens
+                self.stats.num_prefix_hits += num_cached
+                self.stats.num_cached_prompt_tokens += num_cached
+                request.num_cached_tokens = num_cached
+                request.first_scheduled_time = self.clock()
+            request.num_computed_tokens = num_cached
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append(self._plan_entry(request, num_new))
+            budget.tokens -= num_new
+            budget.seqs -= 1
+
+    def _plan_entry(self, request: Request, num_new: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        end = start + num_new
+        if start < request.num_prompt_tokens:
+            self.stats.num_computed_prompt_tokens += min(end, request.num_prompt_tokens) - start
+        return ScheduledRequest(
+            req_id=request.req_id,
+            token_ids=tuple(request.token_ids[start:end]),
+            start_pos=start,
+            block_ids=tuple(request.block_ids),
+            sample=end == request.num_tokens,
+            sampling=request.sampling,
+            num_output_tokens=request.num_output_tokens,
+        )
+
+    def _preempt(self, request: Request) -> None:
+        """Preemption by recompute: give back every block, go to the front of WAITING."""
+        assert request.status is RequestStatus.RUNNING, request
+        self.running.remove(request)
+        self.block_manager.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+        self.stats.num_preemptions += 1
+
+    # -- after the forward pass ----------------------------------------------------------------
+
+    def update_from_output(self, plan: SchedulerOutput, result: RunnerOutput) -> list[Request]:
+        """Advance every scheduled request; append sampled tokens; return those that finished."""
+        finished: list[Request] = []
+        now = self.clock()
+        for entry in plan.scheduled:
+            request = self.requests.get(entry.req_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue  # aborted meanwhile
+            request.num_computed_tokens += entry.num_tokens
+            self.block_manager.cache_full_blocks(request)
+            if not entry.sample:
+                continue
+            request.token_ids.append(result.sampled_token_ids[entry.req_id])
+            if request.first_token_time is None:
+                request.first_token_time = now
+            reason = check_token_stop(request, self.eos_token_ids)
+            if reason is not None:
+                self.finish_request(request, reason)
+                finished.append(request)
+        return finished
+
+    def finish_request(self, request: Request, reason: FinishReason) -> None:
+        """Finish (or abort) a request wherever it is, freeing its blocks at once."""
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.block_manager.free(request)
+        request.finish(reason)
+        request.finish_time = self.clock()
+        del self.requests[request.req_id]
+
+    # -- checks --------------------------------------------------------------------------------
+
+    def check_invariants(self, plan: SchedulerOutput | None = None) -> None:
+        live = self.running + list(self.waiting)
+        self.block_manager.check_invariants(live)
+        assert len(self.running) <= self.max_num_seqs
+        assert len({r.req_id for r in live}) == len(live), "a request is queued twice"
+        for r in self.waiting:
+            assert not r.block_ids, f"waiting {r} holds blocks"
+        for r in self.running:
+            assert r.status is RequestStatus.RUNNING
+            assert len(r.block_ids) * self.block_manager.block_size >= r.num_computed_tokens
+        if plan is not None:
+            assert plan.num_batched_tokens <= self.max_num_batched_tokens
+            assert plan.num_batched_tokens == sum(e.num_tokens for e in plan.scheduled)
+            assert len(plan.scheduled) <= self.max_num_seqs
