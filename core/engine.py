@@ -77,6 +77,19 @@ class Engine:
         self.runner = ModelRunner(model, self.kv_cache, self.eos_token_ids)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.num_generated_tokens = 0
+        # Seconds per phase of step(); perf_counter is cheap enough to keep always on.
+        self._timings = {"schedule_s": 0.0, "update_s": 0.0, "output_s": 0.0, "step_s": 0.0, "steps": 0}
+
+    def enable_profiling(self) -> None:
+        """Also split the runner's time into prepare / forward / sample (waits for the device)."""
+        self.runner.enable_profiling()
+
+    def profile(self) -> dict[str, float]:
+        """Seconds spent per phase of `step()` (schedule, prepare, forward, sample, update, output)."""
+        t = self._timings
+        out = {"schedule_s": t["schedule_s"], **(self.runner.timings or {}), "update_s": t["update_s"],
+               "output_s": t["output_s"], "step_s": t["step_s"], "steps": t["steps"]}
+        return out
 
     @classmethod
     def from_pretrained(cls, model: str, config: EngineConfig = EngineConfig()) -> "Engine":
@@ -114,15 +127,27 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Run one iteration; return the requests that finished in it."""
+        t0 = time.perf_counter()
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
+        t1 = time.perf_counter()
         result = self.runner.execute(plan)
+        t2 = time.perf_counter()
         self.num_generated_tokens += len(result.sampled_token_ids)
         finished = self.scheduler.update_from_output(plan, result)
         if self._detokenizers:
             finished += self._check_stop_strings(result.sampled_token_ids, finished)
-        return [self._output(r) for r in finished]
+        t3 = time.perf_counter()
+        outputs = [self._output(r) for r in finished]
+        t4 = time.perf_counter()
+        t = self._timings
+        t["schedule_s"] += t1 - t0
+        t["update_s"] += t3 - t2
+        t["output_s"] += t4 - t3
+        t["step_s"] += t4 - t0
+        t["steps"] += 1
+        return outputs
 
     def _check_stop_strings(self, sampled: dict[str, int], already: list[Request]) -> list[Request]:
         done = {r.req_id for r in already}

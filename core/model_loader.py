@@ -181,3 +181,26 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     plain.generation_config = quantized.generation_config
     plain.save_pretrained(out)
     tokenizer.save_pretrained(out)
+
+
+def load_tokenizer(model: str = DEFAULT_MODEL):
+    """(tokenizer, context length) without loading the weights: for `conveyor validate`."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    gguf_file = None
+    if model in EMBEDDED_MODELS:
+        path = str(ensure_embedded(model))
+    elif model.endswith(".gguf"):
+        p = Path(model)
+        if not p.is_file():
+            raise ModelLoadError(f"--model {model}: no such file")
+        path, gguf_file = str(p.parent), p.name
+    else:
+        path = model
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, gguf_file=gguf_file)
+        config = AutoConfig.from_pretrained(path, gguf_file=gguf_file)
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelLoadError(f"--model {model}: could not load its tokenizer ({first})") from e
+    return tokenizer, int(getattr(config, "max_position_embeddings", 1 << 30))

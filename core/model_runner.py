@@ -5,6 +5,7 @@ Receives a built model and plain plan data; never a path, a record or a Request.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Collection
 
 import torch
@@ -22,12 +23,28 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         self.device = next(model.parameters()).device
         self.sampler = Sampler(eos_token_ids)
+        self.timings: dict[str, float] | None = None  # seconds per phase, when profiling
+
+    def enable_profiling(self) -> None:
+        self.timings = {"prepare_s": 0.0, "forward_s": 0.0, "sample_s": 0.0}
+
+    def _tick(self, key: str, since: float) -> float:
+        """Charge the time since `since` to `key`; waits for the device so the split is honest."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        self.timings[key] += now - since
+        return now
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         if plan.is_empty:
             return RunnerOutput(sampled_token_ids={})
+        profiling = self.timings is not None
+        t = time.perf_counter() if profiling else 0.0
         input_ids, positions, batch, sample_rows = self._prepare(plan.scheduled)
+        if profiling:
+            t = self._tick("prepare_s", t)
         out = self.model(
             input_ids=input_ids.unsqueeze(0),
             position_ids=positions.unsqueeze(0),
@@ -35,8 +52,12 @@ class ModelRunner:
             logits_to_keep=sample_rows,
             conveyor_batch=batch,
         )
+        if profiling:
+            t = self._tick("forward_s", t)
         sampled_entries = [e for e in plan.scheduled if e.sample]
         token_ids = self.sampler(out.logits[0], sampled_entries)
+        if profiling:
+            self._tick("sample_s", t)
         return RunnerOutput(sampled_token_ids={e.req_id: t for e, t in zip(sampled_entries, token_ids)})
 
     def _prepare(self, entries: list[ScheduledRequest]):

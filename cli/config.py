@@ -1,0 +1,181 @@
+"""Run configuration: a YAML config file merged with command-line flags into a frozen RunConfig.
+
+Precedence: a flag given on the command line > the value in the `--config` file > the default
+below. Config keys are option names (`max_tokens` or `max-tokens`); an unknown key is an error
+that names the key and the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from conveyor.cli.exit_codes import UsageError
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    input: str
+    output: str
+    model: str = "smollm2-135m-instruct"
+    dtype: str = "auto"
+    device: str = "auto"
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    system_prompt: str | None = None
+    prompt_field: str = "prompt"
+    messages_field: str = "messages"
+    id_field: str = "id"
+    keep_fields: tuple[str, ...] = ()
+    input_format: str | None = None
+    output_format: str | None = None
+    split: str | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    num_kv_blocks: int | None = None
+    kv_cache_memory: str = "2GiB"
+    block_size: int = 16
+    limit: int | None = None
+    on_error: str = "record"
+    quiet: bool = False
+    summary_json: str | None = None
+    run_dir: str | None = None
+    checkpoint_every: int | None = None
+    checkpoint_seconds: float = 30.0
+    max_runtime: float | None = None  # seconds
+    restart: bool = False
+    profile: bool = False
+    log_every: float = 10.0  # seconds between plain progress lines without a TTY
+
+    def generation_config(self) -> dict[str, Any]:
+        """What decides the output rows: a change of any of these under a run directory is drift."""
+        keys = ("dtype", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "ignore_eos",
+                "min_tokens", "system_prompt", "prompt_field", "messages_field", "id_field", "keep_fields")
+        out = {k: getattr(self, k) for k in keys}
+        out["stop"] = list(self.stop)
+        out["keep_fields"] = list(self.keep_fields)
+        return out
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(RunConfig)}
+_FILE_KEYS = set(FIELDS) - {"input", "output", "restart"}
+_CHOICES = {
+    "dtype": ("auto", "float32", "bfloat16", "float16"),
+    "on_error": ("record", "skip", "fail"),
+    "input_format": (None, "jsonl", "json", "parquet", "csv", "datasets"),
+    "output_format": (None, "parquet", "jsonl", "openai-batch"),
+}
+
+
+def option_name(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+def load_config_file(path: str) -> dict[str, Any]:
+    import yaml
+
+    p = Path(path)
+    if not p.is_file():
+        raise UsageError(f"--config {path}: no such file")
+    try:
+        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise UsageError(f"--config {path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UsageError(f"--config {path}: expected a mapping of option: value, got {type(data).__name__}")
+    out = {}
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        if name not in _FILE_KEYS:
+            raise UsageError(f"--config {path}: unknown key {key!r}; keys are option names such as max_tokens")
+        out[name] = value
+    return out
+
+
+def parse_duration(text: str | float | int, option: str = "--max-runtime") -> float:
+    """'50m' -> 3000.0; '2h' -> 7200.0; '90s' or '90' -> 90.0; '1h30m' works too."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        seconds = float(text)
+    else:
+        import re
+
+        s = str(text).strip().lower()
+        parts = re.findall(r"(\d+(?:\.\d+)?)\s*([hms]?)", s)
+        if not s or "".join(n + u for n, u in parts) != s.replace(" ", ""):
+            raise UsageError(f"{option}: cannot read {text!r}; write it like 50m, 2h, 1h30m or 90s")
+        scale = {"h": 3600, "m": 60, "s": 1, "": 1}
+        seconds = sum(float(n) * scale[u] for n, u in parts)
+    if seconds <= 0:
+        raise UsageError(f"{option}: must be positive, got {text!r}")
+    return seconds
+
+
+def build_config(flags: dict[str, Any], config_path: str | None) -> RunConfig:
+    """Merge file and flags (flags that are None were not given) into a validated RunConfig."""
+    values: dict[str, Any] = load_config_file(config_path) if config_path else {}
+    values.update({k: v for k, v in flags.items() if v is not None and not (isinstance(v, (list, tuple)) and not v)})
+    for key in ("stop", "keep_fields"):
+        if key in values:
+            values[key] = _as_str_tuple(key, values[key])
+    if "max_runtime" in values and values["max_runtime"] is not None:
+        values["max_runtime"] = parse_duration(values["max_runtime"])
+    for key, choices in _CHOICES.items():
+        if key in values and values[key] not in choices:
+            allowed = ", ".join(c for c in choices if c)
+            raise UsageError(f"{option_name(key)}: {values[key]!r} is not one of {allowed}")
+    _check_types(values)
+    return RunConfig(**values)
+
+
+def _as_str_tuple(key: str, value: Any) -> tuple[str, ...]:
+    if isinstance(value, str):
+        items = [value] if key == "stop" else [v.strip() for v in value.split(",") if v.strip()]
+    elif isinstance(value, (list, tuple)):
+        items = []
+        for v in value:
+            if not isinstance(v, str):
+                raise UsageError(f"{option_name(key)}: expected strings, got {v!r}")
+            items.extend([v] if key == "stop" else [s.strip() for s in v.split(",") if s.strip()])
+    else:
+        raise UsageError(f"{option_name(key)}: expected a string or a list of strings, got {value!r}")
+    return tuple(items)
+
+
+_INT_KEYS = {"max_tokens", "top_k", "seed", "min_tokens", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks",
+             "block_size", "limit", "checkpoint_every"}
+_FLOAT_KEYS = {"temperature", "top_p", "min_p", "checkpoint_seconds", "log_every"}
+_BOOL_KEYS = {"ignore_eos", "quiet", "restart", "profile"}
+_POSITIVE = {"max_tokens", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "block_size",
+             "checkpoint_every", "checkpoint_seconds", "log_every"}
+
+
+def _check_types(values: dict[str, Any]) -> None:
+    for key, value in values.items():
+        if value is None:
+            continue
+        opt = option_name(key)
+        if key in _INT_KEYS and (isinstance(value, bool) or not isinstance(value, int)):
+            raise UsageError(f"{opt}: expected an integer, got {value!r}")
+        if key in _FLOAT_KEYS:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise UsageError(f"{opt}: expected a number, got {value!r}")
+            values[key] = float(value)
+        if key in _BOOL_KEYS and not isinstance(value, bool):
+            raise UsageError(f"{opt}: expected true or false, got {value!r}")
+        if key in _POSITIVE and values[key] <= 0:
+            raise UsageError(f"{opt}: must be positive, got {value!r}")
+        if key == "limit" and value < 0:
+            raise UsageError(f"{opt}: must be >= 0, got {value!r}")
+    if "block_size" in values and values["block_size"] not in (1, 2, 4, 8, 16, 32, 64, 128):
+        raise UsageError(f"--block-size: must be a power of two up to 128, got {values['block_size']!r}")

@@ -1,0 +1,83 @@
+"""Annotated option aliases shared by the commands. Every default is None: "not given on the
+command line", so a config file value or RunConfig's default applies (see cli/config.py)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+GEN = "Generation"
+ENG = "Engine"
+DATA = "Input and output"
+RUN = "Run control"
+
+InputArg = Annotated[str, typer.Argument(help="Prompts: .jsonl, .jsonl.gz, .json, .parquet, .csv, a datasets "
+                                              "folder, a hub dataset name (with --split), or - for stdin.")]
+OutputOpt = Annotated[str, typer.Option("--output", "-o", help="Output file: .parquet or .jsonl.")]
+ConfigOpt = Annotated[Optional[str], typer.Option("--config", "-c", help="YAML file of options; flags override it.")]
+
+ModelOpt = Annotated[Optional[str], typer.Option(help="Embedded model name, local HF folder, .gguf file or hub id. "
+                                                      "[default: smollm2-135m-instruct]", rich_help_panel=ENG)]
+DtypeOpt = Annotated[Optional[str], typer.Option(help="auto, float32, bfloat16 or float16. [default: auto]",
+                                                 rich_help_panel=ENG)]
+DeviceOpt = Annotated[Optional[str], typer.Option(help="auto, cpu, cuda or cuda:N. [default: auto]",
+                                                  rich_help_panel=ENG)]
+MaxTokensOpt = Annotated[Optional[int], typer.Option(help="Most tokens to generate per record. [default: 256]",
+                                                     rich_help_panel=GEN)]
+TemperatureOpt = Annotated[Optional[float], typer.Option(help="0 = greedy. [default: 1.0]", rich_help_panel=GEN)]
+TopPOpt = Annotated[Optional[float], typer.Option(help="Nucleus sampling mass in (0, 1]. [default: 1.0]",
+                                                  rich_help_panel=GEN)]
+TopKOpt = Annotated[Optional[int], typer.Option(help="Keep the k most likely tokens; 0 = off. [default: 0]",
+                                                rich_help_panel=GEN)]
+MinPOpt = Annotated[Optional[float], typer.Option(help="Drop tokens below min_p x the top probability. [default: 0]",
+                                                  rich_help_panel=GEN)]
+SeedOpt = Annotated[Optional[int], typer.Option(help="Run seed; each record's seed derives from it and the record's "
+                                                     "id. [default: 0]", rich_help_panel=GEN)]
+StopOpt = Annotated[Optional[list[str]], typer.Option(help="Stop string (repeatable).", rich_help_panel=GEN)]
+IgnoreEosOpt = Annotated[Optional[bool], typer.Option("--ignore-eos/--no-ignore-eos",
+                                                      help="Keep generating past EOS.", rich_help_panel=GEN)]
+MinTokensOpt = Annotated[Optional[int], typer.Option(help="Generate at least this many tokens. [default: 0]",
+                                                     rich_help_panel=GEN)]
+SystemPromptOpt = Annotated[Optional[str], typer.Option(help="System message for chat records that have none.",
+                                                        rich_help_panel=GEN)]
+PromptFieldOpt = Annotated[Optional[str], typer.Option(help="Field holding a raw prompt. [default: prompt]",
+                                                       rich_help_panel=DATA)]
+MessagesFieldOpt = Annotated[Optional[str], typer.Option(help="Field holding chat messages. [default: messages]",
+                                                         rich_help_panel=DATA)]
+IdFieldOpt = Annotated[Optional[str], typer.Option(help="Field holding the record id. [default: id]",
+                                                   rich_help_panel=DATA)]
+KeepFieldsOpt = Annotated[Optional[str], typer.Option(help="Input fields to copy to the output, e.g. a,b.",
+                                                      rich_help_panel=DATA)]
+InputFormatOpt = Annotated[Optional[str], typer.Option(help="jsonl, json, parquet, csv or datasets "
+                                                            "(default: from the extension).", rich_help_panel=DATA)]
+OutputFormatOpt = Annotated[Optional[str], typer.Option(help="parquet, jsonl or openai-batch "
+                                                             "(default: from the extension).", rich_help_panel=DATA)]
+SplitOpt = Annotated[Optional[str], typer.Option(help="Split of a hub dataset.", rich_help_panel=DATA)]
+LimitOpt = Annotated[Optional[int], typer.Option(help="Only the first N records.", rich_help_panel=DATA)]
+OnErrorOpt = Annotated[Optional[str], typer.Option(help="Bad records: record (error row), skip (no row) or fail "
+                                                        "(stop). [default: record]", rich_help_panel=DATA)]
+MaxNumSeqsOpt = Annotated[Optional[int], typer.Option(help="Requests running at once. [default: 64]",
+                                                      rich_help_panel=ENG)]
+MaxBatchedTokensOpt = Annotated[Optional[int], typer.Option(help="Tokens per forward pass. [default: 2048]",
+                                                            rich_help_panel=ENG)]
+NumKvBlocksOpt = Annotated[Optional[int], typer.Option(help="KV cache size in blocks (overrides "
+                                                            "--kv-cache-memory).", rich_help_panel=ENG)]
+KvMemoryOpt = Annotated[Optional[str], typer.Option(help="KV cache budget, e.g. 2GiB. [default: 2GiB]",
+                                                    rich_help_panel=ENG)]
+BlockSizeOpt = Annotated[Optional[int], typer.Option(help="Tokens per KV block. [default: 16]", rich_help_panel=ENG)]
+QuietOpt = Annotated[Optional[bool], typer.Option("--quiet/--no-quiet", "-q", help="No progress display.",
+                                                  rich_help_panel=RUN)]
+SummaryJsonOpt = Annotated[Optional[str], typer.Option(help="Write the run summary as JSON here.",
+                                                       rich_help_panel=RUN)]
+RunDirOpt = Annotated[Optional[str], typer.Option(help="Run directory (default: <output>.conveyor).",
+                                                  rich_help_panel=RUN)]
+CheckpointEveryOpt = Annotated[Optional[int], typer.Option(help="Commit finished rows every N records "
+                                                                "(besides every 30 s).", rich_help_panel=RUN)]
+MaxRuntimeOpt = Annotated[Optional[str], typer.Option(help="Stop cleanly after this long, e.g. 50m; exit 75.",
+                                                      rich_help_panel=RUN)]
+RestartOpt = Annotated[bool, typer.Option("--restart", help="Discard the run directory's state and start over.",
+                                          rich_help_panel=RUN)]
+ProfileOpt = Annotated[Optional[bool], typer.Option("--profile/--no-profile",
+                                                    help="Print where step time goes.", rich_help_panel=RUN)]
+DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks.", rich_help_panel=RUN)]

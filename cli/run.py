@@ -1,0 +1,165 @@
+"""`conveyor run`: options -> RunConfig -> Pipeline -> summary -> ExitCode."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from conveyor.cli.config import RunConfig, build_config
+from conveyor.cli.exit_codes import ExitCode
+from conveyor.cli.options import (BlockSizeOpt, CheckpointEveryOpt, ConfigOpt, DeviceOpt, DtypeOpt, IdFieldOpt,
+                                  IgnoreEosOpt, InputArg, InputFormatOpt, KeepFieldsOpt, KvMemoryOpt, LimitOpt,
+                                  MaxBatchedTokensOpt, MaxNumSeqsOpt, MaxRuntimeOpt, MaxTokensOpt, MessagesFieldOpt,
+                                  MinPOpt, MinTokensOpt, ModelOpt, NumKvBlocksOpt, OnErrorOpt, OutputFormatOpt,
+                                  OutputOpt, ProfileOpt, PromptFieldOpt, QuietOpt, RestartOpt, RunDirOpt, SeedOpt,
+                                  SplitOpt, StopOpt, SummaryJsonOpt, SystemPromptOpt, TemperatureOpt, TopKOpt,
+                                  TopPOpt)
+
+EXAMPLES = """
+Examples:
+
+  conveyor run prompts.jsonl -o answers.parquet
+
+  conveyor run prompts.jsonl -o answers.jsonl --temperature 0 --max-tokens 64
+
+  conveyor run data.parquet -o out.parquet --prompt-field question --keep-fields topic,source
+
+  conveyor run batch.jsonl -o results.jsonl --output-format openai-batch
+
+  conveyor run big.jsonl -o out.parquet --max-runtime 50m --quiet   # from cron; rerun to resume
+
+  conveyor run prompts.jsonl -o out.parquet --config configs/greedy-eval.yaml --max-tokens 32
+"""
+
+
+def run_command(
+    input: InputArg,
+    output: OutputOpt,
+    config: ConfigOpt = None,
+    model: ModelOpt = None,
+    dtype: DtypeOpt = None,
+    device: DeviceOpt = None,
+    max_tokens: MaxTokensOpt = None,
+    temperature: TemperatureOpt = None,
+    top_p: TopPOpt = None,
+    top_k: TopKOpt = None,
+    min_p: MinPOpt = None,
+    seed: SeedOpt = None,
+    stop: StopOpt = None,
+    ignore_eos: IgnoreEosOpt = None,
+    min_tokens: MinTokensOpt = None,
+    system_prompt: SystemPromptOpt = None,
+    prompt_field: PromptFieldOpt = None,
+    messages_field: MessagesFieldOpt = None,
+    id_field: IdFieldOpt = None,
+    keep_fields: KeepFieldsOpt = None,
+    input_format: InputFormatOpt = None,
+    output_format: OutputFormatOpt = None,
+    split: SplitOpt = None,
+    limit: LimitOpt = None,
+    on_error: OnErrorOpt = None,
+    max_num_seqs: MaxNumSeqsOpt = None,
+    max_num_batched_tokens: MaxBatchedTokensOpt = None,
+    num_kv_blocks: NumKvBlocksOpt = None,
+    kv_cache_memory: KvMemoryOpt = None,
+    block_size: BlockSizeOpt = None,
+    quiet: QuietOpt = None,
+    summary_json: SummaryJsonOpt = None,
+    run_dir: RunDirOpt = None,
+    checkpoint_every: CheckpointEveryOpt = None,
+    max_runtime: MaxRuntimeOpt = None,
+    restart: RestartOpt = False,
+    profile: ProfileOpt = None,
+) -> int:
+    """Generate a completion for every record of INPUT into OUTPUT; resumable: rerun to continue."""
+    flags = dict(locals())
+    config_path = flags.pop("config")
+    flags["restart"] = restart or None
+    cfg = build_config(flags, config_path)
+    return execute(cfg)
+
+
+def execute(cfg: RunConfig) -> int:
+    from conveyor.cli.pipeline import BadRecordStop, Pipeline
+    from conveyor.cli.progress import make_progress
+
+    _quiet_libraries()
+    progress = make_progress(cfg.quiet, cfg.log_every)
+    pipeline = Pipeline(cfg, on_progress=progress.update)
+    try:
+        pipeline.prepare()
+        if not cfg.quiet:
+            _note_resume(pipeline)
+        pipeline.load_engine()
+        try:
+            with progress:
+                result = pipeline.run()
+                progress.update(pipeline, force=True)
+        except BadRecordStop as e:
+            sys.stderr.write(f"conveyor: {e}\nconveyor: stopped at the first bad record (--on-error fail); "
+                             "fix the input, or use --on-error record, and run again\n")
+            return int(ExitCode.SOME_ERRORS)
+    finally:
+        pipeline.close()
+    summary = result.summary()
+    _print_summary(summary, result.message)
+    if result.profile:
+        _print_profile(result.profile)
+    if cfg.summary_json:
+        Path(cfg.summary_json).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    if result.exit_code in (ExitCode.OK, ExitCode.SOME_ERRORS) and not cfg.quiet:
+        sys.stderr.write(f"conveyor: wrote {cfg.output}\n")
+    return int(result.exit_code)
+
+
+def _note_resume(pipeline) -> None:
+    t = pipeline.totals
+    if t.resumed_from:
+        sys.stderr.write(f"conveyor: resuming: {t.resumed_from} records already done\n")
+
+
+def _quiet_libraries() -> None:
+    import os
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        import transformers
+
+        transformers.utils.logging.set_verbosity_error()
+        transformers.utils.logging.disable_progress_bar()
+    except Exception:  # pragma: no cover - a broken transformers install shows itself at load time
+        pass
+
+
+def _print_summary(summary: dict, message: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="conveyor run summary", show_header=False, title_justify="left")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    rows = [
+        ("records", summary["records"]), ("ok", summary["ok"]), ("errors", summary["errors"]),
+        ("prompt tokens", summary["prompt_tokens"]), ("completion tokens", summary["completion_tokens"]),
+        ("model load", f"{summary['load_s']:.1f} s"), ("generation", f"{summary['elapsed_s']:.1f} s"),
+        ("output tokens/s", f"{summary['output_tokens_per_s']:.1f}"), ("preemptions", summary["preemptions"]),
+        ("prefix-cache hit rate", f"{summary['prefix_cache_hit_rate']:.1%}"),
+    ]
+    if summary["resumed_from"]:
+        rows.append(("resumed from", summary["resumed_from"]))
+    for name, value in rows:
+        table.add_row(name, str(value))
+    console = Console(file=sys.stdout, width=max(60, Console().width if sys.stdout.isatty() else 80))
+    console.print(table)
+    if message:
+        sys.stderr.write(f"conveyor: {message}\n")
+
+
+def _print_profile(profile: dict) -> None:
+    total = profile.get("step_s", 0.0) or 1e-9
+    sys.stdout.write("step time breakdown:\n")
+    for key, value in profile.items():
+        if key.endswith("_s") and key != "step_s":
+            sys.stdout.write(f"  {key[:-2]:<12} {value:9.3f} s  {value / total:6.1%}\n")
+    sys.stdout.write(f"  {'total':<12} {total:9.3f} s over {int(profile.get('steps', 0))} steps\n")

@@ -1,0 +1,23 @@
+"""`run.json` in the run directory: the record total and the command line, for `conveyor status`."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+from pathlib import Path
+
+
+def write_run_info(run_dir: Path, total: int | None) -> None:
+    info = {"total": total, "command": shlex.join(["conveyor", *sys.argv[1:]]) if sys.argv[1:] else None}
+    tmp = Path(run_dir) / f".run.json.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps(info) + "\n", encoding="utf-8")
+    os.replace(tmp, Path(run_dir) / "run.json")
+
+
+def read_run_info(run_dir: Path) -> dict:
+    try:
+        return json.loads((Path(run_dir) / "run.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
