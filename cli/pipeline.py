@@ -22,7 +22,7 @@ from conveyor.io.journal import Journal
 from conveyor.io.readers import RawRecord, fingerprint, open_reader
 from conveyor.io.request_builder import BuildOptions, BuiltRequest, ErrorRow, RequestBuilder
 from conveyor.io.run_dir import Manifest, RunDir
-from conveyor.io.writers import OUTPUT_COLUMNS, infer_output_format, write_output
+from conveyor.io.writers import KIND_KEY, check_keep_fields, infer_output_format, write_output
 
 TOOL_VERSION = "0.1.0"
 
@@ -99,15 +99,15 @@ def _manifest(cfg: RunConfig, output_format: str) -> Manifest:
 
 def error_row(e: ErrorRow) -> dict[str, Any]:
     return {"id": e.id, "index": e.index, "status": "error", "output": None, "finish_reason": None,
-            "prompt_tokens": None, "completion_tokens": 0, "error": e.error, "seed": e.seed,
-            "queue_s": None, "ttft_s": None, "latency_s": None, "kind": None, **e.kept}
+            "prompt_tokens": e.prompt_tokens, "completion_tokens": 0, "error": e.error, "seed": e.seed,
+            "queue_s": None, "ttft_s": None, "latency_s": None, KIND_KEY: None, **e.kept}
 
 
 def ok_row(b: BuiltRequest, out: RequestOutput) -> dict[str, Any]:
     return {"id": b.id, "index": b.index, "status": "ok", "output": out.text, "finish_reason": out.finish_reason,
             "prompt_tokens": out.num_prompt_tokens, "completion_tokens": out.num_output_tokens, "error": None,
             "seed": b.sampling.seed, "queue_s": round(out.queue_s, 6), "ttft_s": round(out.ttft_s, 6),
-            "latency_s": round(out.latency_s, 6), "kind": b.kind, **b.kept}
+            "latency_s": round(out.latency_s, 6), KIND_KEY: b.kind, **b.kept}
 
 
 class Pipeline:
@@ -130,9 +130,10 @@ class Pipeline:
             self.output_format = infer_output_format(cfg.output, cfg.output_format)
         except ValueError as e:
             raise UsageError(str(e)) from None
-        clash = set(cfg.keep_fields) & set(OUTPUT_COLUMNS)
-        if clash:
-            raise UsageError(f"--keep-fields: {sorted(clash)} would overwrite output columns; keep other fields")
+        try:
+            check_keep_fields(cfg.keep_fields)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
         self.defaults = _sampling_defaults(cfg)
         self.reader = open_reader(cfg.input, cfg.input_format, cfg.split)
         self.run_dir = RunDir(cfg.run_dir or RunDir.default_for(cfg.output))

@@ -22,8 +22,9 @@ def _fmt_eta(seconds: float | None) -> str:
 def _snapshot(pipeline) -> dict[str, Any]:
     t = pipeline.totals
     stats = pipeline.engine.stats() if pipeline.engine else None
-    elapsed = t.elapsed_s if t.last_finish else (time.monotonic() - t.first_admit if t.first_admit else 0.0)
-    rate = t.new_completion_tokens / elapsed if elapsed > 0 else 0.0
+    elapsed = time.monotonic() - t.first_admit if t.first_admit else 0.0
+    generated = pipeline.engine.num_generated_tokens if pipeline.engine else 0
+    rate = generated / elapsed if elapsed > 0 else 0.0
     new_rows = t.done - t.resumed_from
     eta = None
     if t.total is not None and new_rows > 0 and elapsed > 0:

@@ -21,11 +21,13 @@ def show_status(output: str, run_dir: str | None) -> int:
     info.update(read_run_info(rd.path))
     out = sys.stdout
     total = info.get("total")
-    done = info.get("committed", 0)
+    done = info.get("num_committed", 0)
     out.write(f"run directory: {rd.path}\n")
+    if info.get("journal_error"):
+        out.write(f"journal: {info['journal_error']}\n")
     if info.get("input_path"):
         out.write(f"input:  {info['input_path']}\nmodel:  {info.get('model')}\n")
-    out.write(f"done:   {done}" + (f" / {total}" if total is not None else "") + f"  (errors {info.get('errors', 0)})\n")
+    out.write(f"done:   {done}" + (f" / {total}" if total is not None else "") + f"  (errors {info.get('num_errors', 0)})\n")
     last = info.get("last_commit_time")
     out.write("last checkpoint: " + (time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(last)) if last else "none")
               + "\n")

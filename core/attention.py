@@ -1,9 +1,13 @@
 """(torch) Paged attention, registered with transformers' AttentionInterface as "conveyor_paged".
 
 The model runs one flat batch [1, num_tokens] per step. For each layer this function writes the
-step's new K/V into the paged pool, then attends every request's query tokens to that request's
-cached K/V with the right causal offset. Per-step index tensors come in `PagedBatch`, passed as a
-keyword argument through the unmodified model's forward.
+step's new K/V into the paged pool, then attends every query token to its own request's cached
+K/V with the right causal offset:
+- a fresh prefill chunk (nothing cached before it) attends within itself: one causal SDPA call;
+- every other row (decodes, later prefill chunks) goes to the C++ kernel, which reads K/V in place
+  from the pool; without the kernel, those rows gather K/V into padded tensors for SDPA instead.
+Per-step index tensors come in `PagedBatch`, passed as a keyword argument through the unmodified
+model's forward.
 """
 
 from __future__ import annotations
@@ -17,12 +21,17 @@ ATTN_IMPLEMENTATION = "conveyor_paged"
 
 
 @dataclass
-class PrefillChunk:
-    q_start: int  # first query row of this chunk in the flat batch
-    q_end: int  # one past its last row
-    start_pos: int  # position of the first query token (tokens before it are cached)
-    ctx_slots: torch.Tensor | None  # [start_pos + chunk] slots to gather, or None when start_pos == 0
-    mask: torch.Tensor | None  # [chunk, start_pos + chunk] bool, True = attend; None = plain causal
+class GatheredRows:
+    """Fallback without the kernel: K/V gathered from the pool into padded tensors for SDPA.
+
+    Either n one-token queries (decodes: mask [n, 1, 1, L]) or one prefill chunk continuing a
+    cached prefix (rows [start, end), slots [1, L], mask [1, 1, n, L]).
+    """
+
+    rows: torch.Tensor | slice  # rows of the flat batch
+    slots: torch.Tensor  # [b, L] pool slots to gather (padded with slot 0)
+    mask: torch.Tensor  # bool, True = attend
+    is_decode: bool
 
 
 @dataclass
@@ -31,11 +40,15 @@ class PagedBatch:
 
     kv_cache: list[torch.Tensor]  # per layer [num_slots, 2 * num_kv_heads, head_dim]
     slot_mapping: torch.Tensor  # [num_tokens] where each new token's K/V goes
-    decode_rows: torch.Tensor | None  # [num_decodes] rows of the flat batch holding one-token queries
-    decode_slots: torch.Tensor | None  # [num_decodes, max_ctx] slots each decode attends to (padded)
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_ctx] bool, False on padding
-    prefills: list[PrefillChunk]
-    is_all_decode: bool  # every row is a decode: skip the scatter back
+    block_size: int
+    fresh_chunks: list[tuple[int, int]]  # [start, end) rows of prefill chunks with nothing cached
+    paged_rows: torch.Tensor | None  # rows attending through the pool; None = every row does
+    has_paged_rows: bool
+    tables: torch.Tensor | None  # [num_requests, max_blocks] block tables (kernel path)
+    token_req: torch.Tensor | None  # [num_paged_rows] index into tables
+    token_ctx: torch.Tensor | None  # [num_paged_rows] keys each row sees (its position + 1)
+    gathered: list[GatheredRows]  # used instead of the three above when the kernel is unavailable
+    kernel: object | None  # the compiled op, or None
 
 
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -50,38 +63,43 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     # [T, 2 * Hkv, D]: K heads then V heads, as the pool stores them.
     new_kv = torch.cat((key[0], value[0]), dim=0).transpose(0, 1)
     cache.index_copy_(0, batch.slot_mapping, new_kv.to(cache.dtype))
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
 
     q = query[0].transpose(0, 1)  # [T, H, D]
-    if batch.is_all_decode:
-        out = _decode(q, cache, batch, num_kv_heads, scaling)
-        return out.unsqueeze(0), None
+    if batch.kernel is not None and batch.has_paged_rows and batch.paged_rows is None:  # all rows paged: one call
+        return _paged(q, cache, batch, num_kv_heads, scale).unsqueeze(0), None
     out = torch.empty_like(q)
-    if batch.decode_rows is not None:
-        out[batch.decode_rows] = _decode(q[batch.decode_rows], cache, batch, num_kv_heads, scaling)
-    for chunk in batch.prefills:
-        qc = q[chunk.q_start:chunk.q_end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-        if chunk.ctx_slots is None:  # nothing cached: attend within the chunk
-            kc = key[:, :, chunk.q_start:chunk.q_end]
-            vc = value[:, :, chunk.q_start:chunk.q_end]
-            o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=scaling, enable_gqa=True)
-        else:
-            kv = cache[chunk.ctx_slots].transpose(0, 1).unsqueeze(0)  # [1, 2Hkv, L, D]
-            kc, vc = kv[:, :num_kv_heads], kv[:, num_kv_heads:]
-            o = F.scaled_dot_product_attention(qc.to(kc.dtype), kc, vc, attn_mask=chunk.mask, scale=scaling,
-                                               enable_gqa=True)
-        out[chunk.q_start:chunk.q_end] = o[0].transpose(0, 1).to(out.dtype)
+    if batch.kernel is not None and batch.has_paged_rows:
+        out[batch.paged_rows] = _paged(q[batch.paged_rows], cache, batch, num_kv_heads, scale)
+    for g in batch.gathered:
+        out[g.rows] = _gathered(q[g.rows], cache, g, num_kv_heads, scale)
+    for start, end in batch.fresh_chunks:
+        qc = query[:, :, start:end]  # [1, H, n, D]
+        o = F.scaled_dot_product_attention(qc, key[:, :, start:end], value[:, :, start:end], is_causal=True,
+                                           scale=scale, enable_gqa=True)
+        out[start:end] = o[0].transpose(0, 1)
     return out.unsqueeze(0), None
 
 
-def _decode(q: torch.Tensor, cache: torch.Tensor, batch: PagedBatch, num_kv_heads: int,
-            scaling: float | None) -> torch.Tensor:
-    """q [B, H, D] one query per request -> [B, H, D]."""
-    kv = cache[batch.decode_slots]  # [B, L, 2Hkv, D]
-    kv = kv.transpose(1, 2)  # [B, 2Hkv, L, D]
+def _paged(q: torch.Tensor, cache: torch.Tensor, batch: PagedBatch, num_kv_heads: int, scale: float) -> torch.Tensor:
+    """q [n, H, D] -> [n, H, D], each row attending to its request's first token_ctx cached tokens."""
+    q_c = q.to(cache.dtype).contiguous()
+    return batch.kernel(q_c, cache, batch.tables, batch.token_req, batch.token_ctx, batch.block_size,
+                        scale).to(q.dtype)
+
+
+def _gathered(q: torch.Tensor, cache: torch.Tensor, g: GatheredRows, num_kv_heads: int,
+              scale: float) -> torch.Tensor:
+    """Fallback: q [n, H, D] -> [n, H, D] via a padded gather and one SDPA call."""
+    kv = cache[g.slots].transpose(1, 2)  # [b, 2Hkv, L, D]
     k, v = kv[:, :num_kv_heads], kv[:, num_kv_heads:]
-    o = F.scaled_dot_product_attention(q.unsqueeze(2).to(k.dtype), k, v, attn_mask=batch.decode_mask,
-                                       scale=scaling, enable_gqa=True)  # [B, H, 1, D]
-    return o.squeeze(2).to(q.dtype)
+    if g.is_decode:
+        qb = q.unsqueeze(2)  # [n, H, 1, D]: one query per request
+    else:
+        qb = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]: one chunk
+    o = F.scaled_dot_product_attention(qb.to(k.dtype), k, v, attn_mask=g.mask, scale=scale, enable_gqa=True)
+    o = o.squeeze(2) if g.is_decode else o[0].transpose(0, 1)
+    return o.to(q.dtype)
 
 
 def _no_mask(*args, **kwargs):

@@ -10,7 +10,8 @@ from collections.abc import Collection
 
 import torch
 
-from conveyor.core.attention import PagedBatch, PrefillChunk
+from conveyor.core.attention import ATTN_IMPLEMENTATION, GatheredRows, PagedBatch
+from conveyor.core.cpu_kernels import paged_attention_op
 from conveyor.core.kv_cache import KVCache
 from conveyor.core.sampler import Sampler
 from conveyor.core.schedule_types import RunnerOutput, ScheduledRequest, SchedulerOutput
@@ -23,6 +24,8 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         self.device = next(model.parameters()).device
         self.sampler = Sampler(eos_token_ids)
+        # The C++ kernel runs on the CPU only; elsewhere (CUDA) the gather fallback is used.
+        self.kernel = paged_attention_op() if self.device.type == "cpu" else None
         self.timings: dict[str, float] | None = None  # seconds per phase, when profiling
 
     def enable_profiling(self) -> None:
@@ -40,6 +43,10 @@ class ModelRunner:
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         if plan.is_empty:
             return RunnerOutput(sampled_token_ids={})
+        impl = getattr(self.model.config, "_attn_implementation", None)
+        if impl != ATTN_IMPLEMENTATION:  # any other attention ignores the paged cache: wrong tokens, silently
+            raise RuntimeError(f"the model's attention implementation is {impl!r}, not {ATTN_IMPLEMENTATION!r}; "
+                               "it was changed after the engine was built")
         profiling = self.timings is not None
         t = time.perf_counter() if profiling else 0.0
         input_ids, positions, batch, sample_rows = self._prepare(plan.scheduled)
@@ -61,72 +68,95 @@ class ModelRunner:
         return RunnerOutput(sampled_token_ids={e.req_id: t for e, t in zip(sampled_entries, token_ids)})
 
     def _prepare(self, entries: list[ScheduledRequest]):
-        """Flatten the step: token ids, positions, slot mapping, decode and prefill index tensors."""
+        """Flatten the step: token ids, positions, slot mapping and the attention's index tensors."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         sample_rows: list[int] = []
-        decode_rows: list[int] = []
-        decode_tables: list[tuple[int, ...]] = []
-        decode_lens: list[int] = []
-        prefill_specs: list[tuple[int, int, ScheduledRequest]] = []
+        fresh_chunks: list[tuple[int, int]] = []
+        paged: list[tuple[int, ScheduledRequest]] = []  # (first row, entry) attending through the pool
         for e in entries:
             row = len(input_ids)
             input_ids.extend(e.token_ids)
             pos = range(e.start_pos, e.start_pos + e.num_tokens)
             positions.extend(pos)
             table = e.block_ids
-            slots.extend(table[p // bs] * bs + p % bs for p in pos)
+            slots.extend([table[p // bs] * bs + p % bs for p in pos])
             if e.sample:
                 sample_rows.append(row + e.num_tokens - 1)
-            if e.num_tokens == 1:
-                decode_rows.append(row)
-                decode_tables.append(table)
-                decode_lens.append(e.context_len)
+            if e.start_pos == 0 and e.num_tokens > 1:
+                fresh_chunks.append((row, row + e.num_tokens))
             else:
-                prefill_specs.append((row, row + e.num_tokens, e))
+                paged.append((row, e))
         dev = self.device
-        slot_mapping = torch.tensor(slots, dtype=torch.long, device=dev)
-        decode = self._decode_tensors(decode_tables, decode_lens) if decode_rows else (None, None)
-        prefills = [self._prefill_chunk(start, end, e) for start, end, e in prefill_specs]
         batch = PagedBatch(
             kv_cache=self.kv_cache.layers,
-            slot_mapping=slot_mapping,
-            decode_rows=torch.tensor(decode_rows, dtype=torch.long, device=dev) if decode_rows else None,
-            decode_slots=decode[0],
-            decode_mask=decode[1],
-            prefills=prefills,
-            is_all_decode=not prefill_specs,
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            block_size=bs,
+            fresh_chunks=fresh_chunks,
+            paged_rows=None,
+            has_paged_rows=bool(paged),
+            tables=None, token_req=None, token_ctx=None,
+            gathered=[],
+            kernel=self.kernel,
         )
+        if paged:
+            if self.kernel is not None:
+                self._kernel_tensors(batch, paged, all_rows=not fresh_chunks)
+            else:
+                batch.gathered = self._gathered_tensors(paged)
         return (torch.tensor(input_ids, dtype=torch.long, device=dev),
                 torch.tensor(positions, dtype=torch.long, device=dev),
                 batch,
                 torch.tensor(sample_rows, dtype=torch.long, device=dev))
 
-    def _decode_tensors(self, tables: list[tuple[int, ...]], lens: list[int]):
-        bs = self.block_size
+    def _kernel_tensors(self, batch: PagedBatch, paged: list[tuple[int, ScheduledRequest]], all_rows: bool) -> None:
+        rows: list[int] = []
+        token_req: list[int] = []
+        token_ctx: list[int] = []
+        max_blocks = max(len(e.block_ids) for _, e in paged)
+        tables = []
+        for r, (row, e) in enumerate(paged):
+            n = e.num_tokens
+            rows.extend(range(row, row + n))
+            token_req.extend([r] * n)
+            token_ctx.extend(range(e.start_pos + 1, e.start_pos + n + 1))
+            tables.append(list(e.block_ids) + [0] * (max_blocks - len(e.block_ids)))
         dev = self.device
-        max_len = max(lens)
-        max_blocks = -(-max_len // bs)
-        padded = torch.tensor([t[:max_blocks] + (0,) * (max_blocks - len(t[:max_blocks])) for t in tables],
-                              dtype=torch.long, device=dev)  # [B, max_blocks]
-        offsets = torch.arange(bs, device=dev)
-        slots = (padded.unsqueeze(2) * bs + offsets).reshape(len(tables), max_blocks * bs)[:, :max_len]
-        lens_t = torch.tensor(lens, dtype=torch.long, device=dev)
-        mask = torch.arange(max_len, device=dev).unsqueeze(0) < lens_t.unsqueeze(1)  # [B, max_len]
-        return slots, mask[:, None, None, :]
+        batch.tables = torch.tensor(tables, dtype=torch.long, device=dev)  # [R, max_blocks]
+        batch.token_req = torch.tensor(token_req, dtype=torch.long, device=dev)
+        batch.token_ctx = torch.tensor(token_ctx, dtype=torch.long, device=dev)
+        batch.paged_rows = None if all_rows else torch.tensor(rows, dtype=torch.long, device=dev)
 
-    def _prefill_chunk(self, q_start: int, q_end: int, e: ScheduledRequest) -> PrefillChunk:
-        if e.start_pos == 0:
-            return PrefillChunk(q_start, q_end, 0, None, None)
+    def _gathered_tensors(self, paged: list[tuple[int, ScheduledRequest]]) -> list[GatheredRows]:
+        """Fallback without the kernel: one padded gather for all decodes, one per continuing chunk."""
         bs = self.block_size
         dev = self.device
-        ctx = e.context_len
-        num_blocks = -(-ctx // bs)
-        table = torch.tensor(e.block_ids[:num_blocks], dtype=torch.long, device=dev)
-        ctx_slots = (table.unsqueeze(1) * bs + torch.arange(bs, device=dev)).reshape(-1)[:ctx]
-        # query i sits at position start_pos + i and sees keys [0, start_pos + i]
-        q_pos = torch.arange(e.start_pos, ctx, device=dev).unsqueeze(1)
-        mask = torch.arange(ctx, device=dev).unsqueeze(0) <= q_pos  # [n, ctx]
-        return PrefillChunk(q_start, q_end, e.start_pos, ctx_slots, mask)
+        out = []
+        decodes = [(row, e) for row, e in paged if e.num_tokens == 1]
+        if decodes:
+            lens = [e.context_len for _, e in decodes]
+            slots = self._slots([e.block_ids for _, e in decodes], max(lens))
+            lens_t = torch.tensor(lens, dtype=torch.long, device=dev)
+            mask = torch.arange(max(lens), device=dev).unsqueeze(0) < lens_t.unsqueeze(1)
+            out.append(GatheredRows(torch.tensor([row for row, _ in decodes], dtype=torch.long, device=dev),
+                                    slots, mask[:, None, None, :], is_decode=True))
+        for row, e in paged:
+            if e.num_tokens == 1:
+                continue
+            ctx = e.context_len
+            q_pos = torch.arange(e.start_pos, ctx, device=dev).unsqueeze(1)
+            mask = torch.arange(ctx, device=dev).unsqueeze(0) <= q_pos  # query at p sees keys [0, p]
+            out.append(GatheredRows(slice(row, row + e.num_tokens), self._slots([e.block_ids], ctx),
+                                    mask[None, None], is_decode=False))
+        return out
+
+    def _slots(self, tables: list[tuple[int, ...]], length: int) -> torch.Tensor:
+        """[len(tables), length] pool slots of the first `length` tokens of each table (padded with 0)."""
+        bs = self.block_size
+        num_blocks = -(-length // bs)
+        padded = torch.tensor([list(t[:num_blocks]) + [0] * (num_blocks - len(t[:num_blocks])) for t in tables],
+                              dtype=torch.long, device=self.device)
+        offsets = torch.arange(bs, device=self.device)
+        return (padded.unsqueeze(2) * bs + offsets).reshape(len(tables), num_blocks * bs)[:, :length]

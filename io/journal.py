@@ -1,0 +1,337 @@
+"""Durable journal of committed result rows: what makes a run exactly-once and resumable.
+
+Storage: one embedded SQLite database (`journal.sqlite` in the run directory) in WAL mode with
+`synchronous=FULL`. A commit is one SQLite transaction, so a process killed mid-commit (kill -9,
+the main case) leaves either all of the batch or none of it, and SQLite rolls a torn WAL tail back
+on the next open; FULL fsyncs the WAL on every commit, so a commit that returned also survives a
+power loss (NORMAL would survive kill -9 but may lose the last commits on power loss; commits come
+once per checkpoint interval, so the extra fsync costs nothing that matters). The B-tree keeps
+lookups O(log n) and memory flat at 10 million rows: no id or index set is ever held in Python
+beyond the rows buffered since the last commit. Imports neither torch nor `conveyor.core`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import sqlite3
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+_SCHEMA_VERSION = 1
+_PAGE = 4096  # rows fetched per query when streaming
+
+_SCHEMA = [
+    # idx is the input position and the B-tree key; row is the output row dict as JSON.
+    "CREATE TABLE IF NOT EXISTS rows (idx INTEGER PRIMARY KEY, id TEXT NOT NULL,"
+    " status TEXT NOT NULL, row TEXT NOT NULL)",
+    # The first index of each id: a table rather than UNIQUE(rows.id), because the error row of a
+    # duplicate carries the same id, and an id is claimed when its record is read, before its row
+    # exists. Its primary key is the unique index that makes id look-ups O(log n).
+    "CREATE TABLE IF NOT EXISTS ids (id TEXT PRIMARY KEY, idx INTEGER NOT NULL) WITHOUT ROWID",
+    "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID",
+]
+
+# SQLite primary result codes (sqlite3.h); the extended code's low byte is the primary one.
+_SQLITE_IOERR, _SQLITE_CORRUPT, _SQLITE_FULL, _SQLITE_CANTOPEN, _SQLITE_NOTADB = 10, 11, 13, 14, 26
+_SQLITE_READONLY = 8
+
+
+class JournalCorrupt(Exception):
+    """The journal file cannot be read; str() is a one-line message naming the file and the fix."""
+
+    def __init__(self, path: Path, detail: str):
+        self.path = path
+        super().__init__(
+            f"the journal {path} is corrupt ({detail}); run again with --restart to discard "
+            "this run's state and start over"
+        )
+
+
+class Journal:
+    """Committed result rows keyed by input index, plus the first index claimed by each id.
+
+    Invariants: a committed index is never written again; `contiguous_prefix` indices
+    [0, prefix) are all committed; the counters in `meta` are updated in the same transaction as
+    the rows they count. Rows and id claims are buffered in memory until `commit()`. Not
+    thread-safe: callers serialize access (the connection may be used from any one thread).
+    """
+
+    def __init__(self, path: str | Path, *, read_only: bool = False, verify: bool = True):
+        # verify=True runs PRAGMA quick_check, a full O(size) read; `conveyor status` passes False.
+        self.path = Path(path)
+        self._read_only = read_only
+        self._pending_rows: dict[int, tuple[str, str, str]] = {}  # index -> (id, status, json)
+        self._pending_ids: dict[str, int] = {}  # id -> first index, not yet in `ids`
+        self._pending_errors = 0
+        with self._guard():
+            self._conn = self._connect()
+            try:
+                if verify:
+                    problems = [r[0] for r in self._conn.execute("PRAGMA quick_check(5)")]
+                    if problems != ["ok"]:
+                        raise JournalCorrupt(self.path, "; ".join(problems))
+                self._num_committed = self._meta_int("num_committed", "SELECT COUNT(*) FROM rows")
+                self._num_errors = self._meta_int(
+                    "num_errors", "SELECT COUNT(*) FROM rows WHERE status = 'error'"
+                )
+                self._prefix = self._meta_int("contiguous_prefix", None)
+                last = self._meta("last_commit_time")
+                self._last_commit_time = float(last) if last is not None else None
+            except BaseException:
+                self._conn.close()
+                raise
+
+    def _connect(self) -> sqlite3.Connection:
+        if self._read_only:
+            uri = f"file:{self.path.resolve()}?mode=ro"
+            conn = sqlite3.connect(uri, uri=True, isolation_level=None, check_same_thread=False)
+            conn.execute("SELECT COUNT(*) FROM meta").fetchone()  # fails early if not a journal
+            return conn
+        conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=FULL")
+            conn.execute("BEGIN IMMEDIATE")
+            for statement in _SCHEMA:
+                conn.execute(statement)
+            version = conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+            if version is None:
+                conn.executemany(
+                    "INSERT INTO meta(key, value) VALUES (?, ?)",
+                    [("schema_version", str(_SCHEMA_VERSION)), ("num_committed", "0"),
+                     ("num_errors", "0"), ("contiguous_prefix", "0")],
+                )
+            elif int(version[0]) != _SCHEMA_VERSION:
+                raise JournalCorrupt(self.path, f"unknown schema version {version[0]}")
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    def _meta(self, key: str) -> str | None:
+        found = self._conn.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return found[0] if found else None
+
+    def _meta_int(self, key: str, fallback_sql: str | None) -> int:
+        value = self._meta(key)
+        if value is not None:
+            return int(value)
+        if fallback_sql is None:
+            return 0
+        return int(self._conn.execute(fallback_sql).fetchone()[0])
+
+    @contextlib.contextmanager
+    def _guard(self) -> Iterator[None]:
+        """SQLite errors -> JournalCorrupt or OSError (disk full -> ENOSPC), naming the file."""
+        try:
+            yield
+        except sqlite3.DatabaseError as exc:
+            translated = _translate(exc, self.path)
+            if translated is exc:
+                raise
+            raise translated from exc
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending_rows)
+
+    def add(self, row: dict) -> None:
+        """Buffer one finished row (at least "index", "id", "status"); durable after commit()."""
+        index, record_id, status = row["index"], row["id"], row["status"]
+        if not isinstance(index, int) or isinstance(index, bool) or index < 0:
+            raise ValueError(f"row index must be a non-negative int, got {index!r}")
+        if not isinstance(record_id, str) or not isinstance(status, str):
+            raise ValueError(f"row {index}: id and status must be strings")
+        # Committed rows beyond the prefix are caught by the primary key at commit(): a look-up
+        # here would cost a third of add()'s time.
+        if index in self._pending_rows or index < self._prefix:
+            raise ValueError(f"row {index} is already in the journal; a row is written once")
+        self._pending_rows[index] = (record_id, status, json.dumps(row, ensure_ascii=False))
+        self._pending_ids.setdefault(record_id, index)
+        self._pending_errors += status == "error"
+
+    def claim_id(self, record_id: str, index: int) -> bool:
+        """Record `index` as the first occurrence of `record_id`, when the record is read.
+
+        False when another index holds the id (the caller makes this record a duplicate-id error
+        row). Idempotent for the same index, so after a kill the records re-read from the
+        committed prefix claim their ids again. Claims are persisted by the next commit(), rows or
+        not; a claim whose row was never committed is re-made by the same index on resume.
+        """
+        holder = self._id_holder(record_id)
+        if holder is None:
+            holder = self._pending_ids.setdefault(record_id, index)
+        return holder == index
+
+    def id_seen(self, record_id: str, index: int) -> bool:
+        """True if a different index already has this id (committed, claimed or pending)."""
+        holder = self._id_holder(record_id)
+        if holder is None:
+            holder = self._pending_ids.get(record_id)
+        return holder is not None and holder != index
+
+    def _id_holder(self, record_id: str) -> int | None:
+        # The database wins over the pending dict: its claims are older. (Inline try: this runs
+        # once per record, and a context manager would double its cost.)
+        try:
+            found = self._conn.execute("SELECT idx FROM ids WHERE id = ?", (record_id,)).fetchone()
+        except sqlite3.DatabaseError as exc:
+            translated = _translate(exc, self.path)
+            if translated is exc:
+                raise
+            raise translated from exc
+        return found[0] if found else None
+
+    def commit(self) -> int:
+        """Write all buffered rows and id claims in one transaction; durable on return."""
+        if not self._pending_rows and not self._pending_ids:
+            return 0
+        rows = self._pending_rows
+        now = time.time()
+        with self._guard():
+            try:
+                self._conn.execute("BEGIN IMMEDIATE")
+                self._conn.executemany(
+                    "INSERT INTO ids(id, idx) VALUES (?, ?) ON CONFLICT(id) DO NOTHING",
+                    self._pending_ids.items(),
+                )
+                self._conn.executemany(
+                    "INSERT INTO rows(idx, id, status, row) VALUES (?, ?, ?, ?)",
+                    ((i, *fields) for i, fields in rows.items()),
+                )
+                prefix = self._advance_prefix(rows)
+                num_committed = self._num_committed + len(rows)
+                num_errors = self._num_errors + self._pending_errors
+                self._conn.executemany(
+                    "UPDATE meta SET value = ? WHERE key = ?",
+                    [(str(num_committed), "num_committed"), (str(num_errors), "num_errors"),
+                     (str(prefix), "contiguous_prefix")],
+                )
+                self._conn.execute(
+                    "INSERT OR REPLACE INTO meta(key, value) VALUES ('last_commit_time', ?)",
+                    (repr(now),),
+                )
+                self._conn.execute("COMMIT")
+            except sqlite3.IntegrityError:
+                self._rollback()
+                again = [i for i in sorted(rows) if self._is_committed(i)]
+                raise ValueError(
+                    f"rows {again[:5]} are already in the journal; a row is written once"
+                ) from None
+            except BaseException:
+                # SQLite may already have rolled back (disk full does); the buffers are kept so a
+                # later commit() can retry once the cause is fixed.
+                self._rollback()
+                raise
+        count = len(rows)
+        self._num_committed, self._num_errors, self._prefix = num_committed, num_errors, prefix
+        self._last_commit_time = now
+        self._pending_rows, self._pending_ids, self._pending_errors = {}, {}, 0
+        return count
+
+    def _rollback(self) -> None:
+        # Never let a failing ROLLBACK hide the error that caused it.
+        if self._conn.in_transaction:
+            with contextlib.suppress(sqlite3.Error):
+                self._conn.execute("ROLLBACK")
+
+    def _advance_prefix(self, batch: dict[int, tuple]) -> int:
+        """The new contiguous prefix, inside the commit transaction.
+
+        Commits are mostly in order, so walk the batch in memory first, then probe the table
+        for rows committed earlier out of order beyond it (usually one probe that finds a gap).
+        """
+        prefix = self._prefix
+        if prefix not in batch:
+            return prefix  # index `prefix` is still missing: nothing can advance
+        while prefix in batch:
+            prefix += 1
+        cursor = self._conn.execute("SELECT idx FROM rows WHERE idx >= ? ORDER BY idx", (prefix,))
+        for (idx,) in cursor:
+            if idx != prefix:
+                break
+            prefix += 1
+        cursor.close()
+        return prefix
+
+    def num_committed(self) -> int:
+        return self._num_committed
+
+    def num_errors(self) -> int:
+        return self._num_errors
+
+    def contiguous_prefix(self) -> int:
+        """The smallest n such that every index < n is committed."""
+        return self._prefix
+
+    def last_commit_time(self) -> float | None:
+        """Unix time of the last commit, or None if nothing was ever committed."""
+        return self._last_commit_time
+
+    def has_index(self, index: int) -> bool:
+        """True if `index` is committed or pending."""
+        return index in self._pending_rows or self._is_committed(index)
+
+    def _is_committed(self, index: int) -> bool:
+        if index < self._prefix:
+            return True
+        with self._guard():
+            found = self._conn.execute("SELECT 1 FROM rows WHERE idx = ?", (index,)).fetchone()
+        return found is not None
+
+    def committed_indices_from(self, start: int) -> Iterator[int]:
+        """Committed indices >= start, ascending, streamed page by page."""
+        sql = "SELECT idx FROM rows WHERE idx >= ? ORDER BY idx LIMIT ?"
+        for (idx,) in self._paged(sql, start):
+            yield idx
+
+    def iter_rows(self) -> Iterator[dict]:
+        """All committed rows, decoded, in index order, streamed page by page."""
+        sql = "SELECT idx, row FROM rows WHERE idx >= ? ORDER BY idx LIMIT ?"
+        for _, text in self._paged(sql, 0):
+            yield json.loads(text)
+
+    def _paged(self, sql: str, start: int) -> Iterator[tuple]:
+        # Keyset pagination: each page is its own short read, so no read transaction stays open
+        # across a consumer's commits (a long reader would stop WAL checkpoints).
+        while True:
+            with self._guard():
+                page = self._conn.execute(sql, (start, _PAGE)).fetchall()
+            yield from page
+            if len(page) < _PAGE:
+                return
+            start = page[-1][0] + 1
+
+    def close(self) -> None:
+        """Close the database; rows still pending are discarded (commit() first)."""
+        self._conn.close()
+
+    def __enter__(self) -> Journal:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def _translate(exc: sqlite3.DatabaseError, path: Path) -> Exception:
+    """Map an SQLite error to the exception the CLI reports; leaves unknown errors as they are."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    primary = code & 0xFF if isinstance(code, int) else None
+    message = str(exc)
+    if primary == _SQLITE_FULL or "database or disk is full" in message:
+        return OSError(errno.ENOSPC, "no space left on device while writing the journal", str(path))
+    if primary in (_SQLITE_CORRUPT, _SQLITE_NOTADB) or "malformed" in message or (
+        "not a database" in message
+    ):
+        return JournalCorrupt(path, message)
+    if primary == _SQLITE_IOERR:
+        return OSError(errno.EIO, f"I/O error on the journal ({message})", str(path))
+    if primary == _SQLITE_CANTOPEN and not path.exists():
+        return OSError(errno.ENOENT, "no such journal", str(path))
+    if primary in (_SQLITE_CANTOPEN, _SQLITE_READONLY):
+        return OSError(errno.EACCES, f"cannot open the journal ({message})", str(path))
+    return exc

@@ -1,0 +1,54 @@
+"""A cheap fingerprint of an input, so a resumed run can tell that its input changed.
+
+Never reads a whole file: size, mtime and the first and last MiB are enough to catch real edits.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+from conveyor.io.errors import InputError
+from conveyor.io.readers.hf_datasets import MARKER_FILES
+
+EDGE = 1 << 20
+
+
+def fingerprint(source: str) -> str:
+    """Hex digest for a local file or datasets folder; "stdin" for "-"; "hub:<name>" for a hub dataset;
+    "stream:<path>" for a pipe or device, which cannot be read twice."""
+    if source == "-":
+        return "stdin"
+    path = Path(source)
+    if not path.exists():
+        return f"hub:{source}"
+    if not path.is_dir() and not path.is_file():
+        return f"stream:{source}"
+    try:
+        return _folder_digest(path) if path.is_dir() else _file_digest(path)
+    except OSError as e:
+        raise InputError(source, None, f"cannot be read ({e.strerror or e}); check its permissions") from e
+
+
+def _file_digest(path: Path) -> str:
+    st = path.stat()
+    h = hashlib.sha256(f"{st.st_size}:{st.st_mtime_ns}:".encode())
+    with open(path, "rb") as f:
+        h.update(f.read(EDGE))
+        if st.st_size > EDGE:
+            f.seek(max(EDGE, st.st_size - EDGE))
+            h.update(f.read(EDGE))
+    return h.hexdigest()
+
+
+def _folder_digest(path: Path) -> str:
+    """A datasets folder: its metadata files' contents plus every data file's name and size."""
+    h = hashlib.sha256(b"datasets:")
+    for file in sorted(p for p in path.rglob("*") if p.is_file()):
+        rel = file.relative_to(path).as_posix()
+        if file.name in MARKER_FILES:
+            h.update(f"{rel}:".encode() + file.read_bytes())
+        elif file.suffix == ".arrow":
+            h.update(f"{rel}:{file.stat().st_size};".encode())
+    return h.hexdigest()

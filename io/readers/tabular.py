@@ -1,0 +1,149 @@
+"""Parquet and CSV readers: rows become dicts keyed by column name.
+
+Parquet skips whole row groups on resume using their row counts; CSV cells stay strings.
+"""
+
+from __future__ import annotations
+
+import csv
+import sys
+from typing import Iterator
+
+from conveyor.io.errors import InputError
+from conveyor.io.readers.record import RawRecord, Reader, first_line, is_stream
+
+BATCH_ROWS = 1024
+
+
+class ParquetReader(Reader):
+    format = "parquet"
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        pf = self._open()
+        self.num_rows = pf.metadata.num_rows
+        self.group_rows = [pf.metadata.row_group(i).num_rows for i in range(pf.num_row_groups)]
+
+    def _open(self):
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        try:
+            return pq.ParquetFile(self.source)
+        except (pa.ArrowException, OSError, ValueError) as e:
+            raise InputError(self.source, None, f"not a readable Parquet file ({first_line(e)}); "
+                                                "check the file, or pass --input-format") from e
+
+    def iter_from(self, start_index: int) -> Iterator[RawRecord]:
+        import pyarrow as pa
+
+        # Row groups that end at or before start_index are never read.
+        index, groups = 0, []
+        for group, num_rows in enumerate(self.group_rows):
+            if groups or index + num_rows > start_index:
+                groups.append(group)
+            else:
+                index += num_rows
+        if not groups:
+            return
+        num_skip = max(start_index - index, 0)  # rows to drop from the first group read
+        pf = self._open()
+        try:
+            for batch in pf.iter_batches(batch_size=BATCH_ROWS, row_groups=groups):
+                if num_skip:
+                    dropped = min(num_skip, batch.num_rows)
+                    batch = batch.slice(dropped)
+                    num_skip -= dropped
+                    index += dropped
+                for row in batch.to_pylist():
+                    yield RawRecord(index, None, row, None)
+                    index += 1
+        except (pa.ArrowException, OSError) as e:
+            raise InputError(self.source, None, f"could not read row {index} ({first_line(e)}); "
+                                                "the file may be corrupt") from e
+        finally:
+            pf.close()
+
+    def count(self) -> int | None:
+        return self.num_rows
+
+
+class CsvReader(Reader):
+    """A header row, then one record per row. Line numbers are physical lines where each row starts
+    (a quoted cell may span lines). Blank lines are not records. Cells are strings, never converted."""
+
+    format = "csv"
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.is_stream = is_stream(source)
+        # Prompts can be long; the default 128 KiB cell limit would turn them into parse failures.
+        csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
+
+    def _rows(self) -> Iterator[tuple[int, list[str]]]:
+        """(start line, cells) per non-blank row, header included. Undecodable bytes stay as surrogates."""
+        try:
+            f = open(self.source, encoding="utf-8-sig", errors="surrogateescape", newline="")
+        except OSError as e:
+            raise InputError(self.source, None, f"cannot be read ({e.strerror or e}); check the path "
+                                                "and its permissions") from e
+        with f:
+            reader = csv.reader(f)
+            last_line = 0
+            try:
+                for cells in reader:
+                    start, last_line = last_line + 1, reader.line_num
+                    if not cells or (len(cells) == 1 and not cells[0].strip()):
+                        continue
+                    yield start, cells
+            except csv.Error as e:
+                raise InputError(self.source, last_line + 1, f"invalid CSV ({e}); check the quoting") from e
+
+    def iter_from(self, start_index: int) -> Iterator[RawRecord]:
+        header: list[str] | None = None
+        index = 0
+        for line, cells in self._rows():
+            if header is None:
+                header = self._check_header(line, cells)
+                continue
+            if index >= start_index:
+                yield self._record(index, line, header, cells)
+            index += 1
+
+    def _check_header(self, line: int, cells: list[str]) -> list[str]:
+        if not _is_utf8(cells):
+            raise InputError(self.source, line, "the header is not valid UTF-8; save the file as UTF-8")
+        seen = set()
+        for name in cells:
+            if name in seen:
+                raise InputError(self.source, line, f"column {name!r} appears twice in the header; rename one")
+            seen.add(name)
+        return cells
+
+    @staticmethod
+    def _record(index: int, line: int, header: list[str], cells: list[str]) -> RawRecord:
+        if not _is_utf8(cells):
+            return RawRecord(index, line, None, f"line {line}: not valid UTF-8; save the file as UTF-8")
+        if len(cells) > len(header):
+            return RawRecord(index, line, None, f"line {line}: the row has {len(cells)} fields but the header "
+                                                f"has {len(header)}; quote cells that contain commas")
+        record = dict(zip(header, cells))
+        for name in header[len(cells):]:
+            record[name] = None  # a short row: the missing trailing cells are null
+        return RawRecord(index, line, record, None)
+
+    def count(self) -> int | None:
+        """Rows after the header, found by parsing (quoted cells may hold newlines)."""
+        if self.is_stream:
+            return None
+        return max(sum(1 for _ in self._rows()) - 1, 0)
+
+
+def _is_utf8(cells: list[str]) -> bool:
+    try:
+        for cell in cells:
+            cell.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+

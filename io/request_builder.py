@@ -1,0 +1,280 @@
+"""Record -> engine request: finds the prompt or chat, applies the chat template, tokenizes, and merges
+per-record sampling overrides. A record that cannot be used becomes an ErrorRow, never an exception.
+Imports only conveyor.core's public names; the tokenizer is passed in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from conveyor.core import GenerationRequest, SamplingParams
+from conveyor.io.readers.record import RawRecord, describe, first_line
+
+ROLES = ("assistant", "developer", "system", "tool", "user")
+OPENAI_URLS = ("/v1/chat/completions", "/v1/completions")
+MAX_TOKENS_ALIASES = ("max_tokens", "max_completion_tokens", "max_new_tokens")
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    sampling: SamplingParams  # the command's defaults; their seed is replaced per record
+    seed: int = 0  # the run seed; a record's effective seed is derive_seed(seed, id) unless it sets one
+    system_prompt: str | None = None  # prepended to chat records that have no system message
+    prompt_field: str = "prompt"
+    messages_field: str = "messages"
+    id_field: str = "id"
+    keep_fields: tuple[str, ...] = ()
+    max_model_len: int = 8192  # the model's context length, in tokens
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "keep_fields", tuple(self.keep_fields))
+
+
+@dataclass(frozen=True)
+class BuiltRequest:
+    index: int  # 0-based input position
+    id: str
+    kind: str  # "chat" or "completion"
+    prompt_token_ids: list[int]
+    sampling: SamplingParams  # sampling.seed is the effective seed, always set
+    kept: dict  # keep_fields -> the record's values (None where missing)
+
+    def to_generation_request(self) -> GenerationRequest:
+        return GenerationRequest(req_id=str(self.index), prompt_token_ids=self.prompt_token_ids,
+                                 sampling=self.sampling)
+
+
+@dataclass(frozen=True)
+class ErrorRow:
+    index: int
+    id: str
+    error: str  # starts with the location: "line 12: ..." or "record 12: ..." (0-based index)
+    kept: dict
+    seed: int | None  # the effective seed when it could be worked out
+    prompt_tokens: int | None = None  # known when the error came after tokenizing
+
+
+def derive_seed(run_seed: int, record_id: str) -> int:
+    """A record's seed from the run seed and its id: the same in every process, 0 <= s < 2**63."""
+    digest = hashlib.sha256(f"{run_seed}\x00{record_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
+
+
+class _Reject(Exception):
+    """Internal: the record cannot be used; the message says why and what to do (no location)."""
+
+
+class RequestBuilder:
+    """Turns RawRecords into BuiltRequests or ErrorRows. Holds no per-run state of its own;
+    `is_duplicate`, when given, is called once for each record whose id could be read."""
+
+    def __init__(self, tokenizer: Any, options: BuildOptions,
+                 is_duplicate: Callable[[str], bool] | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.options = options
+        self.is_duplicate = is_duplicate
+
+    def build(self, raw: RawRecord) -> BuiltRequest | ErrorRow:
+        where = f"line {raw.line}" if raw.line is not None else f"record {raw.index}"
+        if raw.record is None:
+            kept = dict.fromkeys(self.options.keep_fields)
+            return ErrorRow(raw.index, str(raw.index), raw.error or f"{where}: the record could not be read",
+                            kept, None)
+        record = raw.record
+        kept = {name: record.get(name) for name in self.options.keep_fields}
+        try:
+            record_id = self._record_id(record, raw.index)
+        except _Reject as e:
+            return ErrorRow(raw.index, str(raw.index), f"{where}: {e}", kept, None)
+        seed = num_tokens = None
+        try:
+            if self.is_duplicate is not None and self.is_duplicate(record_id):
+                raise _Reject(f"duplicate id {record_id!r} (first seen earlier in the input); make ids unique "
+                              "or use --id-field")
+            fields, prefix = self._request_fields(record)
+            seed = self._seed(fields, prefix, record_id)
+            sampling = self._sampling(fields, prefix, seed)
+            kind, token_ids = self._tokenize(fields, prefix)
+            num_tokens = len(token_ids)
+            self._check_length(num_tokens, sampling.max_tokens)
+        except _Reject as e:
+            return ErrorRow(raw.index, record_id, f"{where}: {e}", kept, seed, num_tokens)
+        return BuiltRequest(raw.index, record_id, kind, token_ids, sampling, kept)
+
+    def _record_id(self, record: dict, index: int) -> str:
+        name = self.options.id_field
+        value = record.get(name)
+        if value is None:
+            value, name = record.get("custom_id"), "custom_id"
+        if value is None:
+            return str(index)
+        if isinstance(value, str) and value:
+            return value
+        if isinstance(value, int) and not isinstance(value, bool):
+            return str(value)
+        raise _Reject(f"field '{name}' must be a non-empty string or an integer, got {describe(value)}; "
+                      "fix it or choose another field with --id-field")
+
+    def _request_fields(self, record: dict) -> tuple[dict, str]:
+        """The object holding the prompt and overrides: the record, or an OpenAI batch line's body."""
+        if "body" not in record or ("custom_id" not in record and "url" not in record):
+            return record, ""
+        body = record["body"]
+        if not isinstance(body, dict):
+            raise _Reject(f"field 'body' must be an object (an OpenAI request body), got {describe(body)}")
+        url = record.get("url")
+        if url is not None and url not in OPENAI_URLS:
+            raise _Reject(f"url {url!r} is not supported; use {' or '.join(OPENAI_URLS)}")
+        if body.get("n") not in (None, 1):
+            raise _Reject(f"body.n = {body['n']!r} is not supported; send one request line per completion")
+        return body, "body."
+
+    def _seed(self, fields: dict, prefix: str, record_id: str) -> int:
+        value = fields.get("seed")
+        if value is None:
+            return derive_seed(self.options.seed, record_id)
+        seed = _as_int(prefix + "seed", value)
+        if not -2**63 <= seed < 2**63:
+            raise _Reject(f"{prefix}seed must fit in 64 bits (-2**63 <= seed < 2**63), got {seed}")
+        return seed
+
+    def _sampling(self, fields: dict, prefix: str, seed: int) -> SamplingParams:
+        present = [key for key in MAX_TOKENS_ALIASES if fields.get(key) is not None]
+        if len(present) > 1:
+            raise _Reject(f"set only one of {', '.join(prefix + key for key in present)}")
+        changes: dict[str, Any] = {"seed": seed}
+        for key, (name, convert) in _OVERRIDES.items():
+            value = fields.get(key)
+            if value is not None:  # null means "use the default"
+                changes[name] = convert(prefix + key, value)
+        try:
+            return dataclasses.replace(self.options.sampling, **changes)
+        except ValueError as e:
+            raise _Reject(f"{prefix}{e}; fix the value or drop the field to use the default") from None
+
+    def _tokenize(self, fields: dict, prefix: str) -> tuple[str, list[int]]:
+        is_openai = bool(prefix)
+        prompt_key = "prompt" if is_openai else self.options.prompt_field
+        messages_key = "messages" if is_openai else self.options.messages_field
+        prompt, messages = fields.get(prompt_key), fields.get(messages_key)
+        if prompt is not None and messages is not None:
+            raise _Reject(f"the record has both '{prefix}{prompt_key}' and '{prefix}{messages_key}'; keep one")
+        if messages is not None:
+            return "chat", self._chat_tokens(messages, prefix + messages_key)
+        if prompt is not None:
+            return "completion", self._prompt_tokens(prompt, prefix + prompt_key)
+        present = ", ".join(repr(key) for key in list(fields)[:12]) or "none"
+        raise _Reject(f"no prompt: expected a '{prefix}{prompt_key}' string or a '{prefix}{messages_key}' list of "
+                      f"chat messages, but the fields are {present}; name yours with --prompt-field "
+                      "or --messages-field")
+
+    def _prompt_tokens(self, prompt: Any, field: str) -> list[int]:
+        if not isinstance(prompt, str):
+            raise _Reject(f"field '{field}' must be a string, got {describe(prompt)}")
+        if not prompt.strip():
+            raise _Reject(f"field '{field}' is empty; give a prompt or remove the record")
+        return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+
+    def _chat_tokens(self, messages: Any, field: str) -> list[int]:
+        _check_messages(messages, field)
+        system_prompt = self.options.system_prompt
+        if system_prompt and not any(m["role"] == "system" for m in messages):
+            messages = [{"role": "system", "content": system_prompt}, *messages]
+        try:
+            out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except Exception as e:  # templates raise what they like (jinja errors, ValueError, ...)
+            raise _Reject(f"the chat template rejected '{field}' ({first_line(e)}); check the messages' "
+                          "roles and order") from None
+        # transformers 5 returns a BatchEncoding; older versions a plain list.
+        token_ids = out["input_ids"] if isinstance(out, Mapping) else out
+        if token_ids and isinstance(token_ids[0], list):
+            token_ids = token_ids[0]
+        return [int(t) for t in token_ids]
+
+    def _check_length(self, num_tokens: int, max_tokens: int) -> None:
+        max_len = self.options.max_model_len
+        if num_tokens == 0:
+            raise _Reject("the prompt has no tokens; give a non-empty prompt")
+        if num_tokens > max_len - 1:
+            raise _Reject(f"prompt is {num_tokens} tokens but the model's context is {max_len}; "
+                          f"shorten it to at most {max_len - 1} tokens")
+        if num_tokens + max_tokens > max_len:
+            raise _Reject(f"prompt ({num_tokens} tokens) + max_tokens ({max_tokens}) exceeds the model's context "
+                          f"of {max_len}; lower max_tokens to at most {max_len - num_tokens}")
+
+
+def _check_messages(messages: Any, field: str) -> None:
+    if not isinstance(messages, list):
+        raise _Reject(f"field '{field}' must be a list of chat messages, got {describe(messages)}")
+    if not messages:
+        raise _Reject(f"field '{field}' is an empty list; give at least one message")
+    for i, message in enumerate(messages):
+        at = f"{field}[{i}]"
+        if not isinstance(message, dict):
+            raise _Reject(f"{at} must be an object with 'role' and 'content', got {describe(message)}")
+        role = message.get("role")
+        if not isinstance(role, str):
+            raise _Reject(f"{at}.role must be a string, got {describe(role)}")
+        if role not in ROLES:
+            raise _Reject(f"{at}.role {role!r} is not one of {', '.join(ROLES)}")
+        if not isinstance(message.get("content"), str):
+            raise _Reject(f"{at}.content must be a string, got {describe(message.get('content'))}")
+    if not any(m["content"].strip() for m in messages):
+        raise _Reject(f"every message in '{field}' has empty content; give a prompt or remove the record")
+
+
+def _as_float(field: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _Reject(f"{field} must be a number, got {describe(value)} ({value!r})")
+    if not math.isfinite(value):
+        raise _Reject(f"{field} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _as_int(field: str, value: Any) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        return int(value)  # 64.0 from a float column
+    raise _Reject(f"{field} must be an integer, got {describe(value)} ({value!r})")
+
+
+def _as_stop(field: str, value: Any) -> tuple[str, ...]:
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, list) and all(isinstance(s, str) for s in value):
+        return tuple(value)
+    raise _Reject(f"{field} must be a string or a list of strings, got {describe(value)}")
+
+
+def _as_token_ids(field: str, value: Any) -> tuple[int, ...]:
+    if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        return tuple(value)
+    raise _Reject(f"{field} must be a list of integers, got {describe(value)}")
+
+
+def _as_bool(field: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    raise _Reject(f"{field} must be true or false, got {describe(value)} ({value!r})")
+
+
+# record key -> (SamplingParams field, converter); "seed" is handled apart (it has a derived default).
+_OVERRIDES: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
+    "max_tokens": ("max_tokens", _as_int),
+    "max_completion_tokens": ("max_tokens", _as_int),
+    "max_new_tokens": ("max_tokens", _as_int),
+    "temperature": ("temperature", _as_float),
+    "top_p": ("top_p", _as_float),
+    "top_k": ("top_k", _as_int),
+    "min_p": ("min_p", _as_float),
+    "min_tokens": ("min_tokens", _as_int),
+    "stop": ("stop", _as_stop),
+    "stop_token_ids": ("stop_token_ids", _as_token_ids),
+    "ignore_eos": ("ignore_eos", _as_bool),
+}

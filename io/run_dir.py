@@ -1,0 +1,339 @@
+"""A run's state directory (`<output>.conveyor/`): manifest, input fingerprint, lock, drift check.
+
+Holds `manifest.json`, `journal.sqlite` (see journal.py) and `lock`. Knows nothing of records,
+the engine or terminals; imports neither torch nor `conveyor.core`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from conveyor.io.journal import Journal, JournalCorrupt
+
+_JOURNAL_FILES = ("journal.sqlite", "journal.sqlite-wal", "journal.sqlite-shm")
+_LOCK_TRIES = 5  # a `conveyor status` probe holds a shared lock for microseconds; retry past it
+
+
+class RunDirError(Exception):
+    """Base of run-directory errors; str() is a one-line message for the user."""
+
+
+class RunLocked(RunDirError):
+    """Another live process holds the run directory's lock."""
+
+    def __init__(self, path: Path, holder: dict):
+        self.path, self.holder = path, holder
+        who = f"process {holder['pid']}" if holder.get("pid") else "another process"
+        if holder.get("hostname") and holder["hostname"] != socket.gethostname():
+            who += f" on {holder['hostname']}"
+        started = holder.get("started")
+        when = f" (started {_format_time(started)})" if started else ""
+        super().__init__(f"run directory {path} is in use by {who}{when}; wait for it or stop it")
+
+
+class DriftError(RunDirError):
+    """The input, model or generation config differs from the one the run started with.
+
+    `changed` names the fields that differ: a subset of ("input", "model", "generation_config").
+    """
+
+    def __init__(self, path: Path, changed: tuple[str, ...], message: str):
+        self.path, self.changed = path, changed
+        super().__init__(message)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What a run was started with; a resumed run must match it (see RunDir.check_drift)."""
+
+    input_fingerprint: str
+    input_path: str
+    model: str
+    generation_config: dict
+    tool_version: str
+    created_at: float  # unix time
+    output_path: str
+    output_format: str
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> Manifest:
+        """Parse a manifest; raises ValueError naming the first missing or bad field."""
+        data = json.loads(text)
+        if not isinstance(data, dict):
+            raise ValueError("the manifest is not a JSON object")
+        names = [f.name for f in dataclasses.fields(cls)]
+        missing = [n for n in names if n not in data]
+        if missing:
+            raise ValueError(f"the manifest lacks {', '.join(missing)}")
+        if not isinstance(data["generation_config"], dict):
+            raise ValueError("the manifest's generation_config is not an object")
+        return cls(**{n: data[n] for n in names})
+
+
+class RunDir:
+    """One run directory. The lock fd stays open for the life of the process (or until
+    release_lock); the kernel drops the flock when the process dies, even by kill -9.
+    """
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self._lock_fd: int | None = None
+
+    @staticmethod
+    def default_for(output: str | Path) -> Path:
+        """`<output>.conveyor`, next to the output file."""
+        output = Path(output)
+        return output.with_name(output.name + ".conveyor")
+
+    @property
+    def journal_path(self) -> Path:
+        return self.path / "journal.sqlite"
+
+    @property
+    def manifest_path(self) -> Path:
+        return self.path / "manifest.json"
+
+    @property
+    def lock_path(self) -> Path:
+        return self.path / "lock"
+
+    @property
+    def is_locked_by_us(self) -> bool:
+        return self._lock_fd is not None
+
+    def acquire_lock(self) -> None:
+        """Take the run directory's lock, or raise RunLocked naming the live holder.
+
+        flock on an fd held open, not "does the lock file exist": a lock left by a dead process
+        is free again, so it is taken over. The file is never deleted (deleting it would let two
+        processes lock two different inodes). Children forked after this share the lock.
+        """
+        if self._lock_fd is not None:
+            return
+        self.path.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            for attempt in range(_LOCK_TRIES):
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if attempt == _LOCK_TRIES - 1:
+                        raise RunLocked(self.path, _read_holder(fd)) from None
+                    time.sleep(0.02)
+            info = {"pid": os.getpid(), "started": time.time(), "hostname": socket.gethostname()}
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(info).encode(), 0)
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._lock_fd = fd
+
+    def release_lock(self) -> None:
+        if self._lock_fd is None:
+            return
+        fd, self._lock_fd = self._lock_fd, None
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, 0)  # no stale pid left behind for `status` to show
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+    def lock_holder(self) -> dict | None:
+        """{"pid", "started", "hostname"} of the live process holding the lock, else None."""
+        if self._lock_fd is not None:
+            return _read_holder(self._lock_fd)
+        try:
+            fd = os.open(self.lock_path, os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            try:
+                # A shared probe: it fails only against an exclusive holder, and never blocks
+                # another `status`.
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return _read_holder(fd)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return None
+        finally:
+            os.close(fd)
+
+    def load_manifest(self) -> Manifest | None:
+        """The stored manifest, None if there is none; RunDirError if it cannot be read."""
+        try:
+            text = self.manifest_path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return None
+        try:
+            return Manifest.from_json(text)
+        except (ValueError, TypeError) as exc:
+            raise RunDirError(
+                f"the manifest {self.manifest_path} is unreadable ({exc}); "
+                "run with --restart to discard the old state"
+            ) from None
+
+    def write_manifest(self, manifest: Manifest) -> None:
+        """Write atomically: a temporary file, fsync, rename, fsync of the directory."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        tmp = self.path / "manifest.json.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(manifest.to_json() + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.manifest_path)
+        _fsync_dir(self.path)
+
+    def check_drift(self, new: Manifest) -> None:
+        """Raise DriftError if the input, model or generation config differ from the stored run.
+
+        A differing tool_version, input path, output path or creation time is allowed. No stored
+        manifest is fine, unless a journal exists (its settings would be unknown).
+        """
+        old = self.load_manifest()
+        if old is None:
+            if self.journal_path.exists():
+                raise DriftError(
+                    self.path, ("manifest",),
+                    f"run directory {self.path} has a journal but no manifest, so its settings "
+                    "cannot be checked; run with --restart to discard the old state",
+                )
+            return
+        changed: list[str] = []
+        parts: list[str] = []
+        if old.input_fingerprint != new.input_fingerprint:
+            changed.append("input")
+            parts.append(
+                f"the input file changed since this run started (fingerprint "
+                f"{_short(old.input_fingerprint)} -> {_short(new.input_fingerprint)})"
+            )
+        if old.model != new.model:
+            changed.append("model")
+            parts.append(f"the model changed since this run started ({old.model} -> {new.model})")
+        config_diff = _diff_config(old.generation_config, new.generation_config)
+        if config_diff:
+            changed.append("generation_config")
+            parts.append(
+                f"the generation config changed since this run started ({', '.join(config_diff)})"
+            )
+        if parts:
+            message = "; ".join(parts) + "; run with --restart to discard the old state"
+            raise DriftError(self.path, tuple(changed), message)
+
+    def reset(self) -> None:
+        """--restart: delete the journal and the manifest; the lock, if held, stays held."""
+        if self._lock_fd is None:
+            holder = self.lock_holder()
+            if holder is not None:
+                raise RunLocked(self.path, holder)
+        for name in (*_JOURNAL_FILES, "manifest.json", "manifest.json.tmp"):
+            with contextlib.suppress(FileNotFoundError):
+                (self.path / name).unlink()
+        if self.path.exists():
+            _fsync_dir(self.path)
+
+    def summary(self) -> dict:
+        """For `conveyor status`: the manifest's fields, journal counts and the lock holder."""
+        manifest = self.load_manifest() if self.path.exists() else None
+        out: dict = {"run_dir": str(self.path), "has_manifest": manifest is not None}
+        if manifest is not None:
+            out.update(dataclasses.asdict(manifest))
+        if self.journal_path.exists():
+            try:
+                # Read-only and unverified: cheap at 10M rows, safe beside a running writer.
+                with Journal(self.journal_path, read_only=True, verify=False) as journal:
+                    out["num_committed"] = journal.num_committed()
+                    out["num_errors"] = journal.num_errors()
+                    out["contiguous_prefix"] = journal.contiguous_prefix()
+                    out["last_commit_time"] = journal.last_commit_time()
+            except (JournalCorrupt, OSError) as exc:
+                out["journal_error"] = str(exc)
+        out["lock_holder"] = self.lock_holder() if self.path.exists() else None
+        return out
+
+
+def fingerprint_input(path: str | Path) -> str:
+    """Return "sha256:<hex>" over a file's bytes, or a directory's relative names and file bytes.
+
+    The full content is hashed (about 1 s per GB, read once at start): a sampled hash would miss
+    an edit in the middle, and mtime changes when the same file is copied again.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(errno.ENOENT, "no such input file or directory", str(path))
+    digest = hashlib.sha256()
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    for file in files:
+        if file is not path:
+            digest.update(file.relative_to(path).as_posix().encode() + b"\0")
+        with open(file, "rb") as f:
+            while chunk := f.read(1 << 20):
+                digest.update(chunk)
+        digest.update(b"\0")
+    return "sha256:" + digest.hexdigest()
+
+
+def _diff_config(old: dict, new: dict) -> list[str]:
+    # Compare after a JSON round trip: the stored side was loaded from JSON (tuples became lists).
+    new = json.loads(json.dumps(new))
+    diffs = []
+    for key in sorted(set(old) | set(new), key=str):
+        before, after = old.get(key, _UNSET), new.get(key, _UNSET)
+        if before != after:
+            diffs.append(f"{key}: {_show(before)} -> {_show(after)}")
+    return diffs
+
+
+_UNSET = object()
+
+
+def _show(value: object) -> str:
+    return "<unset>" if value is _UNSET else json.dumps(value)
+
+
+def _short(fingerprint: str) -> str:
+    algo, _, digest = fingerprint.rpartition(":")
+    return f"{algo}:{digest[:12]}" if algo else fingerprint[:12]
+
+
+def _format_time(unix: float) -> str:
+    return datetime.datetime.fromtimestamp(unix).isoformat(sep=" ", timespec="seconds")
+
+
+def _read_holder(fd: int) -> dict:
+    """The lock file's {"pid", "started", "hostname"}; pid None if it is empty or garbled."""
+    try:
+        data = json.loads(os.pread(fd, 4096, 0) or b"{}")
+    except (OSError, ValueError):
+        data = {}
+    if not isinstance(data, dict):
+        data = {}
+    return {key: data.get(key) for key in ("pid", "started", "hostname")}
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError as exc:  # some filesystems refuse fsync on a directory
+        if exc.errno not in (errno.EINVAL, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)

@@ -1,0 +1,261 @@
+"""Output writers: Parquet, JSONL and OpenAI-batch files, streamed row by row in input order.
+
+The file appears by atomic rename after an fsync; on any error the temp file is removed and the
+error propagates unchanged (ENOSPC included). pyarrow is imported only when a schema is needed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from typing import IO, Any, Iterable, Iterator
+
+# Rows may carry the request kind ("chat" or "completion") under this key, for openai-batch output.
+KIND_KEY = "__conveyor_kind"
+OUTPUT_COLUMNS = ("id", "index", "status", "output", "finish_reason", "prompt_tokens", "completion_tokens",
+                  "error", "seed", "queue_s", "ttft_s", "latency_s")
+OUTPUT_FORMATS = ("parquet", "jsonl", "openai-batch")
+_EXTENSIONS = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl"}
+_INT64 = (-2**63, 2**63)
+
+
+def base_schema():
+    """The Arrow schema of the fixed output columns (keep fields are appended per file)."""
+    import pyarrow as pa
+
+    string, int64, float64 = pa.string(), pa.int64(), pa.float64()
+    types = (string, int64, string, string, string, int64, int64, string, int64, float64, float64, float64)
+    return pa.schema(list(zip(OUTPUT_COLUMNS, types)))
+
+
+def infer_output_format(path: str, output_format: str | None) -> str:
+    """"parquet", "jsonl" or "openai-batch", from --output-format or else the path's extension."""
+    if output_format is not None:
+        if output_format not in OUTPUT_FORMATS:
+            raise ValueError(f"--output-format {output_format!r} is not one of {', '.join(OUTPUT_FORMATS)}")
+        return output_format
+    fmt = _EXTENSIONS.get(os.path.splitext(path.lower())[1])
+    if fmt is None:
+        raise ValueError(f"cannot tell the output format of {path!r} from its extension; name it .parquet or "
+                         f".jsonl, or pass --output-format ({', '.join(OUTPUT_FORMATS)})")
+    return fmt
+
+
+def check_keep_fields(keep_fields: tuple[str, ...]) -> None:
+    """Keep fields become extra columns: they must not repeat or shadow an output column."""
+    clash = sorted(set(keep_fields) & {*OUTPUT_COLUMNS, KIND_KEY})
+    if clash:
+        raise ValueError(f"--keep-fields {', '.join(clash)} would overwrite output columns; keep other fields")
+    repeated = sorted({name for name in keep_fields if keep_fields.count(name) > 1})
+    if repeated:
+        raise ValueError(f"--keep-fields lists {', '.join(repeated)} more than once")
+
+
+def write_output(rows: Iterable[dict], path: str, output_format: str, keep_fields: tuple[str, ...] = (),
+                 model_name: str = "", row_group_size: int = 4096) -> int:
+    """Stream `rows` (output-row dicts, input order) to `path` atomically; returns the rows written.
+
+    Keys beyond the output columns and keep fields (such as `kind`) are ignored, except that
+    openai-batch reads `kind` ("completion" -> a text_completion body; anything else -> chat).
+    """
+    if output_format not in OUTPUT_FORMATS:
+        raise ValueError(f"--output-format {output_format!r} is not one of {', '.join(OUTPUT_FORMATS)}")
+    keep_fields = tuple(keep_fields)
+    check_keep_fields(keep_fields)
+    if output_format == "parquet":
+        with _atomic_file(path, "wb") as f:
+            return _write_parquet(rows, f, keep_fields, row_group_size)
+    with _atomic_file(path, "w") as f:
+        if output_format == "jsonl":
+            return _write_jsonl(rows, f, OUTPUT_COLUMNS + keep_fields)
+        return _write_openai_batch(rows, f, model_name)
+
+
+@contextlib.contextmanager
+def _atomic_file(path: str, mode: str) -> Iterator[IO]:
+    """A temp file beside `path` (.<name>.tmp-<pid>); renamed onto `path` only if the body succeeds."""
+    target = os.path.abspath(path)
+    directory, name = os.path.split(target)
+    tmp = os.path.join(directory, f".{name}.tmp-{os.getpid()}")
+    text_args = {"encoding": "utf-8", "newline": "\n"} if "b" not in mode else {}
+    f = open(tmp, mode, **text_args)
+    try:
+        yield f
+        f.flush()
+        os.fsync(f.fileno())
+        f.close()
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            f.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+        raise
+    _fsync_dir(directory)
+
+
+def _fsync_dir(directory: str) -> None:
+    """Make the rename durable; some platforms cannot open a directory, and then there is nothing to do."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_jsonl(rows: Iterable[dict], f: IO[str], columns: tuple[str, ...]) -> int:
+    num_rows = 0
+    for row in rows:
+        f.write(json.dumps({c: row.get(c) for c in columns}, ensure_ascii=False, default=str) + "\n")
+        num_rows += 1
+    return num_rows
+
+
+def _write_openai_batch(rows: Iterable[dict], f: IO[str], model_name: str) -> int:
+    created = int(time.time())
+    num_rows = 0
+    for row in rows:
+        f.write(json.dumps(_openai_line(row, model_name, created), ensure_ascii=False) + "\n")
+        num_rows += 1
+    return num_rows
+
+
+def _openai_line(row: dict, model_name: str, created: int) -> dict:
+    """One line of an OpenAI Batch API output file."""
+    index = row["index"]
+    line: dict[str, Any] = {"id": f"batch_req_{index}", "custom_id": row["id"]}
+    if row["status"] != "ok":
+        return {**line, "response": None, "error": {"code": "invalid_request", "message": row.get("error")}}
+    prompt_tokens = row.get("prompt_tokens") or 0
+    completion_tokens = row.get("completion_tokens") or 0
+    finish_reason = row.get("finish_reason")
+    if row.get(KIND_KEY) == "completion":
+        body_id, kind = f"cmpl-{index}", "text_completion"
+        choice = {"index": 0, "text": row.get("output"), "logprobs": None, "finish_reason": finish_reason}
+    else:
+        body_id, kind = f"chatcmpl-{index}", "chat.completion"
+        choice = {"index": 0, "message": {"role": "assistant", "content": row.get("output")},
+                  "finish_reason": finish_reason}
+    body = {"id": body_id, "object": kind, "created": created, "model": model_name, "choices": [choice],
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_tokens + completion_tokens}}
+    return {**line, "response": {"status_code": 200, "request_id": f"req_{index}", "body": body}, "error": None}
+
+
+def _write_parquet(rows: Iterable[dict], f: IO[bytes], keep_fields: tuple[str, ...], row_group_size: int) -> int:
+    import pyarrow.parquet as pq
+
+    writer = None
+    columns: list[_KeepColumn] = []
+    num_rows = 0
+    try:
+        for chunk in _chunks(rows, row_group_size):
+            if writer is None:
+                columns = [_KeepColumn.from_first_chunk(name, [row.get(name) for row in chunk])
+                           for name in keep_fields]
+                writer = pq.ParquetWriter(f, _schema(columns))
+            writer.write_table(_table(chunk, columns, writer.schema), row_group_size=row_group_size)
+            num_rows += len(chunk)
+        if writer is None:  # no rows: still a valid file with the full schema
+            columns = [_KeepColumn(name, "str") for name in keep_fields]
+            writer = pq.ParquetWriter(f, _schema(columns))
+    except BaseException:
+        if writer is not None:
+            with contextlib.suppress(Exception):
+                writer.close()
+        raise
+    writer.close()
+    return num_rows
+
+
+def _chunks(rows: Iterable[dict], size: int) -> Iterator[list[dict]]:
+    chunk: list[dict] = []
+    for row in rows:
+        chunk.append(row)
+        if len(chunk) >= size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def _schema(columns: list[_KeepColumn]):
+    import pyarrow as pa
+
+    schema = base_schema()
+    for column in columns:
+        schema = schema.append(pa.field(column.name, column.arrow_type()))
+    return schema
+
+
+def _table(chunk: list[dict], columns: list[_KeepColumn], schema):
+    import pyarrow as pa
+
+    arrays = [pa.array([row.get(name) for row in chunk], type=schema.field(name).type) for name in OUTPUT_COLUMNS]
+    arrays += [pa.array(column.convert(chunk), type=column.arrow_type()) for column in columns]
+    return pa.Table.from_arrays(arrays, schema=schema)
+
+
+class _KeepColumn:
+    """A keep field's Parquet type, fixed by the first row group's non-null values:
+
+    all bool -> bool; all int (in int64) -> int64; ints and floats -> float64; all str -> string;
+    anything else (objects, lists, mixed kinds, or no non-null value) -> string. In a string column,
+    str values are stored as they are and every other value as its JSON text. A later value that does
+    not fit a bool/int64/float64 column raises ValueError naming the field and the row.
+    """
+
+    def __init__(self, name: str, kind: str) -> None:
+        self.name = name
+        self.kind = kind  # "bool" | "int" | "float" | "str"
+
+    @classmethod
+    def from_first_chunk(cls, name: str, values: list) -> _KeepColumn:
+        kinds = {_kind_of(v) for v in values if v is not None}
+        if kinds == {"bool"}:
+            return cls(name, "bool")
+        if kinds == {"int"}:
+            return cls(name, "int")
+        if kinds and kinds <= {"int", "float"}:
+            return cls(name, "float")
+        return cls(name, "str")
+
+    def arrow_type(self):
+        import pyarrow as pa
+
+        return {"bool": pa.bool_(), "int": pa.int64(), "float": pa.float64(), "str": pa.string()}[self.kind]
+
+    def convert(self, chunk: list[dict]) -> list:
+        out = []
+        for row in chunk:
+            value = row.get(self.name)
+            if value is None or self.kind == _kind_of(value):
+                out.append(value)
+            elif self.kind == "str":
+                out.append(json.dumps(value, ensure_ascii=False, default=str))
+            elif self.kind == "float" and _kind_of(value) == "int":
+                out.append(float(value))
+            elif self.kind == "int" and isinstance(value, float) and value.is_integer():
+                out.append(int(value))
+            else:
+                raise ValueError(f"keep field {self.name!r}: row {row.get('index')} holds {value!r}, but the "
+                                 f"column's Parquet type ({self.arrow_type()}) was fixed from the first row group; "
+                                 "make the field's type consistent or write JSONL (--output-format jsonl)")
+        return out
+
+
+def _kind_of(value: Any) -> str:
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, int):
+        return "int" if _INT64[0] <= value < _INT64[1] else "other"
+    if isinstance(value, float):
+        return "float"
+    if isinstance(value, str):
+        return "str"
+    return "other"
