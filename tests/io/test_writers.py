@@ -11,19 +11,19 @@ import pyarrow.parquet as pq
 import pytest
 
 from conveyor.io import writers
-from conveyor.io.writers import OUTPUT_COLUMNS, base_schema, infer_output_format, write_output
+from conveyor.io.writers import KIND_KEY, OUTPUT_COLUMNS, base_schema, infer_output_format, write_output
 
 
 def ok_row(index, **extra):
     return {"id": f"r{index}", "index": index, "status": "ok", "output": f"answer {index} é", "finish_reason": "stop",
             "prompt_tokens": 10 + index, "completion_tokens": 3, "error": None, "seed": 2**62 + index,
-            "queue_s": 0.5, "ttft_s": 1, "latency_s": 1.25, "kind": "chat", **extra}
+            "queue_s": 0.5, "ttft_s": 1, "latency_s": 1.25, KIND_KEY: "chat", **extra}
 
 
 def error_row(index, **extra):
     return {"id": str(index), "index": index, "status": "error", "output": None, "finish_reason": None,
             "prompt_tokens": None, "completion_tokens": 0, "error": f"line {index + 1}: field 'prompt' is empty",
-            "seed": None, "queue_s": None, "ttft_s": None, "latency_s": None, "kind": None, **extra}
+            "seed": None, "queue_s": None, "ttft_s": None, "latency_s": None, KIND_KEY: None, **extra}
 
 
 def test_base_schema_types():
@@ -40,7 +40,7 @@ def test_parquet_round_trip(tmp_path):
     table = pq.read_table(path)
     assert table.schema == base_schema()
     got = table.to_pylist()
-    assert got[1] == {k: v for k, v in error_row(1).items() if k != "kind"}
+    assert got[1] == {k: v for k, v in error_row(1).items() if k != KIND_KEY}
     assert got[0]["output"] == "answer 0 é" and got[0]["seed"] == 2**62 and got[0]["ttft_s"] == 1.0
     assert os.listdir(tmp_path) == ["out.parquet"]
 
@@ -94,12 +94,12 @@ def test_jsonl(tmp_path):
     lines = [json.loads(line) for line in raw.splitlines()]
     assert [list(obj) for obj in lines] == [list(OUTPUT_COLUMNS) + ["category"]] * 2
     assert lines[0]["category"] == "math" and lines[0]["seed"] == 2**62
-    assert lines[1] == {**{k: v for k, v in error_row(1).items() if k != "kind"}, "category": None}
+    assert lines[1] == {**{k: v for k, v in error_row(1).items() if k != KIND_KEY}, "category": None}
 
 
 def test_openai_batch(tmp_path):
     path = tmp_path / "out.jsonl"
-    rows = [ok_row(0), error_row(1), {**ok_row(2), "kind": "completion", "finish_reason": "length"}]
+    rows = [ok_row(0), error_row(1), {**ok_row(2), KIND_KEY: "completion", "finish_reason": "length"}]
     write_output(iter(rows), str(path), "openai-batch", model_name="smollm2")
     chat, error, completion = [json.loads(line) for line in path.read_text().splitlines()]
     created = chat["response"]["body"]["created"]
