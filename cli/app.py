@@ -18,7 +18,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-app.command("run", epilog=EXAMPLES.replace("\n\n", "\n\n\b\n"))(run_command)
+app.command("run", epilog=EXAMPLES)(run_command)
 
 
 @app.command("validate")
@@ -69,13 +69,13 @@ def models_command() -> int:
 
 def _one_line(exc: BaseException) -> str:
     text = str(exc).strip() or type(exc).__name__
+    if isinstance(exc, OSError) and not isinstance(exc, FileNotFoundError):
+        text += "; fix the cause (free disk space, permissions) and run the same command again to resume"
     return text.splitlines()[0]
 
 
 def main(argv: list[str] | None = None) -> None:
     """Run the app and exit with DESIGN.md's codes; usage errors are one line, no traceback."""
-    import click
-
     debug = os.environ.get("CONVEYOR_DEBUG") == "1"
     args = list(sys.argv[1:] if argv is None else argv)
     if "--debug" in args:
@@ -84,22 +84,28 @@ def main(argv: list[str] | None = None) -> None:
     command = typer.main.get_command(app)
     try:
         code = command.main(args=args, prog_name="conveyor", standalone_mode=False)
-    except click.exceptions.NoArgsIsHelpError as e:  # `conveyor` alone: help, exit 0
-        click.echo(e.ctx.get_help() if e.ctx else "", err=False)
-        code = 0
-    except click.exceptions.UsageError as e:
-        where = f"conveyor {e.ctx.info_name}" if e.ctx and e.ctx.info_name != "conveyor" else "conveyor"
-        sys.stderr.write(f"{where}: error: {e.format_message()} (see {where} --help)\n")
-        code = ExitCode.USAGE
-    except click.exceptions.Exit as e:
+    except typer.Exit as e:
         code = e.exit_code
-    except (click.exceptions.Abort, KeyboardInterrupt):
+    except (typer.Abort, KeyboardInterrupt):
         sys.stderr.write("conveyor: interrupted\n")
         code = ExitCode.INTERRUPTED
+    except typer.TyperException as e:  # the command line itself is wrong: bad option, missing argument
+        ctx = getattr(e, "ctx", None)
+        if type(e).__name__ == "NoArgsIsHelpError":  # `conveyor` alone: the help was shown
+            code = ExitCode.OK
+        else:
+            name = getattr(ctx, "info_name", None)
+            where = f"conveyor {name}" if name and name != "conveyor" else "conveyor"
+            sys.stderr.write(f"{where}: error: {_one_line_text(e.format_message())} (see {where} --help)\n")
+            code = ExitCode.USAGE
     except Exception as e:  # noqa: BLE001 - the one boundary
         if debug:
             traceback.print_exc()
         code = code_for(e)
-        hint = "" if debug else " (run with --debug for the traceback)" if code == ExitCode.FATAL else ""
+        hint = " (run with --debug for the traceback)" if code == ExitCode.FATAL and not debug else ""
         sys.stderr.write(f"conveyor: error: {_one_line(e)}{hint}\n")
     sys.exit(int(code or 0))
+
+
+def _one_line_text(text: str) -> str:
+    return " ".join(line.strip() for line in text.strip().splitlines() if line.strip())
