@@ -38,8 +38,11 @@ class GatheredRows:
 class PagedBatch:
     """Index tensors for one step, shared by every layer."""
 
-    kv_cache: list[torch.Tensor]  # per layer [num_slots, 2 * num_kv_heads, head_dim]
+    keys: list[torch.Tensor]  # per layer [num_blocks, num_kv_heads, head_dim, block_size]
+    values: list[torch.Tensor]  # per layer [num_slots, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor  # [num_tokens] where each new token's K/V goes
+    slot_block: torch.Tensor  # [num_tokens] slot_mapping // block_size
+    slot_offset: torch.Tensor  # [num_tokens] slot_mapping % block_size
     block_size: int
     fresh_chunks: list[tuple[int, int]]  # [start, end) rows of prefill chunks with nothing cached
     paged_rows: torch.Tensor | None  # rows attending through the pool; None = every row does
@@ -58,21 +61,22 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     if conveyor_batch is None:
         raise RuntimeError("conveyor_paged attention needs the step's PagedBatch (run the model via ModelRunner)")
     batch = conveyor_batch
-    num_kv_heads = key.shape[1]
-    cache = batch.kv_cache[module.layer_idx]
-    # [T, 2 * Hkv, D]: K heads then V heads, as the pool stores them.
-    new_kv = torch.cat((key[0], value[0]), dim=0).transpose(0, 1)
-    cache.index_copy_(0, batch.slot_mapping, new_kv.to(cache.dtype))
+    k_cache = batch.keys[module.layer_idx]
+    v_cache = batch.values[module.layer_idx]
+    v_cache.index_copy_(0, batch.slot_mapping, value[0].transpose(0, 1).to(v_cache.dtype))  # [T, Hkv, D]
+    # keys: a [num_blocks, block_size, Hkv, D] view of the transposed blocks, indexed per token
+    k_cache.permute(0, 3, 1, 2).index_put_((batch.slot_block, batch.slot_offset),
+                                           key[0].transpose(0, 1).to(k_cache.dtype))
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
 
     q = query[0].transpose(0, 1)  # [T, H, D]
     if batch.kernel is not None and batch.has_paged_rows and batch.paged_rows is None:  # all rows paged: one call
-        return _paged(q, cache, batch, num_kv_heads, scale).unsqueeze(0), None
+        return _paged(q, k_cache, v_cache, batch, scale).unsqueeze(0), None
     out = torch.empty_like(q)
     if batch.kernel is not None and batch.has_paged_rows:
-        out[batch.paged_rows] = _paged(q[batch.paged_rows], cache, batch, num_kv_heads, scale)
+        out[batch.paged_rows] = _paged(q[batch.paged_rows], k_cache, v_cache, batch, scale)
     for g in batch.gathered:
-        out[g.rows] = _gathered(q[g.rows], cache, g, num_kv_heads, scale)
+        out[g.rows] = _gathered(q[g.rows], k_cache, v_cache, g, batch.block_size, scale)
     for start, end in batch.fresh_chunks:
         qc = query[:, :, start:end]  # [1, H, n, D]
         o = F.scaled_dot_product_attention(qc, key[:, :, start:end], value[:, :, start:end], is_causal=True,
@@ -81,18 +85,19 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     return out.unsqueeze(0), None
 
 
-def _paged(q: torch.Tensor, cache: torch.Tensor, batch: PagedBatch, num_kv_heads: int, scale: float) -> torch.Tensor:
+def _paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: PagedBatch,
+           scale: float) -> torch.Tensor:
     """q [n, H, D] -> [n, H, D], each row attending to its request's first token_ctx cached tokens."""
-    q_c = q.to(cache.dtype).contiguous()
-    return batch.kernel(q_c, cache, batch.tables, batch.token_req, batch.token_ctx, batch.block_size,
+    q_c = q.to(k_cache.dtype).contiguous()
+    return batch.kernel(q_c, k_cache, v_cache, batch.tables, batch.token_req, batch.token_ctx, batch.block_size,
                         scale).to(q.dtype)
 
 
-def _gathered(q: torch.Tensor, cache: torch.Tensor, g: GatheredRows, num_kv_heads: int,
+def _gathered(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: GatheredRows, block_size: int,
               scale: float) -> torch.Tensor:
     """Fallback: q [n, H, D] -> [n, H, D] via a padded gather and one SDPA call."""
-    kv = cache[g.slots].transpose(1, 2)  # [b, 2Hkv, L, D]
-    k, v = kv[:, :num_kv_heads], kv[:, num_kv_heads:]
+    k = k_cache.permute(0, 3, 1, 2)[g.slots // block_size, g.slots % block_size].transpose(1, 2)  # [b, Hkv, L, D]
+    v = v_cache[g.slots].transpose(1, 2)  # [b, Hkv, L, D]
     if g.is_decode:
         qb = q.unsqueeze(2)  # [n, H, 1, D]: one query per request
     else:

@@ -14,9 +14,9 @@ def kv_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_
 
 
 class KVCache:
-    """Per layer a tensor [num_blocks * block_size, 2 * num_kv_heads, head_dim]: K heads then V heads.
-
-    Keeping K and V of a slot side by side lets one gather fetch both.
+    """Per layer: keys [num_blocks, num_kv_heads, head_dim, block_size] (each block transposed, for
+    the CPU kernel's vector loop over a block's keys) and values [num_blocks * block_size,
+    num_kv_heads, head_dim]. Token slot s lives in block s // block_size at offset s % block_size.
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int, block_size: int,
@@ -28,10 +28,10 @@ class KVCache:
         self.block_size = block_size
         # Zeroed, not empty: masked-out slots still enter attention's weighted sum with weight 0,
         # and 0 * NaN from uninitialised memory would poison the output.
-        self.layers = [
-            torch.zeros(num_blocks * block_size, 2 * num_kv_heads, head_dim, dtype=dtype, device=device)
-            for _ in range(num_layers)
-        ]
+        self.keys = [torch.zeros(num_blocks, num_kv_heads, head_dim, block_size, dtype=dtype, device=device)
+                     for _ in range(num_layers)]
+        self.values = [torch.zeros(num_blocks * block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+                       for _ in range(num_layers)]
 
     @staticmethod
     def num_blocks_for_budget(memory: str | int, num_layers: int, num_kv_heads: int, head_dim: int,

@@ -90,9 +90,13 @@ class ModelRunner:
             else:
                 paged.append((row, e))
         dev = self.device
+        slot_mapping = torch.tensor(slots, dtype=torch.long, device=dev)
         batch = PagedBatch(
-            kv_cache=self.kv_cache.layers,
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            keys=self.kv_cache.keys,
+            values=self.kv_cache.values,
+            slot_mapping=slot_mapping,
+            slot_block=slot_mapping // bs,
+            slot_offset=slot_mapping % bs,
             block_size=bs,
             fresh_chunks=fresh_chunks,
             paged_rows=None,

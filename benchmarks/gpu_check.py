@@ -1,0 +1,309 @@
+"""GPU check (run by benchmarks/gpu_check.sh): greedy equivalence of conveyor vs transformers on CUDA, then a
+short bf16 throughput comparison of conveyor, hf-static and hf-cb. Needs no network and no model download.
+
+    python benchmarks/gpu_check.py                       # on a CUDA machine
+    python benchmarks/gpu_check.py --device cpu --tiny   # dry run of every code path on a CPU
+
+Model: a randomly initialised Llama (hidden 1024, 16 layers, 16 heads, 4 KV heads, intermediate 2816,
+vocab 49152; --tiny: hidden 64, 2 layers, 4 heads, 2 KV heads, vocab 512), seed 0, saved once to a temporary
+HF folder with a tokenizer (conveyor's cached SmolLM2 tokenizer when the vocab matches and it is cached, else
+a word-level tokenizer built offline). Random weights are enough: equivalence is a property of the engine.
+Prompts are random token ids.
+
+1. Equivalence (float32, TF32 off): for each prompt, `model.generate` alone (greedy, min_new_tokens =
+   max_new_tokens, i.e. EOS ignored) vs conveyor's Engine on all prompts at once; then again with a KV pool
+   so small that the engine must preempt. A mismatch reports the first differing position and the gap
+   between the two candidates' logits there (a gap near 0 is a float near-tie, not an engine bug).
+2. Throughput (bfloat16): benchmarks/bench_worker.py, one fresh process per engine, same rules as
+   benchmarks/throughput.py, on --n requests (random prompts with the workload's max_tokens).
+Exit status: 0 when every prompt matches (near-ties excepted, and reported) and every engine produced exactly
+its tokens; 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+from workload import make_workload  # noqa: E402
+
+RESULT_PREFIX = "BENCH_RESULT "
+NEAR_TIE = 1e-3  # logit gap under which a greedy flip is a float effect, not a bug
+
+
+def model_config(tiny: bool):
+    from transformers import LlamaConfig
+
+    if tiny:
+        return LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=2048,
+                           tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    return LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=16, num_attention_heads=16,
+                       num_key_value_heads=4, head_dim=64, vocab_size=49152, max_position_embeddings=4096,
+                       tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+
+
+def make_tokenizer(vocab_size: int):
+    """conveyor's cached SmolLM2 tokenizer if its vocab matches, else a word-level tokenizer made offline."""
+    try:
+        from conveyor.core.model_loader import embedded_model_dir, is_embedded_cached
+
+        if is_embedded_cached("smollm2-135m-instruct"):
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(str(embedded_model_dir("smollm2-135m-instruct")))
+            if len(tok) <= vocab_size:
+                return tok, "smollm2 (cached)"
+    except Exception:
+        pass
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({f"w{i}": i for i in range(3, vocab_size)})
+    core = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                  pad_token="</s>")
+    return tok, "word-level (built offline)"
+
+
+def build_model_folder(folder: Path, tiny: bool) -> tuple[dict, str]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    cfg = model_config(tiny)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model.generation_config.eos_token_id = cfg.eos_token_id
+    model.generation_config.pad_token_id = cfg.pad_token_id
+    model.save_pretrained(folder)
+    tok, kind = make_tokenizer(cfg.vocab_size)
+    tok.save_pretrained(folder)
+    n_params = sum(p.numel() for p in model.parameters())
+    return {"hidden": cfg.hidden_size, "layers": cfg.num_hidden_layers, "heads": cfg.num_attention_heads,
+            "kv_heads": cfg.num_key_value_heads, "vocab": cfg.vocab_size, "params_m": round(n_params / 1e6, 1)}, kind
+
+
+def random_prompts(n: int, vocab: int, seed: int, lo: int, hi: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        length = int(math.exp(rng.uniform(math.log(lo), math.log(hi))))
+        out.append([rng.randrange(3, vocab) for _ in range(length)])
+    return out
+
+
+def equivalence(folder: Path, device: str, num_prompts: int, max_tokens: int, tiny: bool) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from conveyor.core.config import EngineConfig
+    from conveyor.core.engine import Engine
+    from conveyor.core.outputs import GenerationRequest
+    from conveyor.core.sampling_params import SamplingParams
+
+    if device.startswith("cuda"):
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+    vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+    prompts = random_prompts(num_prompts, vocab, seed=1, lo=4, hi=60 if tiny else 300)
+    prompts[0] = prompts[0][:1]  # a one-token prompt
+    if len(prompts) > 2:
+        prompts[2] = prompts[1][:]  # a duplicate: shares every block with prompt 1 (prefix cache)
+
+    ref_model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device).eval()
+    refs = []
+    for p in prompts:
+        ids = torch.tensor([p], device=device)
+        with torch.inference_mode():
+            out = ref_model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                     max_new_tokens=max_tokens, min_new_tokens=max_tokens)
+        refs.append(out[0, len(p):].tolist())
+
+    def logit_gap(prompt, prefix, a, b) -> float:
+        ids = torch.tensor([prompt + prefix], device=device)
+        with torch.inference_mode():
+            logits = ref_model(input_ids=ids).logits[0, -1].float()
+        return abs(float(logits[a] - logits[b]))
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    block_size = 16
+    longest = max(len(p) for p in prompts) + max_tokens
+    runs = {"roomy": None, "preempting": max(2, math.ceil(longest / block_size) + 1)}
+    report = {"prompts": len(prompts), "max_tokens": max_tokens, "runs": {}}
+    ok = True
+    for name, blocks in runs.items():
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device).eval()
+        cfg = EngineConfig(dtype="float32", device=device, max_num_seqs=max(2, len(prompts)), block_size=block_size,
+                           max_num_batched_tokens=256, num_kv_blocks=blocks, kv_cache_memory="512MiB")
+        engine = Engine(model, tokenizer, cfg)
+        reqs = [GenerationRequest(f"p{i}", p, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+                for i, p in enumerate(prompts)]
+        outs = {o.req_id: o.output_token_ids for o in engine.generate(reqs)}
+        stats = engine.stats()
+        rows = []
+        for i, (p, ref) in enumerate(zip(prompts, refs)):
+            got = outs.get(f"p{i}", [])
+            if got == ref:
+                rows.append({"prompt": i, "len": len(p), "match": True})
+                continue
+            pos = next((k for k, (x, y) in enumerate(zip(got, ref)) if x != y), min(len(got), len(ref)))
+            gap = logit_gap(p, ref[:pos], got[pos], ref[pos]) if pos < min(len(got), len(ref)) else None
+            near_tie = gap is not None and gap < NEAR_TIE
+            ok &= near_tie
+            rows.append({"prompt": i, "len": len(p), "match": False, "first_diff": pos, "got_len": len(got),
+                         "logit_gap": gap, "near_tie": near_tie})
+        report["runs"][name] = {"num_kv_blocks": engine.num_kv_blocks, "preemptions": stats.num_preemptions,
+                                "prefix_cache_hit_rate": round(stats.prefix_cache_hit_rate, 3), "rows": rows}
+        del engine, model
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    if report["runs"]["preempting"]["preemptions"] == 0:
+        report["note"] = "the small pool did not force a preemption"
+    report["ok"] = ok
+    return report
+
+
+def throughput(folder: Path, device: str, dtype: str, n: int, reps: int, engines: list[str], cap: int | None,
+               args) -> list[dict]:
+    vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+    work = make_workload(n, 0)
+    prompts = random_prompts(n, vocab, seed=2, lo=8, hi=64 if args.tiny else 512)
+    reqs = [{"id": w.id, "prompt_token_ids": p, "max_tokens": min(w.max_tokens, cap) if cap else w.max_tokens}
+            for w, p in zip(work, prompts)]
+    warm = [{"id": f"warmup-{i}", "prompt_token_ids": p, "max_tokens": 8}
+            for i, p in enumerate(random_prompts(4, vocab, seed=3, lo=8, hi=64))]
+    spec = {"model": str(folder), "dtype": dtype, "device": device, "threads": args.threads,
+            "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+            "kv_gib": args.kv_gib, "static_batch": 16, "requests": reqs, "warmup": warm}
+    spec_path = folder / f"spec-{dtype}.json"
+    spec_path.write_text(json.dumps(spec))
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    results = []
+    for rep in range(reps):
+        for e in engines:
+            t0 = time.perf_counter()
+            proc = subprocess.run([sys.executable, str(HERE / "bench_worker.py"), "--engine", e, "--spec",
+                                   str(spec_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  env=env, cwd=str(REPO), timeout=args.timeout)
+            line = next((l for l in reversed(proc.stdout.splitlines()) if l.startswith(RESULT_PREFIX)), None)
+            if line is None:
+                tail = (proc.stderr or proc.stdout).strip().splitlines()[-8:]
+                results.append({"engine": e, "rep": rep, "error": f"exit {proc.returncode}", "tail": tail})
+                print(f"  {e}: ERROR exit {proc.returncode}\n    " + "\n    ".join(tail), flush=True)
+                continue
+            r = json.loads(line[len(RESULT_PREFIX):])
+            r["rep"], r["process_s"] = rep, time.perf_counter() - t0
+            results.append(r)
+            print(f"  {e}: {r['output_tokens']} tok in {r['wall_s']:.2f}s = {r['tok_s']:.0f} tok/s"
+                  f"{'' if r['count_ok'] else ' COUNT MISMATCH'}", flush=True)
+    return results
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--tiny", action="store_true", help="tiny model and workload (CPU dry run)")
+    p.add_argument("--prompts", type=int, default=6)
+    p.add_argument("--eq-tokens", type=int, default=48)
+    p.add_argument("--n", type=int, default=None, help="throughput requests (default 256; --tiny: 4)")
+    p.add_argument("--reps", type=int, default=1)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--engines", default="conveyor,hf-static,hf-cb")
+    p.add_argument("--max-tokens-cap", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    p.add_argument("--kv-gib", type=float, default=8.0)
+    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    p.add_argument("--timeout", type=int, default=600, help="seconds per engine process")
+    p.add_argument("--skip-throughput", action="store_true")
+    p.add_argument("--out", type=Path, default=None, help="JSON report (default: $OUT/gpu_check.json or none)")
+    a = p.parse_args()
+    if a.tiny:
+        a.n = a.n or 4
+        a.max_tokens_cap = a.max_tokens_cap or 8
+        a.eq_tokens = min(a.eq_tokens, 16)
+        a.kv_gib = min(a.kv_gib, 0.25)
+        a.max_num_seqs = min(a.max_num_seqs, 64)
+    a.n = a.n or 256
+
+    import torch
+    import transformers
+
+    if a.device.startswith("cuda") and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device visible to torch; use --device cpu --tiny for a dry run")
+        sys.exit(2)
+    dev_name = torch.cuda.get_device_name(0) if a.device.startswith("cuda") else "cpu"
+    report = {"device": dev_name, "torch": torch.__version__, "transformers": transformers.__version__,
+              "cuda": torch.version.cuda}
+    print(f"== gpu_check on {dev_name} (torch {torch.__version__}, cuda {torch.version.cuda}, "
+          f"transformers {transformers.__version__})", flush=True)
+    ok = True
+    with tempfile.TemporaryDirectory(prefix="conveyor-gpu-check-") as tmp:
+        folder = Path(tmp) / "random-llama"
+        shape, tok_kind = build_model_folder(folder, a.tiny)
+        report["model"] = {**shape, "tokenizer": tok_kind}
+        print(f"model: random Llama {shape}, tokenizer {tok_kind}", flush=True)
+
+        t0 = time.perf_counter()
+        eq = equivalence(folder, a.device, a.prompts, a.eq_tokens, a.tiny)
+        report["equivalence"] = eq
+        ok &= eq["ok"]
+        for name, run in eq["runs"].items():
+            matched = sum(r["match"] for r in run["rows"])
+            print(f"equivalence float32 [{name}: {run['num_kv_blocks']} blocks, {run['preemptions']} preemptions, "
+                  f"prefix hit {run['prefix_cache_hit_rate']}]: {matched}/{len(run['rows'])} prompts identical",
+                  flush=True)
+            for r in run["rows"]:
+                if not r["match"]:
+                    print(f"   prompt {r['prompt']} (len {r['len']}): first diff at token {r['first_diff']}, "
+                          f"logit gap {r['logit_gap']}, {'near-tie' if r['near_tie'] else 'MISMATCH'}")
+        if "note" in eq:
+            print(f"   note: {eq['note']}")
+        print(f"   ({time.perf_counter() - t0:.0f}s)", flush=True)
+
+        if not a.skip_throughput:
+            engines = [e.strip() for e in a.engines.split(",") if e.strip()]
+            print(f"throughput {a.dtype}, {a.n} requests, reps {a.reps}:", flush=True)
+            runs = throughput(folder, a.device, a.dtype, a.n, a.reps, engines, a.max_tokens_cap, a)
+            report["throughput"] = runs
+            good = [r for r in runs if "error" not in r]
+            ok &= len(good) == len(runs) and all(r["count_ok"] for r in good)
+            med = {}
+            for e in engines:
+                tps = sorted(r["tok_s"] for r in good if r["engine"] == e)
+                if tps:
+                    med[e] = tps[len(tps) // 2]
+            base = med.get("conveyor")
+            print(f"{'engine':<10} {'tok/s':>10} {'x conveyor':>11} {'GPU MiB':>9}")
+            for e, v in med.items():
+                gpu = max((r.get("gpu_peak_allocated_mib") or 0) for r in good if r["engine"] == e)
+                print(f"{e:<10} {v:>10.0f} {(f'{v / base:.2f}x' if base else '-'):>11} {gpu:>9.0f}")
+            report["throughput_median_tok_s"] = med
+    report["ok"] = bool(ok)
+    out = a.out or (Path(os.environ["OUT"]) / "gpu_check.json" if os.environ.get("OUT") else None)
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2))
+        print(f"wrote {out}")
+    print("RESULT:", "OK" if ok else "FAIL")
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

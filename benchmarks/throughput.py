@@ -1,0 +1,336 @@
+"""Offline throughput of conveyor against its peers, on one seeded workload, same weights, same machine.
+
+    python benchmarks/throughput.py --dtype bfloat16                 # all engines, n=256, 3 repetitions
+    python benchmarks/throughput.py --engines conveyor,vllm --reps 5
+    python benchmarks/throughput.py --n 4 --max-tokens-cap 8 --reps 1 # smoke test: every path end to end
+
+What is measured. Output tokens per second: the sum over requests of the tokens each was asked for
+(`max_tokens`, generated greedily with EOS ignored, so every engine does exactly the same useful work),
+divided by the wall seconds of the one call that generates the whole workload. Each engine runs in its own
+fresh process (benchmarks/bench_worker.py), so peak RSS is per engine and nothing is shared; engines alternate
+(A B C A B C ...) so that slow drift of a shared machine hits all of them alike, and the table reports the median
+and the min-max spread per engine. Ratios against conveyor are the result (see shared/DESIGN.md, "Performance
+method"): absolute seconds on a shared machine mean little. Each worker also checks that every request really
+got its max_tokens tokens (`count_ok`).
+
+Common to all engines: the weights are conveyor's cached SmolLM2-135M-Instruct folder
+(`ensure_embedded("smollm2-135m-instruct")`), loaded by every engine from that folder; prompts are the
+workload's chat messages through the tokenizer's chat template (`apply_chat_template(...,
+add_generation_prompt=True)`), tokenized once here and handed to every engine as token ids; greedy
+decoding; `--threads` torch threads (vLLM: the same cores through VLLM_CPU_OMP_THREADS_BIND); the same KV
+budget (`--kv-gib`), sequence cap (`--max-num-seqs`) and token budget per step (`--max-num-batched-tokens`)
+for the three continuous-batching engines. Timing rule, identical for all: load (not timed into tok/s),
+then a short untimed warm-up on other prompts through the same engine instance, then the timed call.
+
+Engines:
+  conveyor    conveyor.core.engine.Engine, SamplingParams(temperature=0, max_tokens=mt, ignore_eos=True).
+  vllm        vllm.LLM (CPU build, in the venv made by benchmarks/setup_vllm.sh, with its LD_PRELOAD of
+              tcmalloc + Intel OpenMP), token-id prompts, SamplingParams(temperature=0, max_tokens=mt,
+              ignore_eos=True), vLLM's default CPU compilation (torch.compile, no CUDA graphs) unless
+              --vllm-eager. Skipped with a message when the venv is missing.
+  hf-cb       transformers' own continuous batching: the manager behind `model.generate_batch`, driven
+              through `model.continuous_batching_context_manager` so that each request gets its own
+              max_new_tokens (generate_batch takes one max_new_tokens for all) and eos_token_id=-1 (EOS
+              ignored); do_sample=False. Settings, and why:
+                attn_implementation="sdpa"  CB on CPU accepts sdpa, paged|eager or flash; flash kernels are
+                                            GPU-only and paged|eager is the slow fallback, so sdpa;
+                                            auto_switch_to_flash=False (nothing to switch to on a CPU).
+                num_blocks                  from --kv-gib (page_size 256, transformers' default): by default
+                                            it would take 60% of free RAM on a CPU, unlike the others.
+                max_batch_tokens / max_requests_per_batch = --max-num-batched-tokens / --max-num-seqs.
+                use_cuda_graph=False, use_async_batching=False (the double buffering exists to overlap host
+                                            work with a GPU; on a CPU both run on the same cores).
+                default_compile_level=0     no torch.compile, like conveyor and the HF baselines.
+                allow_block_sharing=True    its prefix cache, as conveyor's and vLLM's are on.
+  hf-static   transformers `model.generate` in static padded batches of --static-batch (16) requests,
+              taken in workload order (no sorting), left padding. Rule for exact lengths: each batch runs
+              with max_new_tokens = min_new_tokens = the largest max_tokens in that batch (EOS can then
+              never end it), and each request counts only its own max_tokens tokens as useful output; the
+              rest is padding waste, which is exactly what continuous batching removes. The total generated
+              including that waste is reported as extra.generated_incl_padding_waste.
+  sequential  transformers `model.generate`, one request at a time, min_new_tokens = max_new_tokens =
+              max_tokens, on the first --sequential-n (16) requests only: its tok/s is on that subset and is
+              labelled so.
+
+Output: a table (median tok/s, spread, wall s, peak RSS MiB, each engine's tok/s / conveyor's and
+conveyor's / each engine's, fraction of the roofline ceiling from benchmarks/roofline.json if present) and
+a JSON file (--out, default benchmarks/results/throughput-<dtype>.json) with every run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+WORKER = HERE / "bench_worker.py"
+RESULT_PREFIX = "BENCH_RESULT "
+ALL_ENGINES = ("conveyor", "vllm", "hf-cb", "hf-static", "sequential")
+
+sys.path.insert(0, str(HERE))
+from workload import make_workload  # noqa: E402
+
+
+def chat_token_ids(tokenizer, messages) -> list[int]:
+    """apply_chat_template(tokenize=True) gives a list in transformers 4.x, a BatchEncoding in 5.x."""
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(out, dict) or hasattr(out, "keys"):
+        out = out["input_ids"]
+    if out and isinstance(out[0], list):
+        out = out[0]
+    return [int(t) for t in out]
+
+
+def build_requests(tokenizer, n: int, seed: int, cap: int | None) -> list[dict]:
+    out = []
+    for r in make_workload(n, seed):
+        mt = min(r.max_tokens, cap) if cap else r.max_tokens
+        out.append({"id": r.id, "prompt_token_ids": chat_token_ids(tokenizer, r.messages), "max_tokens": mt})
+    return out
+
+
+def cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover
+        return os.cpu_count() or 1
+
+
+def allowed_cpus() -> list[int]:
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover
+        return list(range(os.cpu_count() or 1))
+
+
+def cpu_model() -> str:
+    try:
+        for line in open("/proc/cpuinfo", encoding="utf-8"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def vllm_command(venv: Path, spec_path: Path) -> list[str] | None:
+    py = venv / "bin" / "python"
+    envfile = venv / "vllm-env.sh"
+    if not py.exists() or not envfile.exists():
+        return None
+    script = (f"source {shlex.quote(str(envfile))} && exec {shlex.quote(str(py))} {shlex.quote(str(WORKER))} "
+              f"--engine vllm --spec {shlex.quote(str(spec_path))}")
+    return ["bash", "-c", script]
+
+
+def run_one(engine: str, spec_path: Path, args, log_path: Path) -> dict:
+    env = dict(os.environ)
+    env["HF_HUB_OFFLINE"] = "1"
+    env["TOKENIZERS_PARALLELISM"] = "false"
+    env["OMP_NUM_THREADS"] = str(args.threads)
+    if engine == "vllm":
+        cmd = vllm_command(args.vllm_venv, spec_path)
+        env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in allowed_cpus()[:args.threads])
+        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(args.kv_gib)))
+        env.pop("PYTHONPATH", None)
+    else:
+        cmd = [sys.executable, str(WORKER), "--engine", engine, "--spec", str(spec_path)]
+    t0 = time.perf_counter()
+    with open(log_path, "w", encoding="utf-8") as log:
+        try:
+            proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env, cwd=str(REPO),
+                                  timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            return {"engine": engine, "error": f"timed out after {args.timeout}s (log: {log_path})"}
+    elapsed = time.perf_counter() - t0
+    with open(log_path, "a", encoding="utf-8") as log:  # vLLM logs to stdout: keep it next to stderr
+        log.write("\n--- stdout ---\n" + "".join(l + "\n" for l in proc.stdout.splitlines()
+                                                  if not l.startswith(RESULT_PREFIX)))
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith(RESULT_PREFIX):
+            res = json.loads(line[len(RESULT_PREFIX):])
+            res["process_s"] = elapsed
+            res["log"] = str(log_path)
+            return res
+    tail = Path(log_path).read_text(encoding="utf-8", errors="replace").strip().splitlines()[-15:]
+    return {"engine": engine, "error": f"exit {proc.returncode}, no result (log: {log_path})", "log_tail": tail}
+
+
+def summarize(runs: list[dict], engines: list[str], roofline: dict | None, dtype: str) -> dict:
+    summary = {}
+    for e in engines:
+        ok = [r for r in runs if r.get("engine") == e and "error" not in r]
+        if not ok:
+            errs = [r.get("error") for r in runs if r.get("engine") == e]
+            summary[e] = {"error": errs[0] if errs else "no run"}
+            continue
+        tps = [r["tok_s"] for r in ok]
+        summary[e] = {
+            "runs": len(ok),
+            "tok_s_median": statistics.median(tps),
+            "tok_s_min": min(tps),
+            "tok_s_max": max(tps),
+            "wall_s_median": statistics.median(r["wall_s"] for r in ok),
+            "load_s_median": statistics.median(r["load_s"] for r in ok),
+            "peak_rss_mib_max": max(r["peak_rss_mib"] for r in ok),
+            "peak_pss_mib_max": max(r.get("peak_pss_mib", 0.0) for r in ok),
+            "output_tokens": ok[0]["output_tokens"],
+            "num_requests": ok[0]["num_requests"],
+            "count_ok": all(r["count_ok"] for r in ok),
+        }
+    base = summary.get("conveyor", {}).get("tok_s_median")
+    ceiling = None
+    if roofline:
+        ceiling = roofline.get("ceilings", {}).get(dtype, {}).get("tok_s")
+    for e, s in summary.items():
+        if "tok_s_median" not in s:
+            continue
+        if base:
+            s["ratio_to_conveyor"] = s["tok_s_median"] / base
+            s["conveyor_over_engine"] = base / s["tok_s_median"] if s["tok_s_median"] else None
+        if ceiling:
+            s["fraction_of_roofline"] = s["tok_s_median"] / ceiling
+    return summary
+
+
+def print_table(summary: dict, dtype: str, seq_n: int, roofline_batch: int | None) -> None:
+    head = (f"{'engine':<24} {'dtype':<9} {'tok/s med':>10} {'spread (min-max)':>18} {'wall s':>8} "
+            f"{'RSS MiB':>8} {'PSS MiB':>8} {'x conveyor':>10} {'conveyor/x':>10} {'roofline':>9} {'count':>6}")
+    print(head)
+    print("-" * len(head))
+    for e, s in summary.items():
+        label = f"sequential ({seq_n} req)" if e == "sequential" else e
+        if "error" in s:
+            print(f"{label:<24} {dtype:<9} {'-':>10}  {s['error']}")
+            continue
+        spread = f"{s['tok_s_min']:.1f}-{s['tok_s_max']:.1f}"
+        ratio = f"{s['ratio_to_conveyor']:.2f}x" if "ratio_to_conveyor" in s else "-"
+        inv = f"{s['conveyor_over_engine']:.2f}x" if s.get("conveyor_over_engine") else "-"
+        roof = f"{100 * s['fraction_of_roofline']:.1f}%" if "fraction_of_roofline" in s else "-"
+        print(f"{label:<24} {dtype:<9} {s['tok_s_median']:>10.1f} {spread:>18} {s['wall_s_median']:>8.2f} "
+              f"{s['peak_rss_mib_max']:>8.0f} {s['peak_pss_mib_max']:>8.0f} {ratio:>10} {inv:>10} {roof:>9} {'ok' if s['count_ok'] else 'BAD':>6}")
+    for e, s in summary.items():
+        if e != "conveyor" and "conveyor_over_engine" in s and s.get("conveyor_over_engine"):
+            print(f"  conveyor / {e} = {s['conveyor_over_engine']:.2f}x")
+    if roofline_batch:
+        print(f"  roofline: decode ceiling at batch {roofline_batch} from benchmarks/roofline.json")
+    if "sequential" in summary:
+        print(f"  sequential: tok/s on the first {seq_n} requests only (one request at a time)")
+    print("  RSS / PSS: peak over the engine's whole process tree (vLLM: front end + engine core + worker);"
+          " RSS counts pages shared between processes once per process, PSS splits them")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--engines", default=",".join(ALL_ENGINES), help="comma list of " + ",".join(ALL_ENGINES))
+    p.add_argument("--n", type=int, default=256, help="requests in the workload")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--kv-gib", type=float, default=2.0, help="KV cache budget (GiB) for the batching engines")
+    p.add_argument("--threads", type=int, default=cpu_count(), help="torch threads / vLLM bound cores")
+    p.add_argument("--static-batch", type=int, default=16)
+    p.add_argument("--sequential-n", type=int, default=16)
+    p.add_argument("--warmup-n", type=int, default=4, help="untimed warm-up requests (other prompts)")
+    p.add_argument("--warmup-tokens", type=int, default=8)
+    p.add_argument("--max-tokens-cap", type=int, default=None, help="cap every request's max_tokens (smoke tests)")
+    p.add_argument("--vllm-venv", type=Path, default=Path(os.environ.get("VLLM_VENV", HERE / ".venv-vllm")))
+    p.add_argument("--vllm-eager", action="store_true", help="vLLM enforce_eager=True (no torch.compile)")
+    p.add_argument("--timeout", type=int, default=7200, help="seconds per engine process")
+    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--roofline", type=Path, default=HERE / "roofline.json",
+                   help="ceilings from benchmarks/roofline.py (used when the file exists)")
+    args = p.parse_args()
+
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    unknown = [e for e in engines if e not in ALL_ENGINES]
+    if unknown:
+        p.error(f"unknown engine(s) {unknown}; choose from {ALL_ENGINES}")
+    if "vllm" in engines and vllm_command(args.vllm_venv, Path("x")) is None:
+        print(f"vllm: skipped, no venv at {args.vllm_venv} (run: bash benchmarks/setup_vllm.sh)", file=sys.stderr)
+        engines.remove("vllm")
+    if not engines:
+        p.error("no engine left to run")
+    out_path = args.out or HERE / "results" / f"throughput-{args.dtype}.json"
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    log_dir = out_path.parent / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+
+    from transformers import AutoTokenizer
+
+    from conveyor.core.model_loader import ensure_embedded
+
+    folder = str(ensure_embedded("smollm2-135m-instruct"))
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    requests = build_requests(tokenizer, args.n, args.seed, args.max_tokens_cap)
+    warmup = build_requests(tokenizer, args.warmup_n, args.seed + 1, args.warmup_tokens)
+    for w in warmup:
+        w["id"] = "warmup-" + w["id"]
+    common = {"model": folder, "dtype": args.dtype, "threads": args.threads, "max_num_seqs": args.max_num_seqs,
+              "max_num_batched_tokens": args.max_num_batched_tokens, "kv_gib": args.kv_gib,
+              "static_batch": args.static_batch, "vllm_eager": args.vllm_eager, "warmup": warmup}
+    roofline = json.loads(args.roofline.read_text()) if args.roofline.exists() else None
+
+    runs: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="conveyor-bench-") as tmp:
+        spec_paths = {}
+        for e in engines:
+            reqs = requests[:args.sequential_n] if e == "sequential" else requests
+            spec_paths[e] = Path(tmp) / f"spec-{e}.json"
+            spec_paths[e].write_text(json.dumps({**common, "requests": reqs}))
+        for rep in range(args.reps):
+            for e in engines:
+                log_path = log_dir / f"{args.dtype}-{e}-rep{rep}.log"
+                print(f"[rep {rep + 1}/{args.reps}] {e} ...", file=sys.stderr, flush=True)
+                res = run_one(e, spec_paths[e], args, log_path)
+                res["rep"] = rep
+                runs.append(res)
+                if "error" in res:
+                    print(f"  {e}: ERROR {res['error']}", file=sys.stderr)
+                    for line in res.get("log_tail", []):
+                        print(f"    {line}", file=sys.stderr)
+                else:
+                    bad = "" if res["count_ok"] else f"  COUNT MISMATCH {res['count_mismatches']}"
+                    print(f"  {e}: {res['output_tokens']} tokens in {res['wall_s']:.2f}s = {res['tok_s']:.1f} tok/s,"
+                          f" load {res['load_s']:.1f}s, peak RSS {res['peak_rss_mib']:.0f} MiB{bad}",
+                          file=sys.stderr, flush=True)
+
+    summary = summarize(runs, engines, roofline, args.dtype)
+    print_table(summary, args.dtype, min(args.sequential_n, args.n), (roofline or {}).get("batch"))
+    import torch
+    import transformers
+
+    record = {
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "engines": engines,
+        "machine": {"cpu": cpu_model(), "cores": cpu_count(), "python": platform.python_version(),
+                    "torch": torch.__version__, "transformers": transformers.__version__},
+        "model": folder,
+        "workload": {"n": len(requests), "output_tokens": sum(r["max_tokens"] for r in requests),
+                     "prompt_tokens": sum(len(r["prompt_token_ids"]) for r in requests)},
+        "roofline": roofline,
+        "summary": summary,
+        "runs": runs,
+    }
+    out_path.write_text(json.dumps(record, indent=2))
+    print(f"wrote {out_path}")
+    failed = [e for e, s in summary.items() if "error" in s or not s.get("count_ok", False)]
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
