@@ -87,6 +87,8 @@ def execute(cfg: RunConfig) -> int:
     _quiet_libraries()
     progress = make_progress(cfg.quiet, cfg.log_every)
     pipeline = Pipeline(cfg, on_progress=progress.update)
+    # From here on SIGTERM/SIGINT ask for a clean stop (exit 75), also while the model loads.
+    pipeline.stopper.install()
     try:
         pipeline.prepare()
         if not cfg.quiet:
@@ -101,6 +103,7 @@ def execute(cfg: RunConfig) -> int:
                              "fix the input, or use --on-error record, and run again\n")
             return int(ExitCode.SOME_ERRORS)
     finally:
+        pipeline.stopper.uninstall()
         pipeline.close()
     summary = result.summary()
     _print_summary(summary, result.message)

@@ -19,6 +19,8 @@ class StopController:
         self._previous: dict[int, object] = {}
 
     def install(self) -> None:
+        if self._previous:  # already installed: keep the handlers that were there before us
+            return
         for sig in (signal.SIGINT, signal.SIGTERM):
             try:
                 self._previous[sig] = signal.signal(sig, self._handle)

@@ -1,0 +1,317 @@
+"""Checkpoint and resume: kill -9, SIGTERM, --max-runtime, locks, drift, status and disk-full errors.
+
+The kill -9 tests run the real embedded model in child processes and kill them at moments drawn from
+a seeded RNG (one before any commit, the others after a random number of committed rows); the run
+is then finished with the same command and must equal an uninterrupted run row for row.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import random
+import signal
+import sqlite3
+import time
+
+import pytest
+from cli_helpers import (Child, assert_same_rows, journal_state, num_committed, read_rows, run_in_process,
+                         tiny_args, write_jsonl)
+
+TOPICS = ["the moon", "bread", "rivers", "chess", "bees", "volcanoes", "libraries", "trains", "owls", "glass",
+          "tea", "bridges", "maps", "snow", "violins", "deserts"]
+# Per-record max_tokens from 6 to 16: with 4 requests running, they finish one by one, so every
+# resume meets a different batch composition.
+CHAT_RECORDS = [{"id": f"q{i:02d}", "messages": [{"role": "user", "content": f"Tell me one short fact about {t}."}],
+                 "max_tokens": 6 + (i * 5) % 11} for i, t in enumerate(TOPICS)]
+
+
+def _lock_pid(run_dir) -> int | None:
+    try:
+        return json.loads((run_dir / "lock").read_text() or "{}").get("pid")
+    except (OSError, ValueError):
+        return None
+
+
+def _has_journal(run_dir) -> bool:
+    try:
+        journal_state(run_dir)
+    except Exception:  # noqa: BLE001 - being created
+        return False
+    return (run_dir / "journal.sqlite").exists()
+
+
+def _kill_resume_and_compare(tmp_path, rng_seed: int, options: list[str], probe_lock: bool) -> None:
+    source = write_jsonl(tmp_path / "chat.jsonl", CHAT_RECORDS)
+    reference = run_in_process("run", source, "-o", tmp_path / "reference.jsonl", *options, "-q")
+    assert reference.code == 0, reference.err
+    expected = read_rows(tmp_path / "reference.jsonl")
+    assert all(r["status"] == "ok" for r in expected)
+
+    output = tmp_path / "out.jsonl"
+    run_dir = tmp_path / "out.jsonl.conveyor"
+    command = ["run", source, "-o", output, *options]
+    rng = random.Random(rng_seed)
+    first = rng.randint(2, 5)
+    # (moment, rows that must be committed, seconds to wait after that, must the journal have a gap).
+    # The first kill lands while the model loads (the lock is taken, nothing committed); the last
+    # one when a row beyond the contiguous prefix is committed but an earlier one is not, so the
+    # resumed run must skip the committed row and redo the missing ones.
+    moments = [("before any commit", 0, rng.uniform(0.0, 1.0), False),
+               ("mid-run", first, rng.uniform(0.0, 0.5), False),
+               ("mid-run, with a gap", rng.randint(first + 2, 9), 0.0, True)]
+    done_before = 0
+    for k, (when, min_committed, delay, needs_gap) in enumerate(moments):
+        child = Child(command, tmp_path, f"killed-{k}")
+        child.wait_until(lambda: _lock_pid(run_dir) == child.pid and _has_journal(run_dir),
+                         what="the lock and the journal")
+        if probe_lock and k == 1:
+            _check_lock_refusal_and_status_while_running(command, output, child.pid)
+
+        def ready(committed: int, prefix: int) -> bool:
+            return committed >= min_committed and (committed > prefix or not needs_gap)
+
+        done, prefix = _freeze_when(child, run_dir, ready, delay, what=f"kill {k} ({when})")
+        killed = child.kill9()
+        assert killed.code == -signal.SIGKILL, f"the run ended ({killed.code}) before kill {k}: {killed.err[-2000:]}"
+        # Frozen, then killed: what it had committed when frozen is what the journal holds.
+        assert journal_state(run_dir) == (done, prefix)
+        assert done >= done_before
+        if not min_committed:
+            assert done == 0, f"kill {k} was meant to land before any commit, but {done} rows were committed"
+        assert done < len(CHAT_RECORDS), f"kill {k} ({when}) came after the last commit"
+        assert not output.exists(), "an output file appeared before the run finished"
+        assert _lock_pid(run_dir) == child.pid  # the dead process's lock is left behind: stale
+        done_before = done
+
+    status = run_in_process("status", output)
+    assert status.code == 0, status.err
+    assert f"done:   {done_before} / {len(CHAT_RECORDS)}" in status.out
+    assert "running: no" in status.out
+    assert "resume with: conveyor run" in status.out and str(source) in status.out
+
+    # A temp file left by a writer killed mid-write must not count as (or block) the output.
+    (tmp_path / ".out.jsonl.tmp-999999").write_text('{"id": "torn"')
+    final = run_in_process(*command)  # the same command: takes over the stale lock and resumes
+    assert final.code == 0, final.err
+    if done_before:
+        assert f"resuming: {done_before} records already done" in final.err
+    assert_same_rows(read_rows(output), expected)
+
+
+def _freeze_when(child: Child, run_dir, ready, delay: float, what: str) -> tuple[int, int]:
+    """Wait until ready(committed, prefix) holds, wait `delay` s more, then SIGSTOP the child at a
+    moment when it still holds (reading the journal of a frozen writer cannot race a commit)."""
+    child.wait_until(lambda: ready(*journal_state(run_dir, strict=False)), what=what)
+    time.sleep(delay)
+    while True:
+        child.send(signal.SIGSTOP)
+        state = journal_state(run_dir)
+        if ready(*state):
+            return state
+        child.send(signal.SIGCONT)
+        child.wait_until(lambda: ready(*journal_state(run_dir, strict=False)), what=what)
+
+
+def _check_lock_refusal_and_status_while_running(command, output, pid: int) -> None:
+    second = run_in_process(*command)
+    assert second.code == 2
+    assert f"process {pid}" in second.err and "in use" in second.err
+    assert len(second.err_lines) == 1 and "Traceback" not in second.err
+    status = run_in_process("status", output)
+    assert status.code == 0 and f"running: yes, process {pid}" in status.out
+
+
+REAL = ["--max-num-seqs", "4", "--max-tokens", "16"]
+
+
+@pytest.mark.slow
+def test_kill_9_greedy_resumes_to_the_same_output(tmp_path):
+    _kill_resume_and_compare(tmp_path, 11, [*REAL, "--temperature", "0", "--checkpoint-every", "1"], probe_lock=True)
+
+
+@pytest.mark.slow
+def test_kill_9_seeded_sampling_resumes_to_the_same_output(tmp_path):
+    _kill_resume_and_compare(tmp_path, 12, [*REAL, "--temperature", "0.8", "--seed", "1234", "--checkpoint-every",
+                                            "2"], probe_lock=False)
+
+
+# -- stopping on purpose (tiny model) ----------------------------------------------------------------
+
+MANY = [{"id": f"m{i:03d}", "prompt": f"record {i} begins with"} for i in range(400)]
+
+
+def _many_options(tiny_model) -> list[str]:
+    return [*tiny_args(tiny_model), "--max-tokens", "8", "--ignore-eos", "--max-num-seqs", "8",
+            "--checkpoint-every", "4", "--temperature", "0"]
+
+
+@pytest.fixture(scope="module")
+def many(tiny_model, tmp_path_factory):
+    """400 short records and their uninterrupted output."""
+    tmp = tmp_path_factory.mktemp("many")
+    source = write_jsonl(tmp / "many.jsonl", MANY)
+    result = run_in_process("run", source, "-o", tmp / "reference.jsonl", *_many_options(tiny_model), "-q")
+    assert result.code == 0, result.err
+    return source, read_rows(tmp / "reference.jsonl")
+
+
+def test_sigterm_stops_with_75_and_resumes(many, tiny_model, tmp_path):
+    source, expected = many
+    output, run_dir = tmp_path / "out.jsonl", tmp_path / "out.jsonl.conveyor"
+    command = ["run", source, "-o", output, *_many_options(tiny_model)]
+    # While the model loads (a cron job's timeout can land there too): still a clean stop.
+    loading = Child(command, tmp_path, "terminated-loading")
+    loading.wait_until(lambda: _has_journal(run_dir), what="the run directory")
+    loading.send(signal.SIGTERM)
+    stopped = loading.wait()
+    assert stopped.code == 75, stopped.err
+    assert num_committed(run_dir) == 0 and not output.exists()
+
+    child = Child(command, tmp_path, "terminated")
+    child.wait_until(lambda: num_committed(run_dir, strict=False) >= 40, what="40 commits")
+    child.send(signal.SIGTERM)
+    stopped = child.wait()
+    assert stopped.code == 75, stopped.err
+    assert "SIGTERM" in stopped.err and "run the same command again to resume" in stopped.err
+    assert "Traceback" not in stopped.err
+    assert not output.exists()
+    done = num_committed(run_dir)
+    assert 40 <= done < len(MANY)
+    status = run_in_process("status", output)
+    assert f"done:   {done} / {len(MANY)}" in status.out and "running: no" in status.out
+    resumed = run_in_process(*command)
+    assert resumed.code == 0, resumed.err
+    assert f"resuming: {done} records already done" in resumed.err
+    assert_same_rows(read_rows(output), expected)
+
+
+def test_max_runtime_stops_with_75_and_resumes(many, tiny_model, tmp_path):
+    source, expected = many
+    output = tmp_path / "out.parquet"
+    command = ["run", source, "-o", output, *_many_options(tiny_model), "-q"]
+    stopped = run_in_process(*command, "--max-runtime", "1s")
+    assert stopped.code == 75, stopped.err
+    assert "max-runtime" in stopped.err
+    assert not output.exists()
+    assert num_committed(tmp_path / "out.parquet.conveyor") < len(MANY)
+    resumed = run_in_process(*command)  # --max-runtime is not part of the run's identity
+    assert resumed.code == 0, resumed.err
+    assert_same_rows(read_rows(output), expected)
+
+
+# -- drift, restart, status --------------------------------------------------------------------------
+
+FEW = [{"id": f"f{i}", "prompt": f"few {i}"} for i in range(5)]
+
+
+def test_drift_is_refused_naming_what_changed_and_restart_starts_over(tiny_model, tmp_path):
+    source = write_jsonl(tmp_path / "in.jsonl", FEW)
+    output = tmp_path / "out.jsonl"
+    base = ["run", source, "-o", output, "--kv-cache-memory", "8MiB", "--max-tokens", "3", "-q"]
+    first = run_in_process(*base, "--model", tiny_model)
+    assert first.code == 0, first.err
+
+    changed_temperature = run_in_process(*base, "--model", tiny_model, "--temperature", "0.5")
+    assert changed_temperature.code == 2
+    assert "temperature" in changed_temperature.err and "input file" not in changed_temperature.err
+    assert "--restart" in changed_temperature.err and len(changed_temperature.err_lines) == 1
+
+    other_model = tmp_path / "same-weights-other-name"
+    os.symlink(tiny_model, other_model)
+    changed_model = run_in_process(*base, "--model", other_model)
+    assert changed_model.code == 2
+    assert "model changed" in changed_model.err and str(other_model) in changed_model.err
+
+    write_jsonl(source, FEW + [{"id": "f5", "prompt": "a new record"}])
+    changed_input = run_in_process(*base, "--model", tiny_model)
+    assert changed_input.code == 2
+    assert "input file changed" in changed_input.err and "temperature" not in changed_input.err
+    assert output.exists() and len(read_rows(output)) == 5  # the refused runs touched nothing
+
+    restarted = run_in_process(*base, "--model", tiny_model, "--temperature", "0.5", "--restart")
+    assert restarted.code == 0, restarted.err
+    rows = read_rows(output)
+    assert [r["id"] for r in rows] == [f"f{i}" for i in range(6)] and all(r["status"] == "ok" for r in rows)
+
+
+def test_status_without_a_run_is_a_usage_error(tmp_path):
+    result = run_in_process("status", tmp_path / "never.parquet")
+    assert result.code == 2 and "no run directory" in result.err
+
+
+# -- disk full ----------------------------------------------------------------------------------------
+
+
+def _enospc_setup(tiny_model, tmp_path):
+    source = write_jsonl(tmp_path / "in.jsonl", [{"id": f"d{i}", "prompt": f"disk {i}"} for i in range(12)])
+    options = [*tiny_args(tiny_model), "--max-tokens", "3", "--checkpoint-every", "2", "--max-num-seqs", "2", "-q"]
+    reference = run_in_process("run", source, "-o", tmp_path / "reference.jsonl", *options)
+    assert reference.code == 0, reference.err
+    return ["run", source, "-o", tmp_path / "out.jsonl", *options], read_rows(tmp_path / "reference.jsonl")
+
+
+def _assert_one_line_disk_full(result, *words) -> None:
+    assert result.code == 1
+    assert len(result.err_lines) == 1 and "Traceback" not in result.err, result.err
+    assert "no space left on device" in result.err.lower()
+    for word in words:
+        assert word in result.err
+
+
+def test_disk_full_while_writing_the_output_exits_1_and_reruns_cleanly(tiny_model, tmp_path, monkeypatch):
+    from conveyor.io.writers import write_output
+
+    command, expected = _enospc_setup(tiny_model, tmp_path)
+    written = []
+
+    def full_disk_after_3_rows(rows, *args, **kwargs):
+        def rows_then_enospc():
+            for row in rows:
+                if len(written) == 3:
+                    raise OSError(errno.ENOSPC, "No space left on device")
+                written.append(row)
+                yield row
+
+        return write_output(rows_then_enospc(), *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr("conveyor.cli.pipeline.write_output", full_disk_after_3_rows)
+        failed = run_in_process(*command)
+    _assert_one_line_disk_full(failed, "run the same command again")
+    assert len(written) == 3  # the writer had started
+    assert not (tmp_path / "out.jsonl").exists(), "a half-written output file was left"
+    assert not list(tmp_path.glob(".out.jsonl.tmp-*")), "the writer's temp file was left behind"
+    assert num_committed(tmp_path / "out.jsonl.conveyor") == len(expected)  # the journal kept every row
+
+    again = run_in_process(*command)
+    assert again.code == 0, again.err
+    assert_same_rows(read_rows(tmp_path / "out.jsonl"), expected)
+    assert not list(tmp_path.glob(".out.jsonl.tmp-*"))
+
+
+def test_disk_full_in_the_journal_exits_1_and_resumes(tiny_model, tmp_path, monkeypatch):
+    from conveyor.io.journal import Journal
+
+    command, expected = _enospc_setup(tiny_model, tmp_path)
+    real_advance = Journal._advance_prefix
+    calls = []
+
+    def full_after_first_commit(self, batch):
+        calls.append(len(batch))
+        if len(calls) > 1:
+            raise sqlite3.OperationalError("database or disk is full")
+        return real_advance(self, batch)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Journal, "_advance_prefix", full_after_first_commit)
+        failed = run_in_process(*command)
+    _assert_one_line_disk_full(failed, "journal.sqlite")
+    assert not (tmp_path / "out.jsonl").exists()
+    done = num_committed(tmp_path / "out.jsonl.conveyor")
+    assert 0 < done < len(expected)  # the first commit stands, the failed one left nothing half-done
+
+    resumed = run_in_process(*command)
+    assert resumed.code == 0, resumed.err
+    assert_same_rows(read_rows(tmp_path / "out.jsonl"), expected)
