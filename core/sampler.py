@@ -35,10 +35,12 @@ class Sampler:
         logits = logits.float()
         self._ban_early_stops(logits, entries)
         tokens = torch.argmax(logits, dim=-1)  # greedy rows are done here
-        rows = [i for i, e in enumerate(entries) if not e.sampling.is_greedy]
-        if rows:
-            sampled = self._sample(logits[rows], [entries[i] for i in rows])
-            tokens[rows] = sampled
+        # Each row's path depends on its own params only, so a token never depends on its batch.
+        plain = [i for i, e in enumerate(entries) if not e.sampling.is_greedy and not _truncates(e)]
+        truncated = [i for i, e in enumerate(entries) if not e.sampling.is_greedy and _truncates(e)]
+        for rows, sample in ((plain, self._sample_plain), (truncated, self._sample_truncated)):
+            if rows:
+                tokens[rows] = sample(logits[rows], [entries[i] for i in rows])
         return tokens.tolist()
 
     def _ban_early_stops(self, logits: torch.Tensor, entries: Sequence[ScheduledRequest]) -> None:
@@ -51,10 +53,14 @@ class Sampler:
                 if banned:
                     logits[i, banned] = float("-inf")
 
-    def _sample(self, logits: torch.Tensor, entries: Sequence[ScheduledRequest]) -> torch.Tensor:
+    def _sample_plain(self, logits: torch.Tensor, entries: Sequence[ScheduledRequest]) -> torch.Tensor:
+        """No top-k/top-p/min-p: inverse CDF over the vocabulary in id order, no sort needed."""
+        probs, u = _probs_and_draws(logits, entries)
+        return _inverse_cdf(probs.double(), u)
+
+    def _sample_truncated(self, logits: torch.Tensor, entries: Sequence[ScheduledRequest]) -> torch.Tensor:
         device = logits.device
-        temps = torch.tensor([e.sampling.temperature for e in entries], device=device)
-        probs = torch.softmax(logits / temps.unsqueeze(1), dim=-1)
+        probs, u = _probs_and_draws(logits, entries)
         sorted_probs, sorted_ids = torch.sort(probs, dim=-1, descending=True)
         vocab = logits.shape[1]
         ranks = torch.arange(vocab, device=device).unsqueeze(0)
@@ -73,11 +79,30 @@ class Sampler:
             keep &= sorted_probs >= threshold
         keep[:, 0] = True  # the most likely token always survives
         kept = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs)).double()
-        cdf = torch.cumsum(kept, dim=-1)
-        draws = [uniform_for(e.sampling.seed, e.num_output_tokens) if e.sampling.seed is not None
-                 else random.random() for e in entries]
-        u = torch.tensor(draws, dtype=torch.float64, device=device).unsqueeze(1) * cdf[:, -1:]
-        idx = torch.searchsorted(cdf, u, right=True).clamp_(max=vocab - 1)
-        # searchsorted can land on a zero-mass tail entry only through rounding: step back onto kept mass.
-        idx = torch.minimum(idx, keep.sum(dim=-1, keepdim=True) - 1)
-        return sorted_ids.gather(1, idx).squeeze(1)
+        idx = _inverse_cdf(kept, u)
+        # Rounding can land past the kept mass, which is a prefix in sorted order: step back onto it.
+        idx = torch.minimum(idx, keep.sum(dim=-1) - 1)
+        return sorted_ids.gather(1, idx.unsqueeze(1)).squeeze(1)
+
+
+def _probs_and_draws(logits: torch.Tensor, entries: Sequence[ScheduledRequest]):
+    """Tempered probabilities [B, V] and each row's uniform draw [B, 1] (float64)."""
+    temps = torch.tensor([e.sampling.temperature for e in entries], device=logits.device)
+    probs = torch.softmax(logits / temps.unsqueeze(1), dim=-1)
+    draws = [uniform_for(e.sampling.seed, e.num_output_tokens) if e.sampling.seed is not None
+             else random.random() for e in entries]
+    return probs, torch.tensor(draws, dtype=torch.float64, device=logits.device).unsqueeze(1)
+
+
+def _truncates(e: ScheduledRequest) -> bool:
+    s = e.sampling
+    return s.top_k > 0 or s.top_p < 1.0 or s.min_p > 0.0
+
+
+def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """weights [B, V] >= 0 (float64), u [B, 1] in [0, 1) -> [B] column where the CDF first exceeds u."""
+    cdf = torch.cumsum(weights, dim=-1)
+    idx = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1)
+    # Zero-weight columns never hold mass; rounding past the end lands on the last column with weight.
+    last = weights.shape[1] - 1 - torch.argmax((weights.flip(1) > 0).to(torch.int8), dim=1)
+    return torch.minimum(idx, last)
