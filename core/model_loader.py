@@ -89,21 +89,7 @@ def load_model(model: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "a
 
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
-    gguf_file = None
-    if model in EMBEDDED_MODELS:
-        path = str(ensure_embedded(model))
-    elif model.endswith(".gguf"):
-        p = Path(model)
-        if not p.is_file():
-            raise ModelLoadError(f"--model {model}: no such file")
-        path, gguf_file = str(p.parent), p.name
-    elif Path(model).exists():
-        if not (Path(model) / "config.json").exists():
-            raise ModelLoadError(f"--model {model}: the folder has no config.json; "
-                                 "give a Hugging Face model folder, a .gguf file or a model id")
-        path = model
-    else:
-        path = model  # a hub id
+    path, gguf_file = _resolve(model)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, gguf_file=gguf_file)
         lm = AutoModelForCausalLM.from_pretrained(path, gguf_file=gguf_file, dtype=torch_dtype)
@@ -113,6 +99,21 @@ def load_model(model: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "a
                              f"or use the embedded default {DEFAULT_MODEL!r}") from e
     lm.to(dev).eval()
     return lm, tokenizer
+
+
+def _resolve(model: str) -> tuple[str, str | None]:
+    """(folder or hub id, gguf file name or None) for an embedded name, .gguf file, folder or hub id."""
+    if model in EMBEDDED_MODELS:
+        return str(ensure_embedded(model)), None
+    if model.endswith(".gguf"):
+        p = Path(model)
+        if not p.is_file():
+            raise ModelLoadError(f"--model {model}: no such file")
+        return str(p.parent), p.name
+    if Path(model).exists() and not (Path(model) / "config.json").exists():
+        raise ModelLoadError(f"--model {model}: the folder has no config.json; "
+                             "give a Hugging Face model folder, a .gguf file or a model id")
+    return model, None  # a local folder or a hub id
 
 
 def ensure_embedded(name: str) -> Path:
@@ -187,16 +188,7 @@ def load_tokenizer(model: str = DEFAULT_MODEL):
     """(tokenizer, context length) without loading the weights: for `conveyor validate`."""
     from transformers import AutoConfig, AutoTokenizer
 
-    gguf_file = None
-    if model in EMBEDDED_MODELS:
-        path = str(ensure_embedded(model))
-    elif model.endswith(".gguf"):
-        p = Path(model)
-        if not p.is_file():
-            raise ModelLoadError(f"--model {model}: no such file")
-        path, gguf_file = str(p.parent), p.name
-    else:
-        path = model
+    path, gguf_file = _resolve(model)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, gguf_file=gguf_file)
         config = AutoConfig.from_pretrained(path, gguf_file=gguf_file)
