@@ -10,6 +10,8 @@
 #include <algorithm>
 #include <type_traits>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <vector>
 #if defined(__SSE__) || defined(__x86_64__)
 #include <xmmintrin.h>
@@ -25,6 +27,20 @@ struct FlushDenormals {
   ~FlushDenormals() { _mm_setcsr(saved); }
 #endif
 };
+
+// Element i of a row as float. bf16 is widened with a shift on its raw bits (a pattern compilers
+// vectorize; c10's conversion function call inside the loop is not).
+template <typename scalar_t>
+static inline float load_f32(const scalar_t* __restrict__ p, int64_t i) {
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    const uint32_t bits = static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(p)[i]) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof(f));
+    return f;
+  } else {
+    return static_cast<float>(p[i]);
+  }
+}
 
 template <typename scalar_t>
 static void paged_attention_kernel(const scalar_t* q,        // [T, H, D]
@@ -63,7 +79,7 @@ static void paged_attention_kernel(const scalar_t* q,        // [T, H, D]
               const float qd = qg[d];
               const scalar_t* __restrict__ row = kb + d * 16;
 #pragma omp simd
-              for (int64_t o = 0; o < 16; ++o) p[o] += qd * static_cast<float>(row[o]);
+              for (int64_t o = 0; o < 16; ++o) p[o] += qd * load_f32(row, o);
             }
             for (int64_t o = 0; o < n; ++o) dst[o] = p[o];
           } else {
@@ -73,7 +89,7 @@ static void paged_attention_kernel(const scalar_t* q,        // [T, H, D]
               const float qd = qg[d];
               const scalar_t* __restrict__ row = kb + d * bs;
 #pragma omp simd
-              for (int64_t o = 0; o < bs; ++o) p[o] += qd * static_cast<float>(row[o]);
+              for (int64_t o = 0; o < bs; ++o) p[o] += qd * load_f32(row, o);
             }
             for (int64_t o = 0; o < n; ++o) dst[o] = p[o];
           }
@@ -102,7 +118,7 @@ static void paged_attention_kernel(const scalar_t* q,        // [T, H, D]
             const float pj = sg[b * bs + o];
             const scalar_t* __restrict__ v = vb + o * Hkv * D;
 #pragma omp simd
-            for (int64_t d = 0; d < D; ++d) ag[d] += pj * static_cast<float>(v[d]);
+            for (int64_t d = 0; d < D; ++d) ag[d] += pj * load_f32(v, d);
           }
         }
       }
