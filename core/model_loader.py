@@ -110,6 +110,10 @@ def _resolve(model: str) -> tuple[str, str | None]:
         if not p.is_file():
             raise ModelLoadError(f"--model {model}: no such file")
         return str(p.parent), p.name
+    looks_like_path = model.startswith((".", "/", "~")) or model.count("/") > 1
+    if looks_like_path and not Path(model).expanduser().exists():
+        raise ModelLoadError(f"--model {model}: no such file or folder; give a Hugging Face model folder, "
+                             f"a .gguf file, a hub id, or the embedded default {DEFAULT_MODEL!r}")
     if Path(model).exists() and not (Path(model) / "config.json").exists():
         raise ModelLoadError(f"--model {model}: the folder has no config.json; "
                              "give a Hugging Face model folder, a .gguf file or a model id")
