@@ -93,6 +93,7 @@ def execute(cfg: RunConfig) -> int:
         pipeline.prepare()
         if not cfg.quiet:
             _note_resume(pipeline)
+            _note_loading(cfg.model)
         pipeline.load_engine()
         try:
             with progress:
@@ -120,6 +121,14 @@ def _note_resume(pipeline) -> None:
     t = pipeline.totals
     if t.resumed_from:
         sys.stderr.write(f"conveyor: resuming: {t.resumed_from} records already done\n")
+
+
+def _note_loading(model: str) -> None:
+    from conveyor.core.model_loader import EMBEDDED_MODELS, is_embedded_cached
+
+    first_use = model in EMBEDDED_MODELS and not is_embedded_cached(model)
+    extra = " (first use: fetching and converting it once, about a minute)" if first_use else ""
+    sys.stderr.write(f"conveyor: loading {model}{extra}\n")
 
 
 def _quiet_libraries() -> None:
