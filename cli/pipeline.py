@@ -81,7 +81,7 @@ class RunResult:
         }
 
 
-def _sampling_defaults(cfg: RunConfig) -> SamplingParams:
+def sampling_defaults(cfg: RunConfig) -> SamplingParams:
     try:
         return SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p,
                               max_tokens=cfg.max_tokens, min_tokens=cfg.min_tokens, stop=cfg.stop,
@@ -134,7 +134,7 @@ class Pipeline:
             check_keep_fields(cfg.keep_fields)
         except ValueError as e:
             raise UsageError(str(e)) from None
-        self.defaults = _sampling_defaults(cfg)
+        self.defaults = sampling_defaults(cfg)
         self.reader = open_reader(cfg.input, cfg.input_format, cfg.split)
         self.run_dir = RunDir(cfg.run_dir or RunDir.default_for(cfg.output))
         self.run_dir.acquire_lock()
@@ -196,14 +196,14 @@ class Pipeline:
         built = self.builder.build(raw)
         if isinstance(built, BuiltRequest) and not self.journal.claim_id(built.id, built.index):
             built = ErrorRow(index=built.index, id=built.id, kept=built.kept, seed=built.sampling.seed,
-                             error=f"{_where(raw)}: duplicate id {built.id!r} (first seen earlier in the input); "
+                             error=f"{record_location(raw)}: duplicate id {built.id!r} (first seen earlier in the input); "
                                    "make ids unique or use --id-field")
         if isinstance(built, BuiltRequest):
             try:
                 self.engine.add_request(built.to_generation_request())
             except ValueError as e:
                 built = ErrorRow(index=built.index, id=built.id, kept=built.kept, seed=built.sampling.seed,
-                                 error=f"{_where(raw)}: {e}")
+                                 error=f"{record_location(raw)}: {e}")
             else:
                 self.in_flight[str(built.index)] = built
                 if self.totals.first_admit is None:
@@ -303,5 +303,5 @@ class BadRecordStop(Exception):
     """--on-error fail met a bad record."""
 
 
-def _where(raw: RawRecord) -> str:
+def record_location(raw: RawRecord) -> str:
     return f"line {raw.line}" if raw.line is not None else f"record {raw.index}"

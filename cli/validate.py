@@ -9,7 +9,7 @@ from conveyor.cli.exit_codes import ExitCode
 
 
 def validate(flags: dict, config_path: str | None, show_errors: int) -> int:
-    from conveyor.cli.pipeline import _sampling_defaults, _where
+    from conveyor.cli.pipeline import sampling_defaults, record_location
     from conveyor.cli.run import _quiet_libraries
     from conveyor.core.model_loader import load_tokenizer
     from conveyor.io.readers import open_reader
@@ -20,7 +20,7 @@ def validate(flags: dict, config_path: str | None, show_errors: int) -> int:
     _quiet_libraries()
     tokenizer, max_model_len = load_tokenizer(cfg.model)
     builder = RequestBuilder(tokenizer, BuildOptions(
-        sampling=_sampling_defaults(cfg), seed=cfg.seed, system_prompt=cfg.system_prompt,
+        sampling=sampling_defaults(cfg), seed=cfg.seed, system_prompt=cfg.system_prompt,
         prompt_field=cfg.prompt_field, messages_field=cfg.messages_field, id_field=cfg.id_field,
         max_model_len=max_model_len))
     lengths: list[int] = []
@@ -37,7 +37,7 @@ def validate(flags: dict, config_path: str | None, show_errors: int) -> int:
             if seen.setdefault(built.id, built.index) != built.index:
                 num_errors += 1
                 if len(errors) < show_errors:
-                    errors.append(f"{_where(raw)}: duplicate id {built.id!r}")
+                    errors.append(f"{record_location(raw)}: duplicate id {built.id!r}")
                 continue
             lengths.append(len(built.prompt_token_ids))
         else:

@@ -84,7 +84,6 @@ def resolve_device(device: str):
 
 def load_model(model: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "auto"):
     """Return (model, tokenizer) on `device` in `dtype`, the model in eval mode."""
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dev = resolve_device(device)

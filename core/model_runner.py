@@ -135,7 +135,6 @@ class ModelRunner:
 
     def _gathered_tensors(self, paged: list[tuple[int, ScheduledRequest]]) -> list[GatheredRows]:
         """Fallback without the kernel: one padded gather for all decodes, one per continuing chunk."""
-        bs = self.block_size
         dev = self.device
         out = []
         decodes = [(row, e) for row, e in paged if e.num_tokens == 1]

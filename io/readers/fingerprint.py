@@ -6,7 +6,6 @@ Files are hashed whole (content only, not mtime); a datasets folder by its metad
 from __future__ import annotations
 
 import hashlib
-import os
 from pathlib import Path
 
 from conveyor.io.errors import InputError
