@@ -76,7 +76,7 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     if batch.kernel is not None and batch.has_paged_rows:
         out[batch.paged_rows] = _paged(q[batch.paged_rows], k_cache, v_cache, batch, scale)
     for g in batch.gathered:
-        out[g.rows] = _gathered(q[g.rows], k_cache, v_cache, g, batch.block_size, scale)
+        out[g.rows] = gathered_attention(q[g.rows], k_cache, v_cache, g, batch.block_size, scale)
     for start, end in batch.fresh_chunks:
         qc = query[:, :, start:end]  # [1, H, n, D]
         o = F.scaled_dot_product_attention(qc, key[:, :, start:end], value[:, :, start:end], is_causal=True,
@@ -93,7 +93,7 @@ def _paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch:
                         scale).to(q.dtype)
 
 
-def _gathered(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: GatheredRows, block_size: int,
+def gathered_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: GatheredRows, block_size: int,
               scale: float) -> torch.Tensor:
     """Fallback: q [n, H, D] -> [n, H, D] via a padded gather and one SDPA call."""
     k = k_cache.permute(0, 3, 1, 2)[g.slots // block_size, g.slots % block_size].transpose(1, 2)  # [b, Hkv, L, D]

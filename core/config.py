@@ -36,6 +36,7 @@ class EngineConfig:
     max_waiting: int = 256  # backpressure: requests held in WAITING by generate()
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
     dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16"
+    fused_forward: bool = True  # Llama-family models on the CPU: the fused forward instead of transformers'
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting"):

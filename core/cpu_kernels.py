@@ -1,26 +1,30 @@
-"""(torch) Builds and loads conveyor's C++ CPU kernels (paged attention) once, cached on disk.
+"""(torch) Builds and loads conveyor's C++ CPU kernels once, cached on disk.
 
-The build needs a C++ compiler and ninja; where either is missing, `paged_attention_op()` returns
-None and the attention falls back to gathering K/V for torch's SDPA (correct, slower).
+One extension module: paged attention (`paged_attention.cpp`) and the fused element-wise ops of
+the Llama-family forward (`fused_ops.cpp`). The build needs a C++ compiler and ninja; where either
+is missing, `cpu_kernels()` returns None: attention falls back to gathering K/V for torch's SDPA
+and the model runs its eager transformers forward (correct, slower).
 Set CONVEYOR_NO_KERNELS=1 to force that fallback.
 """
 
 from __future__ import annotations
 
 import os
+import platform
 import sys
 import warnings
 from pathlib import Path
 
-_op = None
+_SOURCES = ("paged_attention.cpp", "fused_ops.cpp", "bindings.cpp")
+_module = None
 _tried = False
 
 
-def paged_attention_op():
-    """The compiled `paged_attention(q, cache, tables, token_req, token_ctx, block_size, scale)`, or None."""
-    global _op, _tried
+def cpu_kernels():
+    """The compiled module (paged_attention, rms_norm, rope_store, silu_mul), or None."""
+    global _module, _tried
     if _tried:
-        return _op
+        return _module
     _tried = True
     if os.environ.get("CONVEYOR_NO_KERNELS") == "1":
         return None
@@ -31,13 +35,25 @@ def paged_attention_op():
 
         build_dir = cache_dir() / "kernels" / f"py{sys.version_info.major}{sys.version_info.minor}"
         build_dir.mkdir(parents=True, exist_ok=True)
-        source = Path(__file__).parent / "csrc" / "paged_attention.cpp"
-        module = load(name="conveyor_paged_attention", sources=[str(source)], build_directory=str(build_dir),
-                      extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                      verbose=False)
-        _op = module.paged_attention
+        csrc = Path(__file__).parent / "csrc"
+        _module = load(name="conveyor_cpu_kernels", sources=[str(csrc / s) for s in _SOURCES],
+                       build_directory=str(build_dir), extra_cflags=_cflags(),
+                       extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # noqa: BLE001 - any build failure means: use the fallback
-        warnings.warn(f"conveyor: C++ paged attention unavailable ({str(e).splitlines()[0] if str(e) else e}); "
+        warnings.warn(f"conveyor: C++ CPU kernels unavailable ({str(e).splitlines()[0] if str(e) else e}); "
                       "using the slower torch fallback", stacklevel=2)
-        _op = None
-    return _op
+        _module = None
+    return _module
+
+
+def _cflags() -> list[str]:
+    flags = ["-O3", "-march=native", "-fopenmp"]
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        flags.append("-mprefer-vector-width=512")  # full-width AVX-512 where the CPU has it
+    return flags
+
+
+def paged_attention_op():
+    """The compiled `paged_attention(q, k_cache, v_cache, tables, token_req, token_ctx, block_size, scale)`, or None."""
+    module = cpu_kernels()
+    return None if module is None else module.paged_attention

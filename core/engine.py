@@ -74,7 +74,7 @@ class Engine:
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.eos_token_ids)
-        self.runner = ModelRunner(model, self.kv_cache, self.eos_token_ids)
+        self.runner = ModelRunner(model, self.kv_cache, self.eos_token_ids, config.fused_forward)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.num_generated_tokens = 0
         # Seconds per phase of step(); perf_counter is cheap enough to keep always on.

@@ -11,21 +11,26 @@ from collections.abc import Collection
 import torch
 
 from conveyor.core.attention import ATTN_IMPLEMENTATION, GatheredRows, PagedBatch
-from conveyor.core.cpu_kernels import paged_attention_op
+from conveyor.core.cpu_kernels import cpu_kernels
+from conveyor.core.fused_llama import FusedLlama
 from conveyor.core.kv_cache import KVCache
 from conveyor.core.sampler import Sampler
 from conveyor.core.schedule_types import RunnerOutput, ScheduledRequest, SchedulerOutput
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, eos_token_ids: Collection[int]) -> None:
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, eos_token_ids: Collection[int],
+                 fused_forward: bool = True) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.device = next(model.parameters()).device
-        self.sampler = Sampler(eos_token_ids)
-        # The C++ kernel runs on the CPU only; elsewhere (CUDA) the gather fallback is used.
-        self.kernel = paged_attention_op() if self.device.type == "cpu" else None
+        # The C++ kernels run on the CPU only; elsewhere (CUDA) the gather fallback is used.
+        ops = cpu_kernels() if self.device.type == "cpu" else None
+        self.sampler = Sampler(eos_token_ids, argmax=None if ops is None else ops.argmax_rows)
+        self.kernel = None if ops is None else ops.paged_attention
+        # Llama-family models on the CPU run a fused forward; others the transformers forward.
+        self.fused = FusedLlama.build(model, ops) if fused_forward else None
         self.timings: dict[str, float] | None = None  # seconds per phase, when profiling
 
     def enable_profiling(self) -> None:
@@ -44,7 +49,7 @@ class ModelRunner:
         if plan.is_empty:
             return RunnerOutput(sampled_token_ids={})
         impl = getattr(self.model.config, "_attn_implementation", None)
-        if impl != ATTN_IMPLEMENTATION:  # any other attention ignores the paged cache: wrong tokens, silently
+        if self.fused is None and impl != ATTN_IMPLEMENTATION:  # any other attention ignores the paged cache: wrong tokens, silently
             raise RuntimeError(f"the model's attention implementation is {impl!r}, not {ATTN_IMPLEMENTATION!r}; "
                                "it was changed after the engine was built")
         profiling = self.timings is not None
@@ -52,17 +57,20 @@ class ModelRunner:
         input_ids, positions, batch, sample_rows = self._prepare(plan.scheduled)
         if profiling:
             t = self._tick("prepare_s", t)
-        out = self.model(
-            input_ids=input_ids.unsqueeze(0),
-            position_ids=positions.unsqueeze(0),
-            use_cache=False,
-            logits_to_keep=sample_rows,
-            conveyor_batch=batch,
-        )
+        if self.fused is not None:
+            logits = self.fused(input_ids, positions, batch, sample_rows)
+        else:
+            logits = self.model(
+                input_ids=input_ids.unsqueeze(0),
+                position_ids=positions.unsqueeze(0),
+                use_cache=False,
+                logits_to_keep=sample_rows,
+                conveyor_batch=batch,
+            ).logits[0]
         if profiling:
             t = self._tick("forward_s", t)
         sampled_entries = [e for e in plan.scheduled if e.sample]
-        token_ids = self.sampler(out.logits[0], sampled_entries)
+        token_ids = self.sampler(logits, sampled_entries)
         if profiling:
             self._tick("sample_s", t)
         return RunnerOutput(sampled_token_ids={e.req_id: t for e, t in zip(sampled_entries, token_ids)})

@@ -27,20 +27,23 @@ def uniform_for(seed: int, index: int) -> float:
 
 
 class Sampler:
-    def __init__(self, eos_token_ids: Collection[int]) -> None:
+    def __init__(self, eos_token_ids: Collection[int], argmax=None) -> None:
         self.eos_token_ids = tuple(eos_token_ids)
+        self.argmax = argmax  # a faster exact `torch.argmax(x, -1)` for CPU tensors, or None
 
     def __call__(self, logits: torch.Tensor, entries: Sequence[ScheduledRequest]) -> list[int]:
-        """logits [B, V] (one row per sampled entry, same order) -> B token ids."""
-        logits = logits.float()
+        """logits [B, V] (one row per sampled entry, same order; modified in place) -> B token ids."""
         self._ban_early_stops(logits, entries)
-        tokens = torch.argmax(logits, dim=-1)  # greedy rows are done here
+        if self.argmax is not None and logits.device.type == "cpu":
+            tokens = self.argmax(logits.contiguous())  # greedy rows are done here
+        else:
+            tokens = torch.argmax(logits.float(), dim=-1)
         # Each row's path depends on its own params only, so a token never depends on its batch.
         plain = [i for i, e in enumerate(entries) if not e.sampling.is_greedy and not _truncates(e)]
         truncated = [i for i, e in enumerate(entries) if not e.sampling.is_greedy and _truncates(e)]
         for rows, sample in ((plain, self._sample_plain), (truncated, self._sample_truncated)):
             if rows:
-                tokens[rows] = sample(logits[rows], [entries[i] for i in rows])
+                tokens[rows] = sample(logits[rows].float(), [entries[i] for i in rows])
         return tokens.tolist()
 
     def _ban_early_stops(self, logits: torch.Tensor, entries: Sequence[ScheduledRequest]) -> None:

@@ -14,6 +14,7 @@
 #include <cstring>
 #include <vector>
 #if defined(__SSE__) || defined(__x86_64__)
+#include <immintrin.h>
 #include <xmmintrin.h>
 #define CONVEYOR_HAS_MXCSR 1
 #endif
@@ -42,6 +43,180 @@ static inline float load_f32(const scalar_t* __restrict__ p, int64_t i) {
   }
 }
 
+// 16 floats as one value (one AVX-512 register; two or four narrower ones elsewhere). GCC/Clang
+// vector extensions keep the accumulators in registers, with several independent chains so the
+// loops run at FMA throughput rather than latency.
+typedef float v16f __attribute__((vector_size(64)));
+typedef uint16_t v16u16 __attribute__((vector_size(32)));
+typedef uint32_t v16u32 __attribute__((vector_size(64)));
+
+// exp(x) on 16 lanes, for x <= 0 (softmax after subtracting the max), within a few ulp: Cephes'
+// range reduction and polynomial in plain vector arithmetic (a scalar libm exp per element was
+// half of the kernel's time). Inputs below -87.3 are clamped (their exp is ~1e-38, i.e. zero here).
+static inline v16f exp16(v16f x) {
+  const v16f lo = v16f{} - 87.3f;
+  x = x < lo ? lo : x;
+  const float magic = 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer in the low mantissa bits
+  const v16f t = x * 1.44269504088896341f + magic;
+  const v16f n = t - magic;
+  v16f r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  v16f p = v16f{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const v16f y = p * r * r + r + 1.f;
+  v16u32 bits;
+  std::memcpy(&bits, &t, sizeof(bits));
+  bits = (bits - 0x4B400000u + 127u) << 23;  // 2^n
+  v16f scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return y * scale;
+}
+
+// s[0..n) <- softmax(s[0..n)), in float; s must have room for n rounded up to 16.
+static inline void softmax_inplace(float* __restrict__ s, int64_t n) {
+  const int64_t padded = (n + 15) / 16 * 16;
+  for (int64_t j = n; j < padded; ++j) s[j] = -INFINITY;
+  v16f mv = v16f{} - INFINITY;
+  for (int64_t j = 0; j < padded; j += 16) {
+    v16f x;
+    std::memcpy(&x, s + j, sizeof(x));
+    mv = x > mv ? x : mv;
+  }
+  float m = mv[0];
+  for (int i = 1; i < 16; ++i) m = std::max(m, mv[i]);
+  v16f sum = {};
+  for (int64_t j = 0; j < padded; j += 16) {
+    v16f x;
+    std::memcpy(&x, s + j, sizeof(x));
+    x = exp16(x - m);
+    if (j + 16 > n) {  // padding lanes count for nothing
+      for (int64_t i = n - j; i < 16; ++i) x[i] = 0.f;
+    }
+    std::memcpy(s + j, &x, sizeof(x));
+    sum += x;
+  }
+  float total = 0.f;
+  for (int i = 0; i < 16; ++i) total += sum[i];
+  const float inv = 1.f / total;
+  for (int64_t j = 0; j < n; ++j) s[j] *= inv;
+}
+
+template <typename scalar_t>
+static inline v16f load16(const scalar_t* __restrict__ p) {
+  v16f v;
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    std::memcpy(&v, p, sizeof(v));
+  } else if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+#ifdef __AVX512F__  // one widening move (the generic form below compiles to two halves and shuffles)
+    const __m512i w = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+    v = reinterpret_cast<v16f>(_mm512_castsi512_ps(w));
+#else
+    v16u16 h;
+    std::memcpy(&h, p, sizeof(h));
+    const v16u32 w = __builtin_convertvector(h, v16u32) << 16;
+    std::memcpy(&v, &w, sizeof(v));
+#endif
+  } else {
+    for (int i = 0; i < 16; ++i) v[i] = static_cast<float>(p[i]);
+  }
+  return v;
+}
+
+// acc[i] += p * row[16 i ..], i < NV, for one value row of D = 16 NV elements.
+template <int NV, typename scalar_t>
+static inline void axpy_row(v16f* __restrict__ acc, float p, const scalar_t* __restrict__ row) {
+  for (int i = 0; i < NV; ++i) acc[i] += p * load16(row + 16 * i);
+}
+
+// Fast path: block_size 16 and head_dim 16 * NV. One task = (query token, KV head) with its G
+// query heads; scores and the weighted sum of values use register accumulators.
+template <int NV, typename scalar_t>
+static void attend_fast(const float* __restrict__ qf, const scalar_t* __restrict__ k_cache,
+                        const scalar_t* __restrict__ v_cache, const int64_t* table, int64_t ctx, int64_t h,
+                        int64_t G, int64_t Hkv, float* __restrict__ scores, float* __restrict__ out_f) {
+  constexpr int64_t D = 16 * NV, bs = 16;
+  const int64_t num_blocks = (ctx + bs - 1) / bs;
+  const int64_t sstride = (ctx + 15) / 16 * 16;  // scores row per head, padded for softmax_inplace
+  for (int64_t b = 0; b < num_blocks; ++b) {  // scores[g][j] = q_g . k_j over a block's 16 keys
+    const scalar_t* __restrict__ kb = k_cache + (table[b] * Hkv + h) * D * bs;
+    const int64_t n = std::min(bs, ctx - b * bs);
+    for (int64_t g = 0; g < G; ++g) {
+      const float* __restrict__ qg = qf + g * D;
+      v16f a0 = {}, a1 = {}, a2 = {}, a3 = {};
+      for (int64_t d = 0; d < D; d += 4) {
+        a0 += qg[d] * load16(kb + d * bs);
+        a1 += qg[d + 1] * load16(kb + (d + 1) * bs);
+        a2 += qg[d + 2] * load16(kb + (d + 2) * bs);
+        a3 += qg[d + 3] * load16(kb + (d + 3) * bs);
+      }
+      const v16f sum = (a0 + a1) + (a2 + a3);
+      float* dst = scores + g * sstride + b * bs;
+      for (int64_t o = 0; o < n; ++o) dst[o] = sum[o];
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* __restrict__ sg = scores + g * sstride;
+    softmax_inplace(sg, ctx);
+    v16f even[NV] = {}, odd[NV] = {};
+    const int64_t stride = Hkv * D;
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      const int64_t n = std::min(bs, ctx - b * bs);
+      const scalar_t* __restrict__ vb = v_cache + (table[b] * bs * Hkv + h) * D;
+      const float* __restrict__ pb = sg + b * bs;
+      int64_t o = 0;
+      for (; o + 1 < n; o += 2) {  // two keys at a time: two independent sets of chains
+        axpy_row<NV>(even, pb[o], vb + o * stride);
+        axpy_row<NV>(odd, pb[o + 1], vb + (o + 1) * stride);
+      }
+      if (o < n) axpy_row<NV>(even, pb[o], vb + o * stride);
+    }
+    for (int i = 0; i < NV; ++i) {
+      const v16f r = even[i] + odd[i];
+      std::memcpy(out_f + g * D + 16 * i, &r, sizeof(r));
+    }
+  }
+}
+
+// Any block size / head_dim: plain loops.
+template <typename scalar_t>
+static void attend_generic(const float* __restrict__ qf, const scalar_t* __restrict__ k_cache,
+                           const scalar_t* __restrict__ v_cache, const int64_t* table, int64_t ctx, int64_t h,
+                           int64_t G, int64_t Hkv, int64_t D, int64_t bs, float* __restrict__ scores,
+                           float* __restrict__ out_f) {
+  const int64_t num_blocks = (ctx + bs - 1) / bs;
+  const int64_t sstride = (ctx + 15) / 16 * 16;  // scores row per head, padded for softmax_inplace
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const scalar_t* __restrict__ kb = k_cache + (table[b] * Hkv + h) * D * bs;
+    const int64_t n = std::min(bs, ctx - b * bs);
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t o = 0; o < n; ++o) {
+        float acc = 0.f;
+        for (int64_t d = 0; d < D; ++d) acc += qf[g * D + d] * load_f32(kb + d * bs, o);
+        scores[g * sstride + b * bs + o] = acc;
+      }
+  }
+  std::fill(out_f, out_f + G * D, 0.f);
+  for (int64_t g = 0; g < G; ++g) {
+    float* __restrict__ sg = scores + g * sstride;
+    softmax_inplace(sg, ctx);
+    float* __restrict__ ag = out_f + g * D;
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      const int64_t n = std::min(bs, ctx - b * bs);
+      const scalar_t* __restrict__ vb = v_cache + (table[b] * bs * Hkv + h) * D;
+      for (int64_t o = 0; o < n; ++o) {
+        const float pj = sg[b * bs + o];
+        const scalar_t* __restrict__ v = vb + o * Hkv * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) ag[d] += pj * load_f32(v, d);
+      }
+    }
+  }
+}
+
 template <typename scalar_t>
 static void paged_attention_kernel(const scalar_t* q,        // [T, H, D]
                                    const scalar_t* k_cache,  // [num_blocks, Hkv, D, block_size]
@@ -53,78 +228,29 @@ static void paged_attention_kernel(const scalar_t* q,        // [T, H, D]
                                    int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t max_blocks,
                                    int64_t bs, float scale) {
   const int64_t G = H / Hkv;
+  const bool fast = bs == 16 && (D == 32 || D == 64 || D == 128);
   at::parallel_for(0, T * Hkv, 1, [&](int64_t begin, int64_t end) {
     FlushDenormals ftz;
-    std::vector<float> qf(G * D), acc(G * D), scores, part(bs);
+    std::vector<float> qf(G * D), out_f(G * D), scores;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t t = task / Hkv, h = task % Hkv;
       const int64_t ctx = token_ctx[t];
       const int64_t* table = tables + token_req[t] * max_blocks;
-      const int64_t num_blocks = (ctx + bs - 1) / bs;
-      if (static_cast<int64_t>(scores.size()) < G * ctx) scores.resize(G * ctx);
+      if (static_cast<int64_t>(scores.size()) < G * (ctx + 16)) scores.resize(G * (ctx + 16));
       for (int64_t g = 0; g < G; ++g)
         for (int64_t d = 0; d < D; ++d)
           qf[g * D + d] = static_cast<float>(q[(t * H + h * G + g) * D + d]) * scale;
-      // scores[g][j] = q_g . k_j. A block's keys are stored transposed ([D][bs]), so the inner
-      // loop runs over the block's keys: no horizontal sums.
-      for (int64_t b = 0; b < num_blocks; ++b) {
-        const scalar_t* __restrict__ kb = k_cache + (table[b] * Hkv + h) * D * bs;
-        const int64_t n = std::min(bs, ctx - b * bs);
-        for (int64_t g = 0; g < G; ++g) {
-          const float* __restrict__ qg = qf.data() + g * D;
-          float* __restrict__ dst = scores.data() + g * ctx + b * bs;
-          if (bs == 16) {  // the default: one register of partial sums
-            float p[16] = {0.f};
-            for (int64_t d = 0; d < D; ++d) {
-              const float qd = qg[d];
-              const scalar_t* __restrict__ row = kb + d * 16;
-#pragma omp simd
-              for (int64_t o = 0; o < 16; ++o) p[o] += qd * load_f32(row, o);
-            }
-            for (int64_t o = 0; o < n; ++o) dst[o] = p[o];
-          } else {
-            float* __restrict__ p = part.data();
-            std::fill(part.begin(), part.end(), 0.f);
-            for (int64_t d = 0; d < D; ++d) {
-              const float qd = qg[d];
-              const scalar_t* __restrict__ row = kb + d * bs;
-#pragma omp simd
-              for (int64_t o = 0; o < bs; ++o) p[o] += qd * load_f32(row, o);
-            }
-            for (int64_t o = 0; o < n; ++o) dst[o] = p[o];
-          }
-        }
-      }
-      for (int64_t g = 0; g < G; ++g) {  // softmax over j, per head
-        float* sg = scores.data() + g * ctx;
-        float m = -INFINITY;
-        for (int64_t j = 0; j < ctx; ++j) m = std::max(m, sg[j]);
-        float sum = 0.f;
-        for (int64_t j = 0; j < ctx; ++j) {
-          sg[j] = std::exp(sg[j] - m);
-          sum += sg[j];
-        }
-        const float inv = 1.f / sum;
-        for (int64_t j = 0; j < ctx; ++j) sg[j] *= inv;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);  // acc[g] = sum_j p[g][j] * v_j
-      for (int64_t g = 0; g < G; ++g) {
-        float* __restrict__ ag = acc.data() + g * D;
-        const float* __restrict__ sg = scores.data() + g * ctx;
-        for (int64_t b = 0; b < num_blocks; ++b) {
-          const int64_t n = std::min(bs, ctx - b * bs);
-          const scalar_t* __restrict__ vb = v_cache + (table[b] * bs * Hkv + h) * D;
-          for (int64_t o = 0; o < n; ++o) {
-            const float pj = sg[b * bs + o];
-            const scalar_t* __restrict__ v = vb + o * Hkv * D;
-#pragma omp simd
-            for (int64_t d = 0; d < D; ++d) ag[d] += pj * load_f32(v, d);
-          }
-        }
+      if (fast && D == 64) {
+        attend_fast<4>(qf.data(), k_cache, v_cache, table, ctx, h, G, Hkv, scores.data(), out_f.data());
+      } else if (fast && D == 128) {
+        attend_fast<8>(qf.data(), k_cache, v_cache, table, ctx, h, G, Hkv, scores.data(), out_f.data());
+      } else if (fast && D == 32) {
+        attend_fast<2>(qf.data(), k_cache, v_cache, table, ctx, h, G, Hkv, scores.data(), out_f.data());
+      } else {
+        attend_generic(qf.data(), k_cache, v_cache, table, ctx, h, G, Hkv, D, bs, scores.data(), out_f.data());
       }
       for (int64_t g = 0; g < G; ++g)
-        for (int64_t d = 0; d < D; ++d)
-          out[(t * H + h * G + g) * D + d] = static_cast<scalar_t>(acc[g * D + d]);
+        for (int64_t d = 0; d < D; ++d) out[(t * H + h * G + g) * D + d] = static_cast<scalar_t>(out_f[g * D + d]);
     }
   });
 }
@@ -152,8 +278,4 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
                                      static_cast<float>(scale));
   });
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention, "paged attention over a block pool (CPU)");
 }

@@ -7,6 +7,8 @@ can no longer run without the engine.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -79,18 +81,28 @@ def references(ref_model):
     return {tuple(p): _generate(ref_model, p) for p in PROMPTS + PREFIX_PROMPTS}
 
 
-@pytest.fixture(params=["kernel", "fallback"])
+@pytest.fixture(params=["fused", "fused-fallback", "eager", "eager-fallback"])
 def attention_path(request):
+    """The forward (fused Llama forward, or transformers' own with the paged attention) and the
+    attention over the pool (C++ kernel, or "fallback": gather + SDPA)."""
     return request.param
 
 
-def _engine(model, config: EngineConfig, attention_path: str = "kernel") -> Engine:
-    """An engine on the tiny model; "fallback" forces the gather + SDPA attention (no C++ kernel)."""
-    engine = Engine(model, CharTokenizer(), config)
-    if attention_path == "fallback":
-        if getattr(engine.runner, "kernel", None) is None:
+def _use_path(runner: ModelRunner, attention_path: str) -> None:
+    if attention_path.startswith("fused") and runner.fused is None:
+        pytest.skip("the fused forward is unavailable here (no C++ kernels): the eager runs cover it")
+    if attention_path.endswith("fallback"):
+        if getattr(runner, "kernel", None) is None:
             pytest.skip("the runner has no C++ kernel here: the default run already used the fallback")
-        engine.runner.kernel = None
+        runner.kernel = None
+
+
+def _engine(model, config: EngineConfig, attention_path: str = "fused") -> Engine:
+    """An engine on the tiny model along one of the `attention_path` routes."""
+    if attention_path.startswith("eager"):
+        config = dataclasses.replace(config, fused_forward=False)
+    engine = Engine(model, CharTokenizer(), config)
+    _use_path(engine.runner, attention_path)
     return engine
 
 
@@ -139,11 +151,8 @@ def test_runner_logits_match_the_model_across_prefills_chunks_decodes_and_shared
     mc = model.config
     kv = KVCache(mc.num_hidden_layers, mc.num_key_value_heads, mc.hidden_size // mc.num_attention_heads,
                  num_blocks=24, block_size=4, dtype=torch.float32, device=torch.device("cpu"))
-    runner = ModelRunner(model, kv, eos_token_ids=())
-    if attention_path == "fallback":
-        if getattr(runner, "kernel", None) is None:
-            pytest.skip("the runner has no C++ kernel here: the default run already used the fallback")
-        runner.kernel = None
+    runner = ModelRunner(model, kv, eos_token_ids=(), fused_forward=attention_path.startswith("fused"))
+    _use_path(runner, attention_path)
     capture = _CapturingSampler()
     runner.sampler = capture
     g = torch.Generator().manual_seed(7)
@@ -323,7 +332,7 @@ def test_generate_pulls_requests_lazily(model):
 
 
 def test_the_engine_owns_the_attention_implementation_of_its_model(model, references):
-    engine = Engine(model, CharTokenizer(), EngineConfig(block_size=4, num_kv_blocks=64))
+    engine = Engine(model, CharTokenizer(), EngineConfig(block_size=4, num_kv_blocks=64, fused_forward=False))
     with pytest.raises(RuntimeError, match="PagedBatch"):  # plain forward passes no longer work
         _generate(model, PROMPTS[0], 2)
     model.set_attn_implementation("sdpa")  # switching back would silently give wrong tokens

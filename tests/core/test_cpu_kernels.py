@@ -1,0 +1,198 @@
+"""The C++ CPU kernels and the fused Llama forward, each against plain torch / transformers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from conveyor.core.attention import PagedBatch
+from conveyor.core.cpu_kernels import cpu_kernels
+from conveyor.core.fused_llama import FusedLlama
+from conveyor.core.kv_cache import KVCache
+
+ops = cpu_kernels()
+pytestmark = pytest.mark.skipif(ops is None, reason="no C++ compiler here: the torch fallback is tested instead")
+
+
+def _reference_attention(q, keys, values, scale):
+    """q [H, D] against keys/values [L, Hkv, D] (GQA), in float64."""
+    H, Hkv = q.shape[0], keys.shape[1]
+    k = keys.double().repeat_interleave(H // Hkv, dim=1).transpose(0, 1)  # [H, L, D]
+    v = values.double().repeat_interleave(H // Hkv, dim=1).transpose(0, 1)
+    w = torch.softmax((k @ q.double().unsqueeze(-1)).squeeze(-1) * scale, dim=-1)  # [H, L]
+    return (w.unsqueeze(1) @ v).squeeze(1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim, block_size, heads", [(64, 16, (9, 3)), (128, 16, (4, 4)), (32, 16, (8, 2)),
+                                                         (16, 4, (4, 2)), (64, 8, (6, 3))])
+def test_paged_attention_matches_a_dense_reference(dtype, head_dim, block_size, heads):
+    g = torch.Generator().manual_seed(head_dim + block_size)
+    H, Hkv = heads
+    contexts = [1, 5, 16, 17, 33, 200, 64]
+    num_blocks = sum(-(-c // block_size) for c in contexts) + 3
+    k_cache = torch.randn(num_blocks, Hkv, head_dim, block_size, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks * block_size, Hkv, head_dim, generator=g).to(dtype)
+    perm = torch.randperm(num_blocks - 1, generator=g) + 1  # scattered tables; block 0 is padding
+    tables, start = [], 0
+    max_blocks = max(-(-c // block_size) for c in contexts)
+    for c in contexts:
+        n = -(-c // block_size)
+        tables.append(perm[start:start + n].tolist() + [0] * (max_blocks - n))
+        start += n
+    q = torch.randn(len(contexts), H, head_dim, generator=g).to(dtype)
+    scale = head_dim ** -0.5
+    out = ops.paged_attention(q, k_cache, v_cache, torch.tensor(tables), torch.arange(len(contexts)),
+                              torch.tensor(contexts), block_size, scale)
+    for i, c in enumerate(contexts):
+        slots = [tables[i][p // block_size] * block_size + p % block_size for p in range(c)]
+        keys = k_cache.permute(0, 3, 1, 2).reshape(-1, Hkv, head_dim)[slots]
+        want = _reference_attention(q[i], keys, v_cache[slots], scale)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        assert torch.allclose(out[i].double(), want, atol=tol, rtol=tol), (i, c)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_with_and_without_residual(dtype):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    g = torch.Generator().manual_seed(0)
+    norm = LlamaRMSNorm(96, eps=1e-5)
+    norm.weight.data = torch.randn(96, generator=g)
+    norm = norm.to(dtype)
+    h = torch.randn(7, 96, generator=g).to(dtype)
+    delta = torch.randn(7, 96, generator=g).to(dtype)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    assert torch.allclose(ops.rms_norm(h, None, norm.weight, 1e-5).float(), norm(h).float(), atol=tol, rtol=tol)
+    summed = h + delta
+    y = ops.rms_norm(h, delta, norm.weight, 1e-5)
+    assert torch.equal(h, summed)  # the residual add happened in place, rounded like torch's
+    assert torch.allclose(y.float(), norm(summed).float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_store_is_bit_identical_to_transformers_and_fills_the_pool(dtype):
+    g = torch.Generator().manual_seed(1)
+    T, H, Hkv, D, bs = 6, 4, 2, 32, 4
+    qkv = torch.randn(T, (H + 2 * Hkv) * D, generator=g).to(dtype)
+    angles = torch.rand(T, D // 2, generator=g) * 50
+    emb = torch.cat([angles, angles], dim=-1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    q = qkv[:, :H * D].view(T, H, D).transpose(0, 1).unsqueeze(0)
+    k = qkv[:, H * D:(H + Hkv) * D].view(T, Hkv, D).transpose(0, 1).unsqueeze(0)
+    want_q, want_k = apply_rotary_pos_emb(q, k, cos.unsqueeze(0), sin.unsqueeze(0))
+    v = qkv[:, (H + Hkv) * D:].view(T, Hkv, D).clone()
+    kv = KVCache(1, Hkv, D, num_blocks=8, block_size=bs, dtype=dtype, device=torch.device("cpu"))
+    slots = torch.tensor([9, 10, 11, 12, 30, 2])
+    work = qkv.clone()
+    ops.rope_store(work, cos, sin, slots, kv.keys[0], kv.values[0], H)
+    assert torch.equal(work[:, :H * D].view(T, H, D), want_q[0].transpose(0, 1))
+    assert torch.equal(work[:, H * D:(H + Hkv) * D].view(T, Hkv, D), want_k[0].transpose(0, 1))
+    stored_k = kv.keys[0].permute(0, 3, 1, 2).reshape(-1, Hkv, D)[slots]
+    assert torch.equal(stored_k, want_k[0].transpose(0, 1))
+    assert torch.equal(kv.values[0][slots], v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_and_argmax_equal_torch(dtype):
+    g = torch.Generator().manual_seed(2)
+    gu = torch.randn(5, 2 * 48, generator=g).to(dtype)
+    assert torch.equal(ops.silu_mul(gu), F.silu(gu[:, :48]) * gu[:, 48:])
+    logits = torch.randn(9, 1000, generator=g).to(dtype)
+    logits[3, 10] = logits[3, 700] = 50.0  # a tie: the first index wins, as in torch
+    logits[4] = float("-inf")
+    logits[4, 999] = 0.0
+    assert torch.equal(ops.argmax_rows(logits), torch.argmax(logits.float(), dim=-1))
+    assert ops.argmax_rows(logits)[3].item() == 10
+
+
+# -- the fused forward against transformers' own -----------------------------------------------------
+
+def _llama(**kw):
+    cfg = dict(vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+               num_key_value_heads=1, max_position_embeddings=512, initializer_range=0.1)
+    cfg.update(kw)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(**cfg)).eval()
+
+
+def _fused_logits(model, prompts, block_size=16):
+    """Prefill every prompt in one flat step (fresh chunks), then one decode step each (paged rows)."""
+    mc = model.config
+    head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
+    kv = KVCache(mc.num_hidden_layers, mc.num_key_value_heads, head_dim, num_blocks=64, block_size=block_size,
+                 dtype=next(model.parameters()).dtype, device=torch.device("cpu"))
+    fused = FusedLlama.build(model, ops)
+    assert fused is not None
+    tables = [list(range(1 + 8 * i, 9 + 8 * i)) for i in range(len(prompts))]
+
+    def slot(i, p):
+        return tables[i][p // block_size] * block_size + p % block_size
+
+    ids, pos, slots, rows, chunks = [], [], [], [], []
+    for i, p in enumerate(prompts):
+        chunks.append((len(ids), len(ids) + len(p)))
+        ids += p
+        pos += range(len(p))
+        slots += [slot(i, j) for j in range(len(p))]
+        rows.append(len(ids) - 1)
+    batch = _batch(kv, slots, block_size, chunks)
+    prefill = fused(torch.tensor(ids), torch.tensor(pos), batch, torch.tensor(rows))
+    nxt = [7 + i for i in range(len(prompts))]
+    dslots = [slot(i, len(p)) for i, p in enumerate(prompts)]
+    batch = _batch(kv, dslots, block_size, [])
+    batch.tables = torch.tensor(tables)
+    batch.token_req = torch.arange(len(prompts))
+    batch.token_ctx = torch.tensor([len(p) + 1 for p in prompts])
+    batch.has_paged_rows = True
+    decode = fused(torch.tensor(nxt), torch.tensor([len(p) for p in prompts]), batch, torch.arange(len(prompts)))
+    return prefill, decode, nxt
+
+
+def _batch(kv, slots, block_size, chunks):
+    s = torch.tensor(slots)
+    return PagedBatch(keys=kv.keys, values=kv.values, slot_mapping=s, slot_block=s // block_size,
+                      slot_offset=s % block_size, block_size=block_size, fresh_chunks=chunks, paged_rows=None,
+                      has_paged_rows=False, tables=None, token_req=None, token_ctx=None, gathered=[],
+                      kernel=ops.paged_attention)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: _llama(),  # head_dim 64: the kernel's vector path
+    lambda: _llama(hidden_size=96, num_attention_heads=6, num_key_value_heads=2, attention_bias=True),  # head_dim 16
+    lambda: _qwen2(),
+], ids=["llama-d64", "llama-d16-bias", "qwen2"])
+def test_fused_forward_matches_transformers(make):
+    model = make()
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (3, 40, 17)]
+    with torch.inference_mode():
+        want_prefill = [model(torch.tensor([p])).logits[0, -1] for p in prompts]
+        prefill, decode, nxt = _fused_logits(model, prompts)
+        want_decode = [model(torch.tensor([p + [t]])).logits[0, -1] for p, t in zip(prompts, nxt)]
+    for got, want in zip(prefill, want_prefill):
+        assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
+    for got, want in zip(decode, want_decode):
+        assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
+    # the module weights became views into the fused ones: nothing stored twice, the model still works
+    attn = model.model.layers[0].self_attn
+    assert attn.k_proj.weight.untyped_storage().data_ptr() == attn.q_proj.weight.untyped_storage().data_ptr()
+
+
+def _qwen2():
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(Qwen2Config(vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+                                        initializer_range=0.1)).eval()
+
+
+def test_fused_forward_declines_what_it_does_not_cover():
+    assert FusedLlama.build(_llama(hidden_act="gelu"), ops) is None
+    assert FusedLlama.build(_llama(), None) is None
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=100, n_embd=32, n_layer=1, n_head=2, n_positions=64)).eval()
+    assert FusedLlama.build(gpt2, ops) is None
