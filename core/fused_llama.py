@@ -2,9 +2,11 @@
 
 Same weights and the same arithmetic as transformers' eager forward, with far fewer operations
 per layer: q/k/v and gate/up are each one matmul (the module weights become views into the
-concatenated tensors, so nothing is stored twice), bf16 weights are prepacked once for oneDNN,
-and the element-wise work between matmuls runs in the C++ kernels of `fused_ops.cpp`: residual add
-+ RMSNorm, rotary + KV store, SiLU(gate) * up. Per layer that is 9 calls instead of ~40.
+concatenated tensors), float32 weights are also kept in 32-column panels for the small-M kernel
+of decode steps and bf16 weights prepacked once for oneDNN (either way a second copy of the
+weights: the price of reading them at memory speed), and the element-wise work between matmuls
+runs in the C++ kernels of `fused_ops.cpp`: residual add + RMSNorm, rotary + KV store,
+SiLU(gate) * up. Per layer that is 9 calls instead of ~40.
 
 `FusedLlama.build(model)` returns None for anything it does not cover (other architectures,
 biases in norms, sliding windows, non-SiLU MLPs, devices other than the CPU, missing kernels); the
@@ -23,13 +25,36 @@ from conveyor.core.attention import PagedBatch, gathered_attention
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
-class _Linear:
-    """y = x @ W.T (+ b); bf16 weights prepacked for oneDNN when the CPU supports it."""
+SMALL_M = 16  # float32 linears with at most this many rows use conveyor's small-M kernel
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """W [N, K] -> [ceil(N / 32), K, 32]: 32-column panels of W.T, each contiguous (zero-padded)."""
+    n, k = weight.shape
+    panels = -(-n // 32)
+    wt = torch.zeros(k, panels * 32, dtype=weight.dtype)
+    wt[:, :n] = weight.t()
+    return wt.view(k, panels, 32).permute(1, 0, 2).contiguous()
+
+
+class _Linear:
+    """y = x @ W.T (+ b), by the fastest exact-enough route measured for the rows at hand.
+
+    float32: few rows (decode) go to the C++ small-M kernel over 32-column panels of W (a weight
+    read at memory speed, where BLAS runs 25-35% slower at 4-16 rows); more rows to torch's GEMM.
+    bfloat16: oneDNN with the weights prepacked once (AMX on CPUs that have it).
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, ops) -> None:
         self.weight = weight
         self.bias = bias
+        self.out_features = weight.shape[0]
         self.packed = None
+        self.panels = None
+        self.small_gemm = None
+        if weight.dtype == torch.float32 and ops is not None and hasattr(ops, "small_gemm"):
+            self.panels = pack_panels(weight)
+            self.small_gemm = ops.small_gemm
         if weight.dtype == torch.bfloat16 and _onednn_bf16():
             try:
                 packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
@@ -42,6 +67,8 @@ class _Linear:
                 self.packed = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.panels is not None and x.shape[0] <= SMALL_M:
+            return self.small_gemm(x, self.panels, self.out_features, self.bias)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -76,12 +103,12 @@ def _concat_as_views(modules: list[torch.nn.Linear]) -> tuple[torch.Tensor, torc
 
 
 class _Layer:
-    def __init__(self, layer: torch.nn.Module) -> None:
+    def __init__(self, layer: torch.nn.Module, ops) -> None:
         attn, mlp = layer.self_attn, layer.mlp
-        self.qkv = _Linear(*_concat_as_views([attn.q_proj, attn.k_proj, attn.v_proj]))
-        self.o = _Linear(attn.o_proj.weight.detach(), _bias(attn.o_proj))
-        self.gate_up = _Linear(*_concat_as_views([mlp.gate_proj, mlp.up_proj]))
-        self.down = _Linear(mlp.down_proj.weight.detach(), _bias(mlp.down_proj))
+        self.qkv = _Linear(*_concat_as_views([attn.q_proj, attn.k_proj, attn.v_proj]), ops)
+        self.o = _Linear(attn.o_proj.weight.detach(), _bias(attn.o_proj), ops)
+        self.gate_up = _Linear(*_concat_as_views([mlp.gate_proj, mlp.up_proj]), ops)
+        self.down = _Linear(mlp.down_proj.weight.detach(), _bias(mlp.down_proj), ops)
         self.norm_in = layer.input_layernorm.weight.detach()
         self.norm_post = layer.post_attention_layernorm.weight.detach()
         self.eps_in = float(layer.input_layernorm.variance_epsilon)
@@ -101,10 +128,10 @@ class FusedLlama:
         self.ops = ops
         self.embed = inner.embed_tokens.weight.detach()
         self.rotary = inner.rotary_emb
-        self.layers = [_Layer(layer) for layer in inner.layers]
+        self.layers = [_Layer(layer, ops) for layer in inner.layers]
         self.norm = inner.norm.weight.detach()
         self.norm_eps = float(inner.norm.variance_epsilon)
-        self.lm_head = _Linear(model.lm_head.weight.detach(), _bias(model.lm_head))
+        self.lm_head = _Linear(model.lm_head.weight.detach(), _bias(model.lm_head), ops)
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads

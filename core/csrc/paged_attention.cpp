@@ -13,6 +13,8 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#include "vec16.h"
 #if defined(__SSE__) || defined(__x86_64__)
 #include <immintrin.h>
 #include <xmmintrin.h>
@@ -42,13 +44,6 @@ static inline float load_f32(const scalar_t* __restrict__ p, int64_t i) {
     return static_cast<float>(p[i]);
   }
 }
-
-// 16 floats as one value (one AVX-512 register; two or four narrower ones elsewhere). GCC/Clang
-// vector extensions keep the accumulators in registers, with several independent chains so the
-// loops run at FMA throughput rather than latency.
-typedef float v16f __attribute__((vector_size(64)));
-typedef uint16_t v16u16 __attribute__((vector_size(32)));
-typedef uint32_t v16u32 __attribute__((vector_size(64)));
 
 // exp(x) on 16 lanes, for x <= 0 (softmax after subtracting the max), within a few ulp: Cephes'
 // range reduction and polynomial in plain vector arithmetic (a scalar libm exp per element was
@@ -103,27 +98,6 @@ static inline void softmax_inplace(float* __restrict__ s, int64_t n) {
   for (int i = 0; i < 16; ++i) total += sum[i];
   const float inv = 1.f / total;
   for (int64_t j = 0; j < n; ++j) s[j] *= inv;
-}
-
-template <typename scalar_t>
-static inline v16f load16(const scalar_t* __restrict__ p) {
-  v16f v;
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    std::memcpy(&v, p, sizeof(v));
-  } else if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-#ifdef __AVX512F__  // one widening move (the generic form below compiles to two halves and shuffles)
-    const __m512i w = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
-    v = reinterpret_cast<v16f>(_mm512_castsi512_ps(w));
-#else
-    v16u16 h;
-    std::memcpy(&h, p, sizeof(h));
-    const v16u32 w = __builtin_convertvector(h, v16u32) << 16;
-    std::memcpy(&v, &w, sizeof(v));
-#endif
-  } else {
-    for (int i = 0; i < 16; ++i) v[i] = static_cast<float>(p[i]);
-  }
-  return v;
 }
 
 // acc[i] += p * row[16 i ..], i < NV, for one value row of D = 16 NV elements.

@@ -10,7 +10,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from conveyor.core.attention import PagedBatch
 from conveyor.core.cpu_kernels import cpu_kernels
-from conveyor.core.fused_llama import FusedLlama
+from conveyor.core.fused_llama import FusedLlama, pack_panels
 from conveyor.core.kv_cache import KVCache
 
 ops = cpu_kernels()
@@ -107,6 +107,26 @@ def test_silu_mul_and_argmax_equal_torch(dtype):
     logits[4, 999] = 0.0
     assert torch.equal(ops.argmax_rows(logits), torch.argmax(logits.float(), dim=-1))
     assert ops.argmax_rows(logits)[3].item() == 10
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n, k", [(96, 64), (100, 48), (7, 33)])
+def test_small_gemm_matches_linear_and_does_not_depend_on_the_batch(dtype, n, k):
+    g = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    bias = torch.randn(n, generator=g).to(dtype)
+    x = torch.randn(20, k, generator=g).to(dtype)
+    panels = pack_panels(w)
+    assert panels.shape == (-(-n // 32), k, 32)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    for m in (1, 3, 8, 9, 16, 20):
+        for b in (None, bias):
+            got = ops.small_gemm(x[:m], panels, n, b)
+            want = F.linear(x[:m].double(), w.double(), None if b is None else b.double())
+            assert torch.allclose(got.double(), want, atol=tol * k ** 0.5, rtol=tol), (m, b is None)
+    full = ops.small_gemm(x, panels, n, bias)
+    for i in (0, 7, 8, 19):  # each row alone equals that row computed among 19 others
+        assert torch.equal(ops.small_gemm(x[i:i + 1], panels, n, bias)[0], full[i])
 
 
 # -- the fused forward against transformers' own -----------------------------------------------------
