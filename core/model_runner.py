@@ -14,6 +14,7 @@ from conveyor.core.attention import ATTN_IMPLEMENTATION, GatheredRows, PagedBatc
 from conveyor.core.cpu_kernels import cpu_kernels
 from conveyor.core.fused_llama import FusedLlama
 from conveyor.core.kv_cache import KVCache
+from conveyor.core.malloc_tuning import keep_freed_memory
 from conveyor.core.sampler import Sampler
 from conveyor.core.schedule_types import RunnerOutput, ScheduledRequest, SchedulerOutput
 
@@ -27,6 +28,8 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         # The C++ kernels run on the CPU only; elsewhere (CUDA) the gather fallback is used.
         ops = cpu_kernels() if self.device.type == "cpu" else None
+        if self.device.type == "cpu":
+            keep_freed_memory()
         self.sampler = Sampler(eos_token_ids, argmax=None if ops is None else ops.argmax_rows)
         self.kernel = None if ops is None else ops.paged_attention
         # Llama-family models on the CPU run a fused forward; others the transformers forward.
