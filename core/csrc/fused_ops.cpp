@@ -8,6 +8,7 @@
 // are bit-identical to torch; RMSNorm's sum and SiLU's exp may differ in the last bit.
 #pragma GCC optimize("fp-contract=off")
 #include <torch/extension.h>
+#include <ATen/Dispatch_v2.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -216,11 +217,11 @@ torch::Tensor rms_norm(torch::Tensor h, c10::optional<torch::Tensor> delta, torc
   }
   auto wc = w.contiguous();
   auto y = torch::empty_like(h);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, h.scalar_type(), "rms_norm", [&] {
+  AT_DISPATCH_V2(h.scalar_type(), "rms_norm", AT_WRAP([&] {
     rms_norm_rows<scalar_t>(h.data_ptr<scalar_t>(), delta.has_value() ? delta->data_ptr<scalar_t>() : nullptr,
                             wc.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(), h.size(0), h.size(1),
                             static_cast<float>(eps));
-  });
+  }), at::kFloat, at::kBFloat16, at::kHalf);
   return y;
 }
 
@@ -236,11 +237,11 @@ void rope_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::
   for (const auto* x : {&cos, &sin, &k_cache, &v_cache})
     TORCH_CHECK(x->scalar_type() == qkv.scalar_type(), "rope_store: all tensors must share the model's dtype");
   auto c = cos.contiguous(), s = sin.contiguous(), sl = slots.contiguous();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rope_store", [&] {
+  AT_DISPATCH_V2(qkv.scalar_type(), "rope_store", AT_WRAP([&] {
     rope_store_rows<scalar_t>(qkv.data_ptr<scalar_t>(), c.data_ptr<scalar_t>(), s.data_ptr<scalar_t>(),
                               sl.data_ptr<int64_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), T,
                               num_heads, Hkv, D, bs);
-  });
+  }), at::kFloat, at::kBFloat16, at::kHalf);
 }
 
 // gu [T, 2I] (gate | up) -> SiLU(gate) * up [T, I] in one vectorized pass, rounding the SiLU
@@ -251,9 +252,9 @@ torch::Tensor silu_mul(torch::Tensor gu) {
   TORCH_CHECK(gu.size(1) % 2 == 0, "gate_up width must be even");
   const int64_t T = gu.size(0), I = gu.size(1) / 2;
   auto out = torch::empty({T, I}, gu.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gu.scalar_type(), "silu_mul", [&] {
+  AT_DISPATCH_V2(gu.scalar_type(), "silu_mul", AT_WRAP([&] {
     silu_mul_rows<scalar_t>(gu.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), T, I);
-  });
+  }), at::kFloat, at::kBFloat16, at::kHalf);
   return out;
 }
 
@@ -262,8 +263,8 @@ torch::Tensor silu_mul(torch::Tensor gu) {
 torch::Tensor argmax_rows(torch::Tensor x) {
   check_rows(x, "logits");
   auto out = torch::empty({x.size(0)}, x.options().dtype(at::kLong));
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "argmax_rows", [&] {
+  AT_DISPATCH_V2(x.scalar_type(), "argmax_rows", AT_WRAP([&] {
     argmax_rows_impl<scalar_t>(x.data_ptr<scalar_t>(), out.data_ptr<int64_t>(), x.size(0), x.size(1));
-  });
+  }), at::kFloat, at::kBFloat16, at::kHalf);
   return out;
 }

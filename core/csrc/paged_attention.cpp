@@ -4,6 +4,7 @@
 // Layouts: keys [num_blocks, Hkv, D, block_size] (transposed within a block, so q.k over a
 // block's keys is a vector loop without horizontal sums); values [slots, Hkv, D].
 #include <torch/extension.h>
+#include <ATen/Dispatch_v2.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -155,6 +156,71 @@ static void attend_fast(const float* __restrict__ qf, const scalar_t* __restrict
   }
 }
 
+// Fast path with the group size G known at compile time: each key row and value row is loaded
+// (and widened from bf16) once for all G query heads that share it, instead of once per head.
+template <int NV, int G, typename scalar_t>
+static void attend_grouped(const float* __restrict__ qf, const scalar_t* __restrict__ k_cache,
+                           const scalar_t* __restrict__ v_cache, const int64_t* table, int64_t ctx, int64_t h,
+                           int64_t Hkv, float* __restrict__ scores, float* __restrict__ out_f) {
+  constexpr int64_t D = 16 * NV, bs = 16;
+  const int64_t num_blocks = (ctx + bs - 1) / bs;
+  const int64_t sstride = (ctx + 15) / 16 * 16;
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const scalar_t* __restrict__ kb = k_cache + (table[b] * Hkv + h) * D * bs;
+    const int64_t n = std::min(bs, ctx - b * bs);
+    v16f even[G], odd[G];
+    for (int g = 0; g < G; ++g) even[g] = odd[g] = v16f{};
+    for (int64_t d = 0; d < D; d += 2) {
+      const v16f k0 = load16(kb + d * bs), k1 = load16(kb + (d + 1) * bs);
+      for (int g = 0; g < G; ++g) {
+        even[g] += qf[g * D + d] * k0;
+        odd[g] += qf[g * D + d + 1] * k1;
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      const v16f sum = even[g] + odd[g];
+      float* dst = scores + g * sstride + b * bs;
+      for (int64_t o = 0; o < n; ++o) dst[o] = sum[o];
+    }
+  }
+  for (int g = 0; g < G; ++g) softmax_inplace(scores + g * sstride, ctx);
+  v16f acc[G][NV];
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < NV; ++i) acc[g][i] = v16f{};
+  const int64_t stride = Hkv * D;
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const int64_t n = std::min(bs, ctx - b * bs);
+    const scalar_t* __restrict__ vb = v_cache + (table[b] * bs * Hkv + h) * D;
+    for (int64_t o = 0; o < n; ++o) {
+      v16f v[NV];
+      for (int i = 0; i < NV; ++i) v[i] = load16(vb + o * stride + 16 * i);
+      for (int g = 0; g < G; ++g) {
+        const float p = scores[g * sstride + b * bs + o];
+        for (int i = 0; i < NV; ++i) acc[g][i] += p * v[i];
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < NV; ++i) std::memcpy(out_f + g * D + 16 * i, &acc[g][i], sizeof(v16f));
+}
+
+// Dispatch on the group size: 1-8 compiled for, any other goes to attend_fast.
+template <int NV, typename scalar_t>
+static void attend_dispatch(const float* qf, const scalar_t* k_cache, const scalar_t* v_cache, const int64_t* table,
+                            int64_t ctx, int64_t h, int64_t G, int64_t Hkv, float* scores, float* out_f) {
+  switch (G) {
+    case 1: return attend_grouped<NV, 1>(qf, k_cache, v_cache, table, ctx, h, Hkv, scores, out_f);
+    case 2: return attend_grouped<NV, 2>(qf, k_cache, v_cache, table, ctx, h, Hkv, scores, out_f);
+    case 3: return attend_grouped<NV, 3>(qf, k_cache, v_cache, table, ctx, h, Hkv, scores, out_f);
+    case 4: return attend_grouped<NV, 4>(qf, k_cache, v_cache, table, ctx, h, Hkv, scores, out_f);
+    case 5: return attend_grouped<NV, 5>(qf, k_cache, v_cache, table, ctx, h, Hkv, scores, out_f);
+    case 6: return attend_grouped<NV, 6>(qf, k_cache, v_cache, table, ctx, h, Hkv, scores, out_f);
+    case 7: return attend_grouped<NV, 7>(qf, k_cache, v_cache, table, ctx, h, Hkv, scores, out_f);
+    case 8: return attend_grouped<NV, 8>(qf, k_cache, v_cache, table, ctx, h, Hkv, scores, out_f);
+    default: return attend_fast<NV>(qf, k_cache, v_cache, table, ctx, h, G, Hkv, scores, out_f);
+  }
+}
+
 // Any block size / head_dim: plain loops.
 template <typename scalar_t>
 static void attend_generic(const float* __restrict__ qf, const scalar_t* __restrict__ k_cache,
@@ -215,11 +281,11 @@ static void paged_attention_kernel(const scalar_t* q,        // [T, H, D]
         for (int64_t d = 0; d < D; ++d)
           qf[g * D + d] = static_cast<float>(q[(t * H + h * G + g) * D + d]) * scale;
       if (fast && D == 64) {
-        attend_fast<4>(qf.data(), k_cache, v_cache, table, ctx, h, G, Hkv, scores.data(), out_f.data());
+        attend_dispatch<4>(qf.data(), k_cache, v_cache, table, ctx, h, G, Hkv, scores.data(), out_f.data());
       } else if (fast && D == 128) {
-        attend_fast<8>(qf.data(), k_cache, v_cache, table, ctx, h, G, Hkv, scores.data(), out_f.data());
+        attend_dispatch<8>(qf.data(), k_cache, v_cache, table, ctx, h, G, Hkv, scores.data(), out_f.data());
       } else if (fast && D == 32) {
-        attend_fast<2>(qf.data(), k_cache, v_cache, table, ctx, h, G, Hkv, scores.data(), out_f.data());
+        attend_dispatch<2>(qf.data(), k_cache, v_cache, table, ctx, h, G, Hkv, scores.data(), out_f.data());
       } else {
         attend_generic(qf.data(), k_cache, v_cache, table, ctx, h, G, Hkv, D, bs, scores.data(), out_f.data());
       }
@@ -244,12 +310,12 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   TORCH_CHECK(H % Hkv == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(k_cache.size(3) == block_size && k_cache.size(2) == D, "k_cache shape does not match block_size/D");
   auto out = torch::empty_like(q);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
+  AT_DISPATCH_V2(q.scalar_type(), "paged_attention", AT_WRAP([&] {
     paged_attention_kernel<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
                                      v_cache.data_ptr<scalar_t>(), tables.data_ptr<int64_t>(),
                                      token_req.data_ptr<int64_t>(), token_ctx.data_ptr<int64_t>(),
                                      out.data_ptr<scalar_t>(), T, H, Hkv, D, tables.size(1), block_size,
                                      static_cast<float>(scale));
-  });
+  }), at::kFloat, at::kBFloat16, at::kHalf);
   return out;
 }

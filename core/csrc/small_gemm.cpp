@@ -7,6 +7,7 @@
 // panel in registers. Every output is one sum over k in order, so a row's result does not depend
 // on the other rows in the batch.
 #include <torch/extension.h>
+#include <ATen/Dispatch_v2.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <vector>
@@ -90,9 +91,9 @@ torch::Tensor small_gemm(torch::Tensor x, torch::Tensor packed, int64_t N, c10::
     TORCH_CHECK(bias->numel() == N && bias->scalar_type() == x.scalar_type(), "small_gemm: bias must be [N]");
     b = bias->contiguous();
   }
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "small_gemm", [&] {
+  AT_DISPATCH_V2(x.scalar_type(), "small_gemm", AT_WRAP([&] {
     small_gemm_impl<scalar_t>(xf.data_ptr<float>(), packed.data_ptr<scalar_t>(),
                               b.has_value() ? b->data_ptr<scalar_t>() : nullptr, y.data_ptr<scalar_t>(), M, N, K);
-  });
+  }), at::kFloat, at::kBFloat16, at::kHalf);
   return y;
 }
