@@ -93,8 +93,8 @@ def _paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch:
                         scale).to(q.dtype)
 
 
-def gathered_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: GatheredRows, block_size: int,
-              scale: float) -> torch.Tensor:
+def gathered_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: GatheredRows,
+                       block_size: int, scale: float) -> torch.Tensor:
     """Fallback: q [n, H, D] -> [n, H, D] via a padded gather and one SDPA call."""
     k = k_cache.permute(0, 3, 1, 2)[g.slots // block_size, g.slots % block_size].transpose(1, 2)  # [b, Hkv, L, D]
     v = v_cache[g.slots].transpose(1, 2)  # [b, Hkv, L, D]

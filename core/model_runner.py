@@ -52,7 +52,8 @@ class ModelRunner:
         if plan.is_empty:
             return RunnerOutput(sampled_token_ids={})
         impl = getattr(self.model.config, "_attn_implementation", None)
-        if self.fused is None and impl != ATTN_IMPLEMENTATION:  # any other attention ignores the paged cache: wrong tokens, silently
+        # Through transformers' forward, any other attention ignores the paged cache: wrong tokens, silently.
+        if self.fused is None and impl != ATTN_IMPLEMENTATION:
             raise RuntimeError(f"the model's attention implementation is {impl!r}, not {ATTN_IMPLEMENTATION!r}; "
                                "it was changed after the engine was built")
         profiling = self.timings is not None
