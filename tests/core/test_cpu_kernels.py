@@ -205,6 +205,20 @@ def test_fused_forward_matches_transformers(make):
     assert attn.k_proj.weight.untyped_storage().data_ptr() == attn.q_proj.weight.untyped_storage().data_ptr()
 
 
+def test_fused_forward_in_bfloat16_stays_close_to_transformers():
+    """bf16: prepacked oneDNN matmuls and the kernel's float accumulation round differently."""
+    model = _llama().to(torch.bfloat16)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (3, 40, 17)]
+    with torch.inference_mode():
+        want = [model(torch.tensor([p])).logits[0, -1].float() for p in prompts]
+        prefill, decode, nxt = _fused_logits(model, prompts)
+        want += [model(torch.tensor([p + [t]])).logits[0, -1].float() for p, t in zip(prompts, nxt)]
+    for got, ref in zip(list(prefill) + list(decode), want):
+        assert (got.float() - ref).norm() / ref.norm() < 0.03
+        assert got.argmax() == ref.argmax()
+
+
 def _qwen2():
     torch.manual_seed(0)
     return Qwen2ForCausalLM(Qwen2Config(vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
