@@ -119,31 +119,6 @@ void argmax_rows_impl(const scalar_t* x, int64_t* out, int64_t R, int64_t V) {
   });
 }
 
-// exp on 16 lanes over the whole float range (clamped to +-87.3; Cephes' polynomial, a few ulp).
-inline v16f exp16_any(v16f x) {
-  const v16f lo = v16f{} - 87.3f, hi = v16f{} + 87.3f;
-  x = x < lo ? lo : x;
-  x = x > hi ? hi : x;
-  const float magic = 12582912.f;
-  const v16f t = x * 1.44269504088896341f + magic;
-  const v16f n = t - magic;
-  v16f r = x - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;
-  v16f p = v16f{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const v16f y = p * r * r + r + 1.f;
-  v16u32 bits;
-  std::memcpy(&bits, &t, sizeof(bits));
-  bits = (bits - 0x4B400000u + 127u) << 23;
-  v16f scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return y * scale;
-}
-
 // Round 16 floats through scalar_t (round to nearest even for bf16), as a store then a load would.
 template <typename scalar_t>
 inline v16f round16(v16f x) {
@@ -188,7 +163,7 @@ void silu_mul_rows(const scalar_t* gu, scalar_t* out, int64_t T, int64_t I) {
       int64_t i = 0;
       for (; i + 16 <= I; i += 16) {
         const v16f x = load16(g + i);
-        const v16f act = round16<scalar_t>(x / (1.f + exp16_any(-x)));
+        const v16f act = round16<scalar_t>(x / (1.f + exp16(-x)));
         store16(o + i, act * load16(u + i));
       }
       for (; i < I; ++i) {

@@ -46,32 +46,6 @@ static inline float load_f32(const scalar_t* __restrict__ p, int64_t i) {
   }
 }
 
-// exp(x) on 16 lanes, for x <= 0 (softmax after subtracting the max), within a few ulp: Cephes'
-// range reduction and polynomial in plain vector arithmetic (a scalar libm exp per element was
-// half of the kernel's time). Inputs below -87.3 are clamped (their exp is ~1e-38, i.e. zero here).
-static inline v16f exp16(v16f x) {
-  const v16f lo = v16f{} - 87.3f;
-  x = x < lo ? lo : x;
-  const float magic = 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer in the low mantissa bits
-  const v16f t = x * 1.44269504088896341f + magic;
-  const v16f n = t - magic;
-  v16f r = x - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;
-  v16f p = v16f{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const v16f y = p * r * r + r + 1.f;
-  v16u32 bits;
-  std::memcpy(&bits, &t, sizeof(bits));
-  bits = (bits - 0x4B400000u + 127u) << 23;  // 2^n
-  v16f scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return y * scale;
-}
-
 // s[0..n) <- softmax(s[0..n)), in float; s must have room for n rounded up to 16.
 static inline void softmax_inplace(float* __restrict__ s, int64_t n) {
   const int64_t padded = (n + 15) / 16 * 16;

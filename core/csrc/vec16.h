@@ -1,5 +1,5 @@
 // 16-float vectors for the CPU kernels (GCC/Clang vector extensions): one AVX-512 register,
-// two or four narrower ones on other CPUs; and loads that widen bf16 / fp16 rows to float.
+// two or four narrower ones on other CPUs; loads that widen bf16 / fp16 rows to float; exp.
 #pragma once
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -35,3 +35,30 @@ static inline v16f load16(const scalar_t* __restrict__ p) {
   return v;
 }
 
+
+// exp(x) on 16 lanes, within a few ulp: Cephes' range reduction and polynomial in plain vector
+// arithmetic (a scalar libm call per element is what it replaces). Inputs are clamped to
+// [-87.3, 87.3]: exp(-87.3) ~ 1e-38 stands for 0, exp(87.3) ~ 1e38 for overflow.
+static inline v16f exp16(v16f x) {
+  const v16f lo = v16f{} - 87.3f, hi = v16f{} + 87.3f;
+  x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
+  const float magic = 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer in the low mantissa bits
+  const v16f t = x * 1.44269504088896341f + magic;
+  const v16f n = t - magic;
+  v16f r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  v16f p = v16f{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const v16f y = p * r * r + r + 1.f;
+  v16u32 bits;
+  std::memcpy(&bits, &t, sizeof(bits));
+  bits = (bits - 0x4B400000u + 127u) << 23;  // 2^n
+  v16f scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return y * scale;
+}
