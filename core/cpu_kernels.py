@@ -1,7 +1,8 @@
 """(torch) Builds and loads conveyor's C++ CPU kernels once, cached on disk.
 
-One extension module: paged attention (`paged_attention.cpp`) and the fused element-wise ops of
-the Llama-family forward (`fused_ops.cpp`). The build needs a C++ compiler and ninja; where either
+One extension module: paged attention (`paged_attention.cpp`), the fused element-wise ops of
+the Llama-family forward and the greedy argmax (`fused_ops.cpp`), and the small-M float32 matmul
+(`small_gemm.cpp`). The build needs a C++ compiler and ninja; where either
 is missing, `cpu_kernels()` returns None: attention falls back to gathering K/V for torch's SDPA
 and the model runs its eager transformers forward (correct, slower).
 Set CONVEYOR_NO_KERNELS=1 to force that fallback.
@@ -21,7 +22,7 @@ _tried = False
 
 
 def cpu_kernels():
-    """The compiled module (paged_attention, rms_norm, rope_store, silu_mul), or None."""
+    """The compiled module (paged_attention, rms_norm, rope_store, silu_mul, argmax_rows, small_gemm), or None."""
     global _module, _tried
     if _tried:
         return _module
@@ -52,8 +53,3 @@ def _cflags() -> list[str]:
         flags.append("-mprefer-vector-width=512")  # full-width AVX-512 where the CPU has it
     return flags
 
-
-def paged_attention_op():
-    """The compiled `paged_attention(q, k_cache, v_cache, tables, token_req, token_ctx, block_size, scale)`, or None."""
-    module = cpu_kernels()
-    return None if module is None else module.paged_attention

@@ -27,8 +27,9 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         self.device = next(model.parameters()).device
         # The C++ kernels run on the CPU only; elsewhere (CUDA) the gather fallback is used.
-        ops = cpu_kernels() if self.device.type == "cpu" else None
+        ops = None
         if self.device.type == "cpu":
+            ops = cpu_kernels()
             keep_freed_memory()
         self.sampler = Sampler(eos_token_ids, argmax=None if ops is None else ops.argmax_rows)
         self.kernel = None if ops is None else ops.paged_attention

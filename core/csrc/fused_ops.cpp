@@ -1,6 +1,7 @@
 // Fused element-wise ops for the Llama-family CPU forward: RMSNorm (optionally adding the
 // residual first), rotary embedding + KV-cache store, and SiLU(gate) * up. Each replaces several
-// eager torch ops (and their temporaries) with one pass over the rows.
+// eager torch ops (and their temporaries) with one pass over the rows. Also the sampler's greedy
+// argmax over each row of logits.
 //
 // They round like the eager transformers forward: every intermediate that torch materialises in
 // the model's dtype is rounded to that dtype here too (for bf16/fp16), and floating-point
@@ -102,14 +103,16 @@ void argmax_rows_impl(const scalar_t* x, int64_t* out, int64_t R, int64_t V) {
       const scalar_t* __restrict__ row = x + r * V;
       float* __restrict__ f = buf.data();
       float m = -INFINITY;
-#pragma omp simd reduction(max : m)
+      int nan = 0;
+#pragma omp simd reduction(max : m) reduction(| : nan)
       for (int64_t i = 0; i < V; ++i) {
         f[i] = static_cast<float>(row[i]);
         m = std::max(m, f[i]);
+        nan |= f[i] != f[i];
       }
       int64_t best = 0;
-      for (int64_t i = 0; i < V; ++i) {  // the first maximum (or NaN), as torch.argmax
-        if (f[i] == m || std::isnan(f[i])) {
+      for (int64_t i = 0; i < V; ++i) {  // the first maximum; the first NaN if any, as torch.argmax
+        if (nan ? f[i] != f[i] : f[i] == m) {
           best = i;
           break;
         }

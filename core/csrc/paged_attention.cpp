@@ -17,7 +17,6 @@
 
 #include "vec16.h"
 #if defined(__SSE__) || defined(__x86_64__)
-#include <immintrin.h>
 #include <xmmintrin.h>
 #define CONVEYOR_HAS_MXCSR 1
 #endif
@@ -75,63 +74,9 @@ static inline void softmax_inplace(float* __restrict__ s, int64_t n) {
   for (int64_t j = 0; j < n; ++j) s[j] *= inv;
 }
 
-// acc[i] += p * row[16 i ..], i < NV, for one value row of D = 16 NV elements.
-template <int NV, typename scalar_t>
-static inline void axpy_row(v16f* __restrict__ acc, float p, const scalar_t* __restrict__ row) {
-  for (int i = 0; i < NV; ++i) acc[i] += p * load16(row + 16 * i);
-}
-
-// Fast path: block_size 16 and head_dim 16 * NV. One task = (query token, KV head) with its G
-// query heads; scores and the weighted sum of values use register accumulators.
-template <int NV, typename scalar_t>
-static void attend_fast(const float* __restrict__ qf, const scalar_t* __restrict__ k_cache,
-                        const scalar_t* __restrict__ v_cache, const int64_t* table, int64_t ctx, int64_t h,
-                        int64_t G, int64_t Hkv, float* __restrict__ scores, float* __restrict__ out_f) {
-  constexpr int64_t D = 16 * NV, bs = 16;
-  const int64_t num_blocks = (ctx + bs - 1) / bs;
-  const int64_t sstride = (ctx + 15) / 16 * 16;  // scores row per head, padded for softmax_inplace
-  for (int64_t b = 0; b < num_blocks; ++b) {  // scores[g][j] = q_g . k_j over a block's 16 keys
-    const scalar_t* __restrict__ kb = k_cache + (table[b] * Hkv + h) * D * bs;
-    const int64_t n = std::min(bs, ctx - b * bs);
-    for (int64_t g = 0; g < G; ++g) {
-      const float* __restrict__ qg = qf + g * D;
-      v16f a0 = {}, a1 = {}, a2 = {}, a3 = {};
-      for (int64_t d = 0; d < D; d += 4) {
-        a0 += qg[d] * load16(kb + d * bs);
-        a1 += qg[d + 1] * load16(kb + (d + 1) * bs);
-        a2 += qg[d + 2] * load16(kb + (d + 2) * bs);
-        a3 += qg[d + 3] * load16(kb + (d + 3) * bs);
-      }
-      const v16f sum = (a0 + a1) + (a2 + a3);
-      float* dst = scores + g * sstride + b * bs;
-      for (int64_t o = 0; o < n; ++o) dst[o] = sum[o];
-    }
-  }
-  for (int64_t g = 0; g < G; ++g) {
-    float* __restrict__ sg = scores + g * sstride;
-    softmax_inplace(sg, ctx);
-    v16f even[NV] = {}, odd[NV] = {};
-    const int64_t stride = Hkv * D;
-    for (int64_t b = 0; b < num_blocks; ++b) {
-      const int64_t n = std::min(bs, ctx - b * bs);
-      const scalar_t* __restrict__ vb = v_cache + (table[b] * bs * Hkv + h) * D;
-      const float* __restrict__ pb = sg + b * bs;
-      int64_t o = 0;
-      for (; o + 1 < n; o += 2) {  // two keys at a time: two independent sets of chains
-        axpy_row<NV>(even, pb[o], vb + o * stride);
-        axpy_row<NV>(odd, pb[o + 1], vb + (o + 1) * stride);
-      }
-      if (o < n) axpy_row<NV>(even, pb[o], vb + o * stride);
-    }
-    for (int i = 0; i < NV; ++i) {
-      const v16f r = even[i] + odd[i];
-      std::memcpy(out_f + g * D + 16 * i, &r, sizeof(r));
-    }
-  }
-}
-
-// Fast path with the group size G known at compile time: each key row and value row is loaded
-// (and widened from bf16) once for all G query heads that share it, instead of once per head.
+// Fast path (block_size 16, head_dim 16 * NV), the group size G known at compile time: each key
+// row and value row is loaded (and widened from bf16) once for the G query heads sharing it, with
+// scores and the weighted sum of values in register accumulators.
 template <int NV, int G, typename scalar_t>
 static void attend_grouped(const float* __restrict__ qf, const scalar_t* __restrict__ k_cache,
                            const scalar_t* __restrict__ v_cache, const int64_t* table, int64_t ctx, int64_t h,
@@ -178,20 +123,25 @@ static void attend_grouped(const float* __restrict__ qf, const scalar_t* __restr
     for (int i = 0; i < NV; ++i) std::memcpy(out_f + g * D + 16 * i, &acc[g][i], sizeof(v16f));
 }
 
-// Dispatch on the group size: 1-8 compiled for, any other goes to attend_fast.
+// Dispatch on the group size: groups of up to 8 query heads per pass over the keys and values
+// (more than 8 would not fit the accumulators in registers).
 template <int NV, typename scalar_t>
 static void attend_dispatch(const float* qf, const scalar_t* k_cache, const scalar_t* v_cache, const int64_t* table,
                             int64_t ctx, int64_t h, int64_t G, int64_t Hkv, float* scores, float* out_f) {
-  switch (G) {
-    case 1: return attend_grouped<NV, 1>(qf, k_cache, v_cache, table, ctx, h, Hkv, scores, out_f);
-    case 2: return attend_grouped<NV, 2>(qf, k_cache, v_cache, table, ctx, h, Hkv, scores, out_f);
-    case 3: return attend_grouped<NV, 3>(qf, k_cache, v_cache, table, ctx, h, Hkv, scores, out_f);
-    case 4: return attend_grouped<NV, 4>(qf, k_cache, v_cache, table, ctx, h, Hkv, scores, out_f);
-    case 5: return attend_grouped<NV, 5>(qf, k_cache, v_cache, table, ctx, h, Hkv, scores, out_f);
-    case 6: return attend_grouped<NV, 6>(qf, k_cache, v_cache, table, ctx, h, Hkv, scores, out_f);
-    case 7: return attend_grouped<NV, 7>(qf, k_cache, v_cache, table, ctx, h, Hkv, scores, out_f);
-    case 8: return attend_grouped<NV, 8>(qf, k_cache, v_cache, table, ctx, h, Hkv, scores, out_f);
-    default: return attend_fast<NV>(qf, k_cache, v_cache, table, ctx, h, G, Hkv, scores, out_f);
+  constexpr int64_t D = 16 * NV;
+  for (int64_t g0 = 0; g0 < G; g0 += 8) {
+    const float* q = qf + g0 * D;
+    float* out = out_f + g0 * D;
+    switch (std::min<int64_t>(8, G - g0)) {
+      case 1: attend_grouped<NV, 1>(q, k_cache, v_cache, table, ctx, h, Hkv, scores, out); break;
+      case 2: attend_grouped<NV, 2>(q, k_cache, v_cache, table, ctx, h, Hkv, scores, out); break;
+      case 3: attend_grouped<NV, 3>(q, k_cache, v_cache, table, ctx, h, Hkv, scores, out); break;
+      case 4: attend_grouped<NV, 4>(q, k_cache, v_cache, table, ctx, h, Hkv, scores, out); break;
+      case 5: attend_grouped<NV, 5>(q, k_cache, v_cache, table, ctx, h, Hkv, scores, out); break;
+      case 6: attend_grouped<NV, 6>(q, k_cache, v_cache, table, ctx, h, Hkv, scores, out); break;
+      case 7: attend_grouped<NV, 7>(q, k_cache, v_cache, table, ctx, h, Hkv, scores, out); break;
+      default: attend_grouped<NV, 8>(q, k_cache, v_cache, table, ctx, h, Hkv, scores, out); break;
+    }
   }
 }
 

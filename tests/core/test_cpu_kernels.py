@@ -28,7 +28,8 @@ def _reference_attention(q, keys, values, scale):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim, block_size, heads", [(64, 16, (9, 3)), (128, 16, (4, 4)), (32, 16, (8, 2)),
-                                                         (16, 4, (4, 2)), (64, 8, (6, 3))])
+                                                         (16, 4, (4, 2)), (64, 8, (6, 3)),
+                                                         (64, 16, (20, 2))])  # a group of 10: two passes
 def test_paged_attention_matches_a_dense_reference(dtype, head_dim, block_size, heads):
     g = torch.Generator().manual_seed(head_dim + block_size)
     H, Hkv = heads
@@ -108,6 +109,8 @@ def test_silu_mul_and_argmax_match_torch(dtype):
     logits[3, 10] = logits[3, 700] = 50.0  # a tie: the first index wins, as in torch
     logits[4] = float("-inf")
     logits[4, 999] = 0.0
+    logits[5, 3] = 60.0
+    logits[5, 500] = float("nan")  # a NaN after the maximum still wins, as in torch
     assert torch.equal(ops.argmax_rows(logits), torch.argmax(logits.float(), dim=-1))
     assert ops.argmax_rows(logits)[3].item() == 10
 
