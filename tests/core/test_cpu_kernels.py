@@ -121,17 +121,17 @@ def test_small_gemm_matches_linear_and_does_not_depend_on_the_batch(dtype, n, k)
     g = torch.Generator().manual_seed(n + k)
     w = torch.randn(n, k, generator=g).to(dtype)
     bias = torch.randn(n, generator=g).to(dtype)
-    x = torch.randn(20, k, generator=g).to(dtype)
+    x = torch.randn(130, k, generator=g).to(dtype)
     panels = pack_panels(w)
     assert panels.shape == (-(-n // 32), k, 32)
     tol = 1e-5 if dtype == torch.float32 else 3e-2
-    for m in (1, 3, 8, 9, 16, 20):
+    for m in (1, 3, 8, 9, 16, 20, 64, 130):  # one to 17 passes of 8 rows over each panel
         for b in (None, bias):
             got = ops.small_gemm(x[:m], panels, n, b)
             want = F.linear(x[:m].double(), w.double(), None if b is None else b.double())
             assert torch.allclose(got.double(), want, atol=tol * k ** 0.5, rtol=tol), (m, b is None)
     full = ops.small_gemm(x, panels, n, bias)
-    for i in (0, 7, 8, 19):  # each row alone equals that row computed among 19 others
+    for i in (0, 7, 8, 19, 129):  # each row alone equals that row computed among 129 others
         assert torch.equal(ops.small_gemm(x[i:i + 1], panels, n, bias)[0], full[i])
 
 
