@@ -113,6 +113,7 @@ torch::Tensor small_gemm(torch::Tensor x, torch::Tensor packed, int64_t N, c10::
   const int64_t M = x.size(0), K = x.size(1);
   auto xf = x.to(at::kFloat).contiguous();
   auto y = torch::empty({M, N}, x.options());
+  if (M == 0) return y;
   c10::optional<torch::Tensor> b;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->numel() == N && bias->scalar_type() == x.scalar_type(), "small_gemm: bias must be [N]");

@@ -130,6 +130,7 @@ def test_small_gemm_matches_linear_and_does_not_depend_on_the_batch(dtype, n, k)
             got = ops.small_gemm(x[:m], panels, n, b)
             want = F.linear(x[:m].double(), w.double(), None if b is None else b.double())
             assert torch.allclose(got.double(), want, atol=tol * k ** 0.5, rtol=tol), (m, b is None)
+    assert ops.small_gemm(x[:0], panels, n, bias).shape == (0, n)
     full = ops.small_gemm(x, panels, n, bias)
     for i in (0, 7, 8, 19, 129):  # each row alone equals that row computed among 129 others
         assert torch.equal(ops.small_gemm(x[i:i + 1], panels, n, bias)[0], full[i])
