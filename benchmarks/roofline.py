@@ -3,14 +3,20 @@
     python benchmarks/roofline.py                 # writes benchmarks/roofline.json (read by throughput.py)
     python benchmarks/roofline.py --batch 64 --quick --out /tmp/roofline.json
 
-Measured, per dtype (float32, bfloat16), with torch's own kernels and --threads threads:
+Measured, per dtype (float32, bfloat16), with --threads threads:
 
   matmul rate R(M)  GFLOP/s of one "model step" of M tokens: for every linear layer of the model, with the
-                    model's own weight shapes (read from the cached folder's config.json: q, k, v, o, gate, up,
-                    down per layer, and the LM head), `torch.nn.functional.linear(x[M, in], W[out, in])`, timed
-                    together; R(M) = sum of 2*M*in*out over the shapes / best time of the set. Measured at
-                    M = --ms (default 1, 16, 64, 256) and at the decode batch B. The weights (~135M params:
-                    540 MB in fp32) do not fit in cache, so R(M) includes the cost of streaming them at small M.
+                    model's own weight shapes (read from the cached folder's config.json: q/k/v, o, gate/up,
+                    down per layer, q/k/v and gate/up each one concatenated matmul as engines run them, and
+                    the LM head), x[M, in] @ W[out, in].T, timed together; R(M) = sum of
+                    2*M*in*out over the shapes / best time of the set. Timed through every implementation
+                    available here, and R(M) is the fastest: torch's `F.linear` (MKL / oneDNN), oneDNN with
+                    the weights prepacked once (`mkldnn._reorder_linear_weight`), and conveyor's panel kernel
+                    (`small_gemm`, M <= 256). A ceiling must bound every engine, conveyor's kernels included:
+                    with torch's rate alone, conveyor's float32 decode steps ran above the "ceiling". Measured
+                    at M = --ms (default 1, 8, 16, 32, 64, 256, 2048; 2048 is a prompt step of the default
+                    token budget) and at the decode batch B. The weights (~135M params: 540 MB in fp32) do not
+                    fit in cache, so R(M) includes the cost of streaming them at small M.
   bandwidth BW      GB/s reading a large tensor (`t.sum()` over --bw-mib MiB, bytes read / best time), and the
                     copy rate (`dst.copy_(src)`, 2 bytes moved per byte copied) for reference. The ceiling uses
                     the read rate: decode streams the weights, it does not write them.
@@ -29,8 +35,13 @@ Ceiling at a decode batch of B tokens per step (B requests, one new token each):
 
 With --context C > 0, attention adds 4 * L * n_heads * head_dim * C flops per token to `flops` and the KV
 term above to t_memory (kv_bytes_per_token = L * 2 * n_kv_heads * head_dim * bytes_per_element); the default
-(C = 0) is the weights-only bound, an upper bound on any engine's decode throughput at batch B. Prefill is
-not modelled (the workload's prompts cost extra compute at the same R), so real engines sit below it.
+(C = 0) is the weights-only bound, an upper bound on any engine's decode throughput at batch B.
+
+The workload's steady-state ceiling (`workload_ceiling`, used by throughput.py with the workload's own
+numbers): B requests always decoding (the step above, with the workload's mean decode context C), and for
+each output token the workload's prompt tokens per output token prefilled at R(prompt step). Time per output
+token = t_step / B + (prompt / output tokens) * t_prompt_token; the ceiling is its inverse. A whole run also
+has a ramp-down (its last requests decode in small, weight-read-bound batches) that the steady state has not.
 """
 
 from __future__ import annotations
@@ -56,6 +67,17 @@ def model_shapes(cfg: dict) -> tuple[list[tuple[int, int]], int]:
     return per_layer, cfg["num_hidden_layers"]
 
 
+def timed_shapes(cfg: dict) -> tuple[list[tuple[int, int]], int]:
+    """model_shapes with q/k/v and gate/up each concatenated into one matmul, as engines run them (vLLM's
+    QKVParallelLinear / MergedColumnParallelLinear, conveyor's fused forward): same FLOPs, fewer calls."""
+    h = cfg["hidden_size"]
+    nh = cfg["num_attention_heads"]
+    kvh = cfg.get("num_key_value_heads") or nh
+    hd = cfg.get("head_dim") or h // nh
+    inter = cfg["intermediate_size"]
+    return [(h, (nh + 2 * kvh) * hd), (nh * hd, h), (h, 2 * inter), (inter, h)], cfg["num_hidden_layers"]
+
+
 def params_per_token(cfg: dict) -> int:
     per_layer, layers = model_shapes(cfg)
     return layers * sum(i * o for i, o in per_layer) + cfg["hidden_size"] * cfg["vocab_size"]
@@ -78,24 +100,69 @@ def time_best(fn, min_time: float, repeats: int) -> float:
     return best
 
 
-def matmul_rate(torch, cfg: dict, dtype, m: int, min_time: float, repeats: int) -> dict:
+IMPLS = ("torch", "onednn", "panels")
+
+
+def _linear_impl(torch, impl: str, dtype, m: int):
+    """(prepare(W) -> packed, run(x, packed)) for one matmul implementation, or None where it does not apply."""
+    if impl == "torch":
+        return (lambda w: w), torch.nn.functional.linear
+    if impl == "onednn":  # oneDNN with the weight prepacked once (conveyor's bf16 route above a few rows)
+        try:
+            if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+                return None
+            w = torch.randn(64, 64).to(dtype)
+            torch.ops.mkldnn._linear_pointwise(torch.randn(2, 64).to(dtype),
+                                               torch.ops.mkldnn._reorder_linear_weight(w, 64), None, "none", [], "")
+        except (RuntimeError, AttributeError):
+            return None
+        return ((lambda w: torch.ops.mkldnn._reorder_linear_weight(w, 64)),
+                (lambda x, pw: torch.ops.mkldnn._linear_pointwise(x, pw, None, "none", [], "")))
+    if impl == "panels":  # conveyor's decode-step kernel (weights in 32-column panels); small M only
+        if m > 256:
+            return None
+        try:
+            from conveyor.core.cpu_kernels import cpu_kernels
+            from conveyor.core.fused_llama import pack_panels
+        except ImportError:
+            return None
+        ops = cpu_kernels()
+        if ops is None or not hasattr(ops, "small_gemm"):
+            return None
+        return (lambda w: (pack_panels(w), w.shape[0])), (lambda x, pw: ops.small_gemm(x, pw[0], pw[1], None))
+    raise ValueError(impl)
+
+
+def matmul_rate(torch, cfg: dict, dtype, m: int, min_time: float, repeats: int, impl: str = "torch") -> dict | None:
     """GFLOP/s of all the model's linear shapes at M tokens (one model step's matmuls, layers deduplicated:
-    each distinct layer's weight is its own tensor, so per-layer weights are streamed as in the model)."""
-    per_layer, layers = model_shapes(cfg)
+    each distinct layer's weight is its own tensor, so per-layer weights are streamed as in the model),
+    through one implementation (None where it does not apply)."""
+    fns = _linear_impl(torch, impl, dtype, m)
+    if fns is None:
+        return None
+    prepare, run = fns
+    per_layer, layers = timed_shapes(cfg)
     shapes = [s for _ in range(layers) for s in per_layer] + [(cfg["hidden_size"], cfg["vocab_size"])]
     gen = torch.Generator().manual_seed(0)
-    weights = [torch.randn(o, i, generator=gen, dtype=torch.float32).to(dtype) * 0.02 for i, o in shapes]
+    weights = [prepare(torch.randn(o, i, generator=gen, dtype=torch.float32).to(dtype) * 0.02) for i, o in shapes]
     xs = {i: torch.randn(m, i, generator=gen, dtype=torch.float32).to(dtype) for i in {s[0] for s in shapes}}
-    lin = torch.nn.functional.linear
 
     def step():
         for (i, _o), w in zip(shapes, weights):
-            lin(xs[i], w)
+            run(xs[i], w)
 
     with torch.inference_mode():
         t = time_best(step, min_time, repeats)
     flops = 2 * m * sum(i * o for i, o in shapes)
-    return {"m": m, "seconds": t, "gflops": flops / t / 1e9}
+    return {"m": m, "seconds": t, "gflops": flops / t / 1e9, "impl": impl}
+
+
+def best_matmul_rate(torch, cfg: dict, dtype, m: int, min_time: float, repeats: int) -> dict:
+    """The fastest of IMPLS at M (the ceiling must bound every engine, conveyor's own kernels included)."""
+    found = [r for impl in IMPLS if (r := matmul_rate(torch, cfg, dtype, m, min_time, repeats, impl)) is not None]
+    best = dict(max(found, key=lambda r: r["gflops"]))
+    best["by_impl"] = {r["impl"]: r["gflops"] for r in found}
+    return best
 
 
 def bandwidth(torch, mib: int, min_time: float, repeats: int) -> dict:
@@ -126,12 +193,51 @@ def ceiling(cfg: dict, dtype_name: str, rate_gflops: float, bw_gbs: float, batch
             "tok_s": batch / t_step}
 
 
+def prefill_params_per_token(cfg: dict) -> int:
+    """Weights a prompt token multiplies: the decoder layers (the LM head runs on sampled rows only)."""
+    per_layer, layers = model_shapes(cfg)
+    return layers * sum(i * o for i, o in per_layer)
+
+
+def rate_at(rates: list[dict], m: int) -> dict:
+    """The measured rate at the largest measured M <= m (or the smallest M measured)."""
+    below = [r for r in rates if r["m"] <= m]
+    return max(below, key=lambda r: r["m"]) if below else min(rates, key=lambda r: r["m"])
+
+
+def workload_ceiling(cfg: dict, dtype_name: str, rates: list[dict], bw_gbs: float, batch: int, prefill_m: int,
+                     prompt_per_output: float, decode_context: float, prompt_context: float) -> dict:
+    """Output tokens/s ceiling of a workload's steady state: `batch` requests always decoding (each step's
+    matmuls at R(batch), KV of `decode_context` tokens per request read once), and, for every output token,
+    `prompt_per_output` prompt tokens prefilled in steps of `prefill_m` tokens at R(prefill_m) (attention
+    over `prompt_context` keys on average). Time per output token = t_step(batch) / batch + prompt_per_output
+    * t_prompt_token; the ceiling is its inverse. Ramp-up and ramp-down (a run's first prompt steps, and
+    its last requests decoding in small batches) are not in it, so whole runs sit below it."""
+    elem = 4 if dtype_name == "float32" else 2
+    dec_rate = rate_at(rates, batch)
+    dec = ceiling(cfg, dtype_name, dec_rate["gflops"], bw_gbs, batch, int(round(decode_context)))
+    t_decode = max(dec["t_compute_s"], dec["t_memory_s"]) / batch
+    h, nh = cfg["hidden_size"], cfg["num_attention_heads"]
+    hd = cfg.get("head_dim") or h // nh
+    layers = cfg["num_hidden_layers"]
+    pre_rate = rate_at(rates, prefill_m)
+    pp = prefill_params_per_token(cfg)
+    flops = 2 * pp + 4 * layers * nh * hd * prompt_context
+    t_prompt = max(flops / (pre_rate["gflops"] * 1e9), pp * elem / prefill_m / (bw_gbs * 1e9))
+    t_out = t_decode + prompt_per_output * t_prompt
+    return {"tok_s": 1.0 / t_out, "batch": batch, "prefill_m": prefill_m, "decode_rate_m": dec_rate["m"],
+            "decode_gflops": dec_rate["gflops"], "prefill_rate_m": pre_rate["m"], "prefill_gflops": pre_rate["gflops"],
+            "decode_context": decode_context, "prompt_per_output": prompt_per_output, "prompt_context": prompt_context,
+            "t_decode_per_token_s": t_decode, "t_prompt_per_token_s": t_prompt, "decode_bound": dec["bound"]}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, default=64, help="decode batch B (tokens per step)")
     p.add_argument("--context", type=int, default=0, help="mean context C per request for the KV term (0: off)")
-    p.add_argument("--ms", default="1,16,64,256", help="token counts M at which to time the matmuls")
+    p.add_argument("--ms", default="1,8,16,32,64,256,2048",
+                   help="token counts M at which to time the matmuls (2048: a prompt step)")
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--bw-mib", type=int, default=1024, help="tensor size for the bandwidth test")
@@ -165,9 +271,11 @@ def main() -> None:
     for name in [d.strip() for d in a.dtypes.split(",") if d.strip()]:
         rates[name] = []
         for m in ms:
-            r = matmul_rate(torch, cfg, dtypes[name], m, a.min_time, a.repeats)
+            r = best_matmul_rate(torch, cfg, dtypes[name], m, a.min_time, a.repeats)
             rates[name].append(r)
-            print(f"matmul {name:<9} M={m:<4} {r['gflops']:8.1f} GFLOP/s  ({r['seconds'] * 1e3:.2f} ms per model step)")
+            others = ", ".join(f"{k} {v:.0f}" for k, v in r["by_impl"].items())
+            print(f"matmul {name:<9} M={m:<4} {r['gflops']:8.1f} GFLOP/s  ({r['seconds'] * 1e3:.2f} ms per model step; "
+                  f"{others})")
         at_b = next(r for r in rates[name] if r["m"] == a.batch)
         c = ceiling(cfg, name, at_b["gflops"], bw["read_gbs"], a.batch, a.context)
         c.update({"batch": a.batch, "context": a.context, "matmul_gflops": at_b["gflops"], "bandwidth_gbs": bw["read_gbs"]})

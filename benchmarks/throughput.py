@@ -53,7 +53,8 @@ Engines:
               labelled so.
 
 Output: a table (median tok/s, spread, wall s, peak RSS MiB, each engine's tok/s / conveyor's and
-conveyor's / each engine's, fraction of the roofline ceiling from benchmarks/roofline.json if present) and
+conveyor's / each engine's, fraction of the workload's steady-state roofline ceiling, from the rates in
+benchmarks/roofline.json if present: see roofline.py) and
 a JSON file (--out, default benchmarks/results/throughput-<dtype>.json) with every run.
 """
 
@@ -167,7 +168,30 @@ def run_one(engine: str, spec_path: Path, args, log_path: Path) -> dict:
     return {"engine": engine, "error": f"exit {proc.returncode}, no result (log: {log_path})", "log_tail": tail}
 
 
-def summarize(runs: list[dict], engines: list[str], roofline: dict | None, dtype: str) -> dict:
+def workload_stats(requests: list[dict]) -> dict:
+    """Prompt tokens per output token, and the mean context of a decode token and of a prompt token."""
+    out = sum(r["max_tokens"] for r in requests)
+    prompt = sum(len(r["prompt_token_ids"]) for r in requests)
+    decode_ctx = sum(len(r["prompt_token_ids"]) * r["max_tokens"] + r["max_tokens"] * (r["max_tokens"] - 1) / 2
+                     for r in requests) / max(out, 1)
+    prompt_ctx = sum(len(r["prompt_token_ids"]) * (len(r["prompt_token_ids"]) + 1) / 2 for r in requests) / max(prompt, 1)
+    return {"prompt_per_output": prompt / max(out, 1), "decode_context": decode_ctx, "prompt_context": prompt_ctx}
+
+
+def steady_state_ceiling(roofline: dict | None, folder: str, dtype: str, requests: list[dict], batch: int,
+                         prefill_m: int) -> dict | None:
+    """roofline.workload_ceiling for this workload, from benchmarks/roofline.json's measured rates."""
+    if not roofline or dtype not in roofline.get("matmul", {}):
+        return None
+    from roofline import workload_ceiling
+
+    cfg = json.loads((Path(folder) / "config.json").read_text())
+    return workload_ceiling(cfg, dtype, roofline["matmul"][dtype], roofline["bandwidth"]["read_gbs"], batch,
+                            prefill_m, **workload_stats(requests))
+
+
+def summarize(runs: list[dict], engines: list[str], roofline: dict | None, dtype: str,
+              steady: dict | None = None) -> dict:
     summary = {}
     for e in engines:
         ok = [r for r in runs if r.get("engine") == e and "error" not in r]
@@ -200,11 +224,13 @@ def summarize(runs: list[dict], engines: list[str], roofline: dict | None, dtype
             s["ratio_to_conveyor"] = s["tok_s_median"] / base
             s["conveyor_over_engine"] = base / s["tok_s_median"] if s["tok_s_median"] else None
         if ceiling:
-            s["fraction_of_roofline"] = s["tok_s_median"] / ceiling
+            s["fraction_of_decode_roofline"] = s["tok_s_median"] / ceiling
+        if steady:
+            s["fraction_of_roofline"] = s["tok_s_median"] / steady["tok_s"]
     return summary
 
 
-def print_table(summary: dict, dtype: str, seq_n: int, roofline_batch: int | None) -> None:
+def print_table(summary: dict, dtype: str, seq_n: int, roofline: dict | None, steady: dict | None) -> None:
     head = (f"{'engine':<24} {'dtype':<9} {'tok/s med':>10} {'spread (min-max)':>18} {'wall s':>8} "
             f"{'RSS MiB':>8} {'PSS MiB':>8} {'x conveyor':>10} {'conveyor/x':>10} {'roofline':>9} {'count':>6}")
     print(head)
@@ -223,8 +249,15 @@ def print_table(summary: dict, dtype: str, seq_n: int, roofline_batch: int | Non
     for e, s in summary.items():
         if e != "conveyor" and "conveyor_over_engine" in s and s.get("conveyor_over_engine"):
             print(f"  conveyor / {e} = {s['conveyor_over_engine']:.2f}x")
-    if roofline_batch:
-        print(f"  roofline: decode ceiling at batch {roofline_batch} from benchmarks/roofline.json")
+    if steady:
+        print(f"  roofline: this workload's steady-state ceiling {steady['tok_s']:.0f} tok/s ({steady['batch']} "
+              f"decoding at {steady['decode_gflops']:.0f} GFLOP/s, mean context {steady['decode_context']:.0f}; "
+              f"{steady['prompt_per_output']:.2f} prompt tokens per output token at {steady['prefill_gflops']:.0f} "
+              f"GFLOP/s), from benchmarks/roofline.json's rates")
+    decode = (roofline or {}).get("ceilings", {}).get(dtype)
+    if decode:
+        print(f"  decode-only ceiling at batch {decode['batch']}, context 0: {decode['tok_s']:.0f} tok/s "
+              "(fraction_of_decode_roofline in the JSON)")
     if "sequential" in summary:
         print(f"  sequential: tok/s on the first {seq_n} requests only (one request at a time)")
     print("  RSS / PSS: peak over the engine's whole process tree (vLLM: front end + engine core + worker);"
@@ -309,8 +342,10 @@ def main() -> None:
                           f" load {res['load_s']:.1f}s, peak RSS {res['peak_rss_mib']:.0f} MiB{bad}",
                           file=sys.stderr, flush=True)
 
-    summary = summarize(runs, engines, roofline, args.dtype)
-    print_table(summary, args.dtype, min(args.sequential_n, args.n), (roofline or {}).get("batch"))
+    steady = steady_state_ceiling(roofline, folder, args.dtype, requests, args.max_num_seqs,
+                                  args.max_num_batched_tokens)
+    summary = summarize(runs, engines, roofline, args.dtype, steady)
+    print_table(summary, args.dtype, min(args.sequential_n, args.n), roofline, steady)
     import torch
     import transformers
 
@@ -323,6 +358,7 @@ def main() -> None:
         "workload": {"n": len(requests), "output_tokens": sum(r["max_tokens"] for r in requests),
                      "prompt_tokens": sum(len(r["prompt_token_ids"]) for r in requests)},
         "roofline": roofline,
+        "steady_state_ceiling": steady,
         "summary": summary,
         "runs": runs,
     }
