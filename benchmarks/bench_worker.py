@@ -26,72 +26,9 @@ import json
 import os
 import resource
 import sys
-import threading
 import time
 
 RESULT_PREFIX = "BENCH_RESULT "
-
-
-class RssSampler:
-    """Peak memory of this process and all its descendants (vLLM runs its engine core and worker in child
-    processes): the summed RSS, sampled every `interval` s, and the summed PSS (shared pages divided among the
-    processes that map them, so libraries and weights mapped by several processes count once), sampled every
-    `pss_every` samples because reading smaps costs more. getrusage's maxrss is reported beside them."""
-
-    def __init__(self, interval: float = 0.1, pss_every: int = 10) -> None:
-        self.interval = interval
-        self.pss_every = pss_every
-        self.peak = 0
-        self.peak_pss = 0
-        self.peak_detail: list = []
-        self._n = 0
-        self._stop = threading.Event()
-        try:
-            import psutil
-
-            self._proc = psutil.Process()
-        except ImportError:  # pragma: no cover - psutil is a dependency of transformers and vllm
-            self._proc = None
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _sample(self, with_pss: bool) -> None:
-        if self._proc is None:
-            return
-        try:
-            procs = [self._proc] + self._proc.children(recursive=True)
-        except Exception:
-            procs = [self._proc]
-        detail, pss = [], 0
-        for p in procs:
-            try:
-                if with_pss:
-                    full = p.memory_full_info()
-                    rss, pss = full.rss, pss + full.pss
-                else:
-                    rss = p.memory_info().rss
-                detail.append((p.pid, p.name(), rss))
-            except Exception:
-                pass
-        total = sum(d[2] for d in detail)
-        if total > self.peak:
-            self.peak, self.peak_detail = total, detail
-        self.peak_pss = max(self.peak_pss, pss)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self._sample(with_pss=self._n % self.pss_every == 0)
-            self._n += 1
-            self._stop.wait(self.interval)
-
-    def start(self) -> "RssSampler":
-        self._thread.start()
-        return self
-
-    def stop(self) -> int:
-        self._stop.set()
-        self._thread.join(timeout=5)
-        self._sample(with_pss=True)
-        return self.peak
 
 
 def _torch_setup(spec: dict):
@@ -333,9 +270,7 @@ def main() -> None:
     a = p.parse_args()
     with open(a.spec, encoding="utf-8") as f:
         spec = json.load(f)
-    sampler = RssSampler().start()
     load_s, wall_s, produced, extra = ENGINES[a.engine](spec)
-    peak_tree = sampler.stop()
     gpu_peak = None
     if _device(spec).startswith("cuda"):
         import torch
@@ -358,11 +293,8 @@ def main() -> None:
         "wall_s": wall_s,
         "tok_s": tokens / wall_s if wall_s > 0 else 0.0,
         "load_s": load_s,
-        "peak_rss_mib": max(peak_tree, self_maxrss) / mib,  # summed over the process tree
-        "peak_pss_mib": sampler.peak_pss / mib,
-        "maxrss_self_mib": self_maxrss / mib,
+        "maxrss_self_mib": self_maxrss / mib,  # the process tree's peak RSS / PSS: sampled by throughput.py
         "maxrss_children_mib": child_maxrss / mib,
-        "peak_rss_processes": [[pid, name, round(rss / mib, 1)] for pid, name, rss in sampler.peak_detail],
         "threads": spec["threads"],
         "device": _device(spec),
         "gpu_peak_allocated_mib": gpu_peak,

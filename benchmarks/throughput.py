@@ -69,6 +69,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -134,6 +135,64 @@ def vllm_command(venv: Path, spec_path: Path) -> list[str] | None:
     return ["bash", "-c", script]
 
 
+class RssSampler:
+    """Peak memory of a worker process and all its descendants (vLLM runs its engine core and worker in child
+    processes), sampled from this parent process: the summed RSS every `interval` s, and the summed PSS (shared
+    pages divided among the processes that map them, so libraries and weights mapped by several processes count
+    once) every `pss_every` samples because reading smaps costs more. Sampling from outside keeps the sampler's
+    Python thread off the measured interpreter's GIL (conveyor and the transformers engines run their step loop
+    in the worker's main thread; vLLM's runs in a child process either way)."""
+
+    def __init__(self, pid: int, interval: float = 0.1, pss_every: int = 10) -> None:
+        import psutil
+
+        self.interval = interval
+        self.pss_every = pss_every
+        self.peak = 0
+        self.peak_pss = 0
+        self.peak_detail: list = []
+        self._n = 0
+        self._stop = threading.Event()
+        self._proc = psutil.Process(pid)
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _sample(self, with_pss: bool) -> None:
+        try:
+            procs = [self._proc] + self._proc.children(recursive=True)
+        except Exception:
+            procs = [self._proc]
+        detail, pss = [], 0
+        for p in procs:
+            try:
+                if with_pss:
+                    full = p.memory_full_info()
+                    rss, pss = full.rss, pss + full.pss
+                else:
+                    rss = p.memory_info().rss
+                detail.append((p.pid, p.name(), rss))
+            except Exception:
+                pass
+        total = sum(d[2] for d in detail)
+        if total > self.peak:
+            self.peak, self.peak_detail = total, detail
+        self.peak_pss = max(self.peak_pss, pss)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._sample(with_pss=self._n % self.pss_every == 0)
+            self._n += 1
+            self._stop.wait(self.interval)
+
+    def start(self) -> "RssSampler":
+        self._thread.start()
+        return self
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        return self.peak
+
+
 def run_one(engine: str, spec_path: Path, args, log_path: Path) -> dict:
     env = dict(os.environ)
     env["HF_HUB_OFFLINE"] = "1"
@@ -149,18 +208,27 @@ def run_one(engine: str, spec_path: Path, args, log_path: Path) -> dict:
         cmd = [sys.executable, str(WORKER), "--engine", engine, "--spec", str(spec_path)]
     t0 = time.perf_counter()
     with open(log_path, "w", encoding="utf-8") as log:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env, cwd=str(REPO))
+        sampler = RssSampler(proc.pid).start()
         try:
-            proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env, cwd=str(REPO),
-                                  timeout=args.timeout)
+            stdout, _ = proc.communicate(timeout=args.timeout)
         except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            sampler.stop()
             return {"engine": engine, "error": f"timed out after {args.timeout}s (log: {log_path})"}
+        sampler.stop()
     elapsed = time.perf_counter() - t0
     with open(log_path, "a", encoding="utf-8") as log:  # vLLM logs to stdout: keep it next to stderr
-        log.write("\n--- stdout ---\n" + "".join(l + "\n" for l in proc.stdout.splitlines()
+        log.write("\n--- stdout ---\n" + "".join(l + "\n" for l in stdout.splitlines()
                                                   if not l.startswith(RESULT_PREFIX)))
-    for line in reversed(proc.stdout.splitlines()):
+    for line in reversed(stdout.splitlines()):
         if line.startswith(RESULT_PREFIX):
             res = json.loads(line[len(RESULT_PREFIX):])
+            mib = 1024 * 1024
+            res["peak_rss_mib"] = max(sampler.peak / mib, res.get("maxrss_self_mib", 0.0))  # summed over the tree
+            res["peak_pss_mib"] = sampler.peak_pss / mib
+            res["peak_rss_processes"] = [[pid, name, round(rss / mib, 1)] for pid, name, rss in sampler.peak_detail]
             res["process_s"] = elapsed
             res["log"] = str(log_path)
             return res
