@@ -109,7 +109,9 @@ def _linear_impl(torch, impl: str, dtype, m: int):
         return (lambda w: w), torch.nn.functional.linear
     if impl == "onednn":  # oneDNN with the weight prepacked once (conveyor's bf16 route above a few rows)
         try:
-            if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+            if not torch.backends.mkldnn.is_available():
+                return None
+            if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
                 return None
             w = torch.randn(64, 64).to(dtype)
             torch.ops.mkldnn._linear_pointwise(torch.randn(2, 64).to(dtype),

@@ -4,9 +4,9 @@ Same weights and the same arithmetic as transformers' eager forward, with far fe
 per layer: q/k/v and gate/up are each one matmul (the module weights become views into the
 concatenated tensors), weights are also kept in 32-column panels for the decode-step kernel
 and, in bf16, prepacked once for oneDNN (extra copies of the weights: the price of reading them
-at memory speed), and the element-wise work between matmuls
-runs in the C++ kernels of `fused_ops.cpp`: residual add + RMSNorm, rotary + KV store,
-SiLU(gate) * up. Per layer that is 9 calls instead of ~40.
+at memory speed), and the element-wise work between matmuls runs in the C++ kernels of
+`fused_ops.cpp`: residual add + RMSNorm, rotary + KV store, SiLU(gate) * up. Per layer that is
+9 calls instead of ~40.
 
 `FusedLlama.build(model)` returns None for anything it does not cover (other architectures,
 biases in norms, sliding windows, non-SiLU MLPs, devices other than the CPU, missing kernels); the
