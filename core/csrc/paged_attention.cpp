@@ -210,10 +210,33 @@ static void paged_attention_kernel(const scalar_t* q,        // [T, H, D]
                                    int64_t bs, float scale) {
   const int64_t G = H / Hkv;
   const bool fast = bs == 16 && (D == 32 || D == 64 || D == 128);
-  at::parallel_for(0, T * Hkv, 1, [&](int64_t begin, int64_t end) {
+  // Split the tasks into one contiguous run per thread of about equal cost, not of equal count: a
+  // step lists its decode rows (long contexts, K/V cold in memory) before its prompt rows (short
+  // contexts, each row re-reading the K/V its request's previous row just read), so an even split
+  // by count left one thread with all the decodes. Cost of a row: its keys plus a fixed part,
+  // a quarter of that for a row of the same request as the row before it (its K/V in cache).
+  const int64_t num_tasks = T * Hkv;
+  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tasks));
+  std::vector<int64_t> bounds(chunks + 1, num_tasks);
+  bounds[0] = 0;
+  if (chunks > 1) {
+    std::vector<int64_t> cost(T);
+    int64_t total = 0;
+    for (int64_t t = 0; t < T; ++t) {
+      const bool warm = t > 0 && token_req[t] == token_req[t - 1];
+      cost[t] = (4 * (token_ctx[t] + 16)) / (warm ? 4 : 1);
+      total += cost[t] * Hkv;
+    }
+    int64_t acc = 0, c = 1;
+    for (int64_t task = 0; task < num_tasks && c < chunks; ++task) {
+      acc += cost[task / Hkv];
+      while (c < chunks && acc * chunks >= total * c) bounds[c++] = task + 1;
+    }
+  }
+  at::parallel_for(0, chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
     FlushDenormals ftz;
     std::vector<float> qf(G * D), out_f(G * D), scores;
-    for (int64_t task = begin; task < end; ++task) {
+    for (int64_t task = bounds[chunk_begin]; task < bounds[chunk_end]; ++task) {
       const int64_t t = task / Hkv, h = task % Hkv;
       const int64_t ctx = token_ctx[t];
       const int64_t* table = tables + token_req[t] * max_blocks;

@@ -56,6 +56,37 @@ def test_paged_attention_matches_a_dense_reference(dtype, head_dim, block_size, 
         assert torch.allclose(out[i].double(), want, atol=tol, rtol=tol), (i, c)
 
 
+@pytest.mark.parametrize("threads", [2, 3])
+def test_paged_attention_splits_work_across_threads_without_changing_results(threads):
+    """Rows of a step split between threads by cost (decodes first, then a prompt chunk's rows of one
+    request): every row's output equals the single-threaded one bit for bit."""
+    g = torch.Generator().manual_seed(7)
+    H, Hkv, D, bs = 9, 3, 64, 16
+    contexts = [300, 7, 150, 90]  # three decodes, then a 40-token prompt chunk of request 3
+    rows_req = [0, 1, 2] + [3] * 40
+    rows_ctx = contexts[:3] + list(range(51, 91))
+    num_blocks = sum(-(-c // bs) for c in contexts) + 1
+    k_cache = torch.randn(num_blocks, Hkv, D, bs, generator=g)
+    v_cache = torch.randn(num_blocks * bs, Hkv, D, generator=g)
+    max_blocks = max(-(-c // bs) for c in contexts)
+    tables, nxt = [], 1
+    for c in contexts:
+        n = -(-c // bs)
+        tables.append(list(range(nxt, nxt + n)) + [0] * (max_blocks - n))
+        nxt += n
+    args = (k_cache, v_cache, torch.tensor(tables), torch.tensor(rows_req), torch.tensor(rows_ctx), bs, D ** -0.5)
+    q = torch.randn(len(rows_req), H, D, generator=g)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = ops.paged_attention(q, *args)
+        torch.set_num_threads(threads)
+        many = ops.paged_attention(q, *args)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, many)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_with_and_without_residual(dtype):
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
