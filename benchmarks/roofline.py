@@ -70,12 +70,8 @@ def model_shapes(cfg: dict) -> tuple[list[tuple[int, int]], int]:
 def timed_shapes(cfg: dict) -> tuple[list[tuple[int, int]], int]:
     """model_shapes with q/k/v and gate/up each concatenated into one matmul, as engines run them (vLLM's
     QKVParallelLinear / MergedColumnParallelLinear, conveyor's fused forward): same FLOPs, fewer calls."""
-    h = cfg["hidden_size"]
-    nh = cfg["num_attention_heads"]
-    kvh = cfg.get("num_key_value_heads") or nh
-    hd = cfg.get("head_dim") or h // nh
-    inter = cfg["intermediate_size"]
-    return [(h, (nh + 2 * kvh) * hd), (nh * hd, h), (h, 2 * inter), (inter, h)], cfg["num_hidden_layers"]
+    (q, k, v, o, gate, up, down), layers = model_shapes(cfg)
+    return [(q[0], q[1] + k[1] + v[1]), o, (gate[0], gate[1] + up[1]), down], layers
 
 
 def params_per_token(cfg: dict) -> int:

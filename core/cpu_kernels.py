@@ -1,8 +1,8 @@
 """(torch) Builds and loads conveyor's C++ CPU kernels once, cached on disk.
 
 One extension module: paged attention (`paged_attention.cpp`), the fused element-wise ops of
-the Llama-family forward and the greedy argmax (`fused_ops.cpp`), and the small-M float32 matmul
-(`small_gemm.cpp`). The build needs a C++ compiler and ninja; where either
+the Llama-family forward and the greedy argmax (`fused_ops.cpp`), and the panel matmul of decode
+steps (`small_gemm.cpp`). The build needs a C++ compiler and ninja; where either
 is missing, `cpu_kernels()` returns None: attention falls back to gathering K/V for torch's SDPA
 and the model runs its eager transformers forward (correct, slower).
 Set CONVEYOR_NO_KERNELS=1 to force that fallback.

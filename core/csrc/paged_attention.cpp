@@ -74,16 +74,10 @@ static inline void softmax_inplace(float* __restrict__ s, int64_t n) {
   for (int64_t j = 0; j < n; ++j) s[j] *= inv;
 }
 
-// Ask for [p, p + n) to be brought into L2 (prefetcht1). The pool's blocks are scattered, so the
-// hardware prefetcher cannot run ahead across a block table; the fast path below requests the
-// next block's rows one or two cache lines at a time while it computes on the current block
-// (the B=64 bf16 attention of SmolLM2 went from ~43 to ~26 ms per step in a cold-pool benchmark).
-template <typename scalar_t>
-static inline void prefetch_l2(const scalar_t* p, int64_t n) {
-  const char* c = reinterpret_cast<const char*>(p);
-  const int64_t bytes = n * static_cast<int64_t>(sizeof(scalar_t));
-  for (int64_t x = 0; x < bytes; x += 64) __builtin_prefetch(c + x, 0, 2);
-}
+// The pool's blocks are scattered, so the hardware prefetcher cannot run ahead across a block
+// table; the fast path below requests the next block's rows (prefetch_l2, vec16.h) one or two
+// cache lines at a time while it computes on the current block (the B=64 bf16 attention of
+// SmolLM2 went from ~43 to ~26 ms per step in a cold-pool benchmark).
 
 // Fast path (block_size 16, head_dim 16 * NV), the group size G known at compile time: each key
 // row and value row is loaded (and widened from bf16) once for the G query heads sharing it, with

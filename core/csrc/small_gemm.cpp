@@ -37,10 +37,7 @@ inline void panel_rows(const float* __restrict__ xf, int64_t K, const scalar_t* 
   v16f a0[MT], a1[MT];
   for (int m = 0; m < MT; ++m) a0[m] = a1[m] = v16f{};
   for (int64_t k = 0; k < K; ++k) {
-    if (pf.base != nullptr) {
-      const int64_t first = k * pf.lines / K;
-      for (int64_t j = 0; j < pf.per_k; ++j) __builtin_prefetch(pf.base + (first + j) * 64, 0, 2);
-    }
+    if (pf.base != nullptr) prefetch_l2(pf.base + (k * pf.lines / K) * 64, pf.per_k * 64);
     const v16f w0 = load16(panel + k * PW), w1 = load16(panel + k * PW + 16);
     for (int m = 0; m < MT; ++m) {
       const float x = xf[m * K + k];

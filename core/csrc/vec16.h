@@ -1,5 +1,6 @@
 // 16-float vectors for the CPU kernels (GCC/Clang vector extensions): one AVX-512 register,
-// two or four narrower ones on other CPUs; loads that widen bf16 / fp16 rows to float; exp.
+// two or four narrower ones on other CPUs; loads that widen bf16 / fp16 rows to float; exp;
+// a prefetch of a span into L2.
 #pragma once
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -61,4 +62,12 @@ static inline v16f exp16(v16f x) {
   v16f scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   return y * scale;
+}
+
+// Ask for [p, p + n elements) to be brought into L2 (prefetcht1), one request per cache line.
+template <typename T>
+static inline void prefetch_l2(const T* p, int64_t n) {
+  const char* c = reinterpret_cast<const char*>(p);
+  const int64_t bytes = n * static_cast<int64_t>(sizeof(T));
+  for (int64_t x = 0; x < bytes; x += 64) __builtin_prefetch(c + x, 0, 2);
 }
