@@ -10,7 +10,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from conveyor.core.attention import PagedBatch
 from conveyor.core.cpu_kernels import cpu_kernels
-from conveyor.core.fused_llama import FusedLlama, pack_panels
+from conveyor.core.fused_llama import EXACT_M_ONEDNN, FusedLlama, _Linear, pack_panels, row_bucket
 from conveyor.core.kv_cache import KVCache
 
 ops = cpu_kernels()
@@ -165,6 +165,31 @@ def test_small_gemm_matches_linear_and_does_not_depend_on_the_batch(dtype, n, k)
     full = ops.small_gemm(x, panels, n, bias)
     for i in (0, 7, 8, 19, 129):  # each row alone equals that row computed among 129 others
         assert torch.equal(ops.small_gemm(x[i:i + 1], panels, n, bias)[0], full[i])
+
+
+def test_row_buckets_cover_every_row_count_with_few_shapes():
+    buckets = {row_bucket(m) for m in range(1, 2049)}
+    for m in range(1, 4097):
+        b = row_bucket(m)
+        assert b >= m and b - m < 64
+        if m <= EXACT_M_ONEDNN:
+            assert b == m  # decode-sized calls run exactly
+        assert row_bucket(b) == b  # a bucket is its own bucket
+    assert len(buckets - set(range(1, EXACT_M_ONEDNN + 1))) <= 64  # shapes oneDNN builds above the exact range
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_linear_pads_rows_to_a_bucket_and_returns_only_the_real_rows(bias):
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(96, 64, generator=g).to(torch.bfloat16)
+    b = torch.randn(96, generator=g).to(torch.bfloat16) if bias else None
+    lin = _Linear(w, b, ops)
+    for m in (1, 8, 9, 64, 65, 100, 513, 1030):  # panels, exact oneDNN, padded oneDNN
+        x = torch.randn(m, 64, generator=g).to(torch.bfloat16)
+        got = lin(x)
+        assert got.shape == (m, 96) and got.is_contiguous()
+        want = F.linear(x.double(), w.double(), None if b is None else b.double())
+        assert torch.allclose(got.double(), want, atol=3e-2 * 8, rtol=3e-2), m
 
 
 # -- the fused forward against transformers' own -----------------------------------------------------
