@@ -1,6 +1,7 @@
 // Paged attention for the CPU: every query token attends to its own request's cached K/V,
-// read in place from the block pool (no gather copy). One task per (query token, KV head);
-// the G query heads sharing that KV head are done together so each K/V row is read once.
+// read in place from the block pool (no gather copy). One task per (query token, KV head), or per
+// (run of consecutive prompt tokens of one request, KV head); the query heads sharing that KV head
+// (of every token in the run) are done together so each K/V row is read once for all of them.
 // Layouts: keys [num_blocks, Hkv, D, block_size] (transposed within a block, so q.k over a
 // block's keys is a vector loop without horizontal sums); values [slots, Hkv, D].
 #include <torch/extension.h>
@@ -84,8 +85,9 @@ static inline void softmax_inplace(float* __restrict__ s, int64_t n) {
 // scores and the weighted sum of values in register accumulators.
 template <int NV, int G, typename scalar_t>
 static void attend_grouped(const float* __restrict__ qf, const scalar_t* __restrict__ k_cache,
-                           const scalar_t* __restrict__ v_cache, const int64_t* table, int64_t ctx, int64_t h,
-                           int64_t Hkv, float* __restrict__ scores, float* __restrict__ out_f) {
+                           const scalar_t* __restrict__ v_cache, const int64_t* table, int64_t ctx,
+                           const int64_t* lim, int64_t h, int64_t Hkv, float* __restrict__ scores,
+                           float* __restrict__ out_f) {
   constexpr int64_t D = 16 * NV, bs = 16;
   const int64_t num_blocks = (ctx + bs - 1) / bs;
   const int64_t sstride = (ctx + 15) / 16 * 16;
@@ -112,7 +114,10 @@ static void attend_grouped(const float* __restrict__ qf, const scalar_t* __restr
   const int64_t stride = Hkv * D;
   const scalar_t* vb_first = v_cache + (table[0] * bs * Hkv + h) * D;
   for (int64_t o = 0; o < std::min(bs, ctx); ++o) prefetch_l2(vb_first + o * stride, D);  // during the softmax
-  for (int g = 0; g < G; ++g) softmax_inplace(scores + g * sstride, ctx);
+  for (int g = 0; g < G; ++g) {  // a vector sees its first lim[g] keys; the rest weigh nothing
+    softmax_inplace(scores + g * sstride, lim[g]);
+    std::fill(scores + g * sstride + lim[g], scores + g * sstride + ctx, 0.f);
+  }
   v16f acc[G][NV];
   for (int g = 0; g < G; ++g)
     for (int i = 0; i < NV; ++i) acc[g][i] = v16f{};
@@ -134,24 +139,26 @@ static void attend_grouped(const float* __restrict__ qf, const scalar_t* __restr
     for (int i = 0; i < NV; ++i) std::memcpy(out_f + g * D + 16 * i, &acc[g][i], sizeof(v16f));
 }
 
-// Dispatch on the group size: groups of up to 8 query heads per pass over the keys and values
-// (more than 8 would not fit the accumulators in registers).
+// Dispatch on the number of query vectors: up to 8 per pass over the keys and values (more would
+// not fit the accumulators in registers).
 template <int NV, typename scalar_t>
 static void attend_dispatch(const float* qf, const scalar_t* k_cache, const scalar_t* v_cache, const int64_t* table,
-                            int64_t ctx, int64_t h, int64_t G, int64_t Hkv, float* scores, float* out_f) {
+                            int64_t ctx, const int64_t* lims, int64_t h, int64_t G, int64_t Hkv, float* scores,
+                            float* out_f) {
   constexpr int64_t D = 16 * NV;
   for (int64_t g0 = 0; g0 < G; g0 += 8) {
     const float* q = qf + g0 * D;
+    const int64_t* lim = lims + g0;
     float* out = out_f + g0 * D;
     switch (std::min<int64_t>(8, G - g0)) {
-      case 1: attend_grouped<NV, 1>(q, k_cache, v_cache, table, ctx, h, Hkv, scores, out); break;
-      case 2: attend_grouped<NV, 2>(q, k_cache, v_cache, table, ctx, h, Hkv, scores, out); break;
-      case 3: attend_grouped<NV, 3>(q, k_cache, v_cache, table, ctx, h, Hkv, scores, out); break;
-      case 4: attend_grouped<NV, 4>(q, k_cache, v_cache, table, ctx, h, Hkv, scores, out); break;
-      case 5: attend_grouped<NV, 5>(q, k_cache, v_cache, table, ctx, h, Hkv, scores, out); break;
-      case 6: attend_grouped<NV, 6>(q, k_cache, v_cache, table, ctx, h, Hkv, scores, out); break;
-      case 7: attend_grouped<NV, 7>(q, k_cache, v_cache, table, ctx, h, Hkv, scores, out); break;
-      default: attend_grouped<NV, 8>(q, k_cache, v_cache, table, ctx, h, Hkv, scores, out); break;
+      case 1: attend_grouped<NV, 1>(q, k_cache, v_cache, table, ctx, lim, h, Hkv, scores, out); break;
+      case 2: attend_grouped<NV, 2>(q, k_cache, v_cache, table, ctx, lim, h, Hkv, scores, out); break;
+      case 3: attend_grouped<NV, 3>(q, k_cache, v_cache, table, ctx, lim, h, Hkv, scores, out); break;
+      case 4: attend_grouped<NV, 4>(q, k_cache, v_cache, table, ctx, lim, h, Hkv, scores, out); break;
+      case 5: attend_grouped<NV, 5>(q, k_cache, v_cache, table, ctx, lim, h, Hkv, scores, out); break;
+      case 6: attend_grouped<NV, 6>(q, k_cache, v_cache, table, ctx, lim, h, Hkv, scores, out); break;
+      case 7: attend_grouped<NV, 7>(q, k_cache, v_cache, table, ctx, lim, h, Hkv, scores, out); break;
+      default: attend_grouped<NV, 8>(q, k_cache, v_cache, table, ctx, lim, h, Hkv, scores, out); break;
     }
   }
 }
@@ -204,22 +211,37 @@ static void paged_attention_kernel(const scalar_t* q,        // [T, H, D]
                                    int64_t bs, float scale) {
   const int64_t G = H / Hkv;
   const bool fast = bs == 16 && (D == 32 || D == 64 || D == 128);
-  // Split the tasks into one contiguous run per thread of about equal cost, not of equal count: a
-  // step lists its decode rows (long contexts, K/V cold in memory) before its prompt rows (short
-  // contexts, each row re-reading the K/V its request's previous row just read), so an even split
-  // by count left one thread with all the decodes. Cost of a row: its keys plus a fixed part,
-  // a quarter of that for a row of the same request as the row before it (its K/V in cache).
-  const int64_t num_tasks = T * Hkv;
+  // Rows of one request at consecutive positions (a prompt chunk) are taken R at a time, so each
+  // K/V row read serves R x G query vectors instead of G: a row sees one key more than the row
+  // before it, and scores past a vector's own keys are masked. Each row's result is the same as
+  // computed alone (the same sums in the same order; masked keys add exact zeros).
+  const int64_t R = fast ? std::max<int64_t>(1, 8 / G) : 1;
+  std::vector<int64_t> group_start;  // row groups: [group_start[i], group_start[i + 1])
+  for (int64_t t = 0; t < T; ++t) {
+    const bool joins = t > 0 && t - group_start.back() < R && token_req[t] == token_req[t - 1] &&
+                       token_ctx[t] == token_ctx[t - 1] + 1;
+    if (!joins) group_start.push_back(t);
+  }
+  const int64_t num_groups = static_cast<int64_t>(group_start.size());
+  group_start.push_back(T);
+  // Split the tasks (row group, KV head) into one contiguous run per thread of about equal cost,
+  // not of equal count: a step lists its decode rows (long contexts, K/V cold in memory) before
+  // its prompt rows (short contexts, each group re-reading the K/V its request's previous group
+  // just read), so an even split by count left one thread with all the decodes. Cost of a group:
+  // its keys plus a fixed part, a quarter of that when the group before it is of the same request
+  // (its K/V in cache), plus a part per query vector.
+  const int64_t num_tasks = num_groups * Hkv;
   const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tasks));
   std::vector<int64_t> bounds(chunks + 1, num_tasks);
   bounds[0] = 0;
   if (chunks > 1) {
-    std::vector<int64_t> cost(T);
+    std::vector<int64_t> cost(num_groups);
     int64_t total = 0;
-    for (int64_t t = 0; t < T; ++t) {
-      const bool warm = t > 0 && token_req[t] == token_req[t - 1];
-      cost[t] = (4 * (token_ctx[t] + 16)) / (warm ? 4 : 1);
-      total += cost[t] * Hkv;
+    for (int64_t i = 0; i < num_groups; ++i) {
+      const int64_t t0 = group_start[i], t1 = group_start[i + 1];
+      const bool warm = t0 > 0 && token_req[t0] == token_req[t0 - 1];
+      cost[i] = (4 * (token_ctx[t1 - 1] + 16)) / (warm ? 4 : 1) + (t1 - t0) * token_ctx[t1 - 1] / 2;
+      total += cost[i] * Hkv;
     }
     int64_t acc = 0, c = 1;
     for (int64_t task = 0; task < num_tasks && c < chunks; ++task) {
@@ -229,26 +251,37 @@ static void paged_attention_kernel(const scalar_t* q,        // [T, H, D]
   }
   at::parallel_for(0, chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
     FlushDenormals ftz;
-    std::vector<float> qf(G * D), out_f(G * D), scores;
+    std::vector<float> qf(R * G * D), out_f(R * G * D), scores;
+    std::vector<int64_t> lims(R * G);
     for (int64_t task = bounds[chunk_begin]; task < bounds[chunk_end]; ++task) {
-      const int64_t t = task / Hkv, h = task % Hkv;
-      const int64_t ctx = token_ctx[t];
-      const int64_t* table = tables + token_req[t] * max_blocks;
-      if (static_cast<int64_t>(scores.size()) < G * (ctx + 16)) scores.resize(G * (ctx + 16));
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t d = 0; d < D; ++d)
-          qf[g * D + d] = static_cast<float>(q[(t * H + h * G + g) * D + d]) * scale;
+      const int64_t i = task / Hkv, h = task % Hkv;
+      const int64_t t0 = group_start[i], rows = group_start[i + 1] - t0, vecs = rows * G;
+      const int64_t ctx = token_ctx[t0 + rows - 1];  // the last row sees the most keys
+      const int64_t* table = tables + token_req[t0] * max_blocks;
+      if (static_cast<int64_t>(scores.size()) < std::min<int64_t>(vecs, 8) * (ctx + 16))
+        scores.resize(std::min<int64_t>(vecs, 8) * (ctx + 16));
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t g = 0; g < G; ++g) {  // query vector r * G + g: row t0 + r, head h * G + g
+          lims[r * G + g] = token_ctx[t0 + r];
+          for (int64_t d = 0; d < D; ++d)
+            qf[(r * G + g) * D + d] = static_cast<float>(q[((t0 + r) * H + h * G + g) * D + d]) * scale;
+        }
       if (fast && D == 64) {
-        attend_dispatch<4>(qf.data(), k_cache, v_cache, table, ctx, h, G, Hkv, scores.data(), out_f.data());
+        attend_dispatch<4>(qf.data(), k_cache, v_cache, table, ctx, lims.data(), h, vecs, Hkv, scores.data(),
+                           out_f.data());
       } else if (fast && D == 128) {
-        attend_dispatch<8>(qf.data(), k_cache, v_cache, table, ctx, h, G, Hkv, scores.data(), out_f.data());
+        attend_dispatch<8>(qf.data(), k_cache, v_cache, table, ctx, lims.data(), h, vecs, Hkv, scores.data(),
+                           out_f.data());
       } else if (fast && D == 32) {
-        attend_dispatch<2>(qf.data(), k_cache, v_cache, table, ctx, h, G, Hkv, scores.data(), out_f.data());
-      } else {
+        attend_dispatch<2>(qf.data(), k_cache, v_cache, table, ctx, lims.data(), h, vecs, Hkv, scores.data(),
+                           out_f.data());
+      } else {  // R == 1 here
         attend_generic(qf.data(), k_cache, v_cache, table, ctx, h, G, Hkv, D, bs, scores.data(), out_f.data());
       }
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t d = 0; d < D; ++d) out[(t * H + h * G + g) * D + d] = static_cast<scalar_t>(out_f[g * D + d]);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t g = 0; g < G; ++g)
+          for (int64_t d = 0; d < D; ++d)
+            out[((t0 + r) * H + h * G + g) * D + d] = static_cast<scalar_t>(out_f[(r * G + g) * D + d]);
     }
   });
 }
