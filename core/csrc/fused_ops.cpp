@@ -175,8 +175,8 @@ void argmax_rows_impl(const scalar_t* x, int64_t* out, int64_t R, int64_t V) {
 
 // SiLU for a result rounded to bf16/fp16 next: exp with fused multiply-adds and 1 / (1 + e) as a
 // refined reciprocal estimate instead of a division (within ~1 float ulp of x / (1 + exp(-x)),
-// invisible after rounding to 8 or 11 mantissa bits but for rare ties). About 2.5x fewer cycles
-// than the exact form, which float32 keeps.
+// invisible after rounding to 8 or 11 mantissa bits but for rare ties). SiLU*up over 168-2048 bf16
+// rows measured 1.25-1.3x faster than with the exact form, which float32 keeps.
 #ifdef __AVX512F__
 inline v16f silu16_fast(v16f xv) {
   const __m512 x = reinterpret_cast<__m512>(xv);

@@ -229,7 +229,7 @@ static void paged_attention_kernel(const scalar_t* q,        // [T, H, D]
   // its prompt rows (short contexts, each group re-reading the K/V its request's previous group
   // just read), so an even split by count left one thread with all the decodes. Cost of a group:
   // its keys plus a fixed part, a quarter of that when the group before it is of the same request
-  // (its K/V in cache), plus a part per query vector.
+  // (its K/V in cache), plus a part per row.
   const int64_t num_tasks = num_groups * Hkv;
   const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tasks));
   std::vector<int64_t> bounds(chunks + 1, num_tasks);
