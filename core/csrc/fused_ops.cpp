@@ -200,6 +200,15 @@ inline v16f silu16_fast(v16f xv) {
 }
 #endif
 
+// SiLU of 16 floats: exact form for float32 (and without AVX-512), the fast one above otherwise.
+template <typename scalar_t>
+inline v16f silu16(v16f x) {
+#ifdef __AVX512F__
+  if constexpr (!std::is_same_v<scalar_t, float>) return silu16_fast(x);
+#endif
+  return x / (1.f + exp16(-x));
+}
+
 template <typename scalar_t>
 void silu_mul_rows(const scalar_t* gu, scalar_t* out, int64_t T, int64_t I) {
   at::parallel_for(0, T, grain(2 * I), [&](int64_t begin, int64_t end) {
@@ -210,11 +219,7 @@ void silu_mul_rows(const scalar_t* gu, scalar_t* out, int64_t T, int64_t I) {
       int64_t i = 0;
       for (; i + 16 <= I; i += 16) {
         const v16f x = load16(g + i);
-#ifdef __AVX512F__
-        const v16f act = round16<scalar_t>(std::is_same_v<scalar_t, float> ? x / (1.f + exp16(-x)) : silu16_fast(x));
-#else
-        const v16f act = round16<scalar_t>(x / (1.f + exp16(-x)));
-#endif
+        const v16f act = round16<scalar_t>(silu16<scalar_t>(x));
         store16(o + i, act * load16(u + i));
       }
       for (; i < I; ++i) {
