@@ -148,24 +148,62 @@ void rope_store_rows(scalar_t* qkv, const scalar_t* cos, const scalar_t* sin, co
 
 template <typename scalar_t>
 void argmax_rows_impl(const scalar_t* x, int64_t* out, int64_t R, int64_t V) {
+  typedef int32_t v16i __attribute__((vector_size(64)));
   at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> buf(V);
     for (int64_t r = begin; r < end; ++r) {
       const scalar_t* __restrict__ row = x + r * V;
-      float* __restrict__ f = buf.data();
+      // One pass, 16 lanes: lane i keeps the largest value among elements i, i + 16, ... and the
+      // index where it first appeared (strictly greater replaces), so the lowest index among the
+      // lanes holding the row's maximum is the row's first maximum. NaN compares false: noted,
+      // and the row is then searched for its first NaN as torch.argmax does.
+      const int64_t vec_end = V / 16 * 16;
       float m = -INFINITY;
-      int nan = 0;
-#pragma omp simd reduction(max : m) reduction(| : nan)
-      for (int64_t i = 0; i < V; ++i) {
-        f[i] = static_cast<float>(row[i]);
-        m = std::max(m, f[i]);
-        nan |= f[i] != f[i];
-      }
       int64_t best = 0;
-      for (int64_t i = 0; i < V; ++i) {  // the first maximum; the first NaN if any, as torch.argmax
-        if (nan ? f[i] != f[i] : f[i] == m) {
+      bool nan = false;
+      int64_t i = 0;
+      if (vec_end > 0) {
+        v16f vmax = load16(row);
+        v16i vidx, lane;
+        for (int l = 0; l < 16; ++l) lane[l] = l;
+        vidx = lane;
+        v16i seen_nan = vmax != vmax;
+        for (i = 16; i < vec_end; i += 16) {
+          const v16f v = load16(row + i);
+          const v16i gt = v > vmax;
+          vmax = gt ? v : vmax;
+          vidx = gt ? lane + static_cast<int32_t>(i) : vidx;
+          seen_nan |= v != v;
+        }
+        m = vmax[0];
+        best = vidx[0];
+        for (int l = 0; l < 16; ++l) {
+          nan |= seen_nan[l] != 0;
+          if (vmax[l] > m || (vmax[l] == m && vidx[l] < best)) {
+            m = vmax[l];
+            best = vidx[l];
+          }
+        }
+      } else {
+        m = static_cast<float>(row[0]);
+        best = 0;
+        nan = m != m;
+        i = 1;
+      }
+      for (; i < V; ++i) {  // the tail past the last full vector
+        const float f = static_cast<float>(row[i]);
+        nan |= f != f;
+        if (f > m) {
+          m = f;
           best = i;
-          break;
+        }
+      }
+      if (nan) {
+        for (int64_t j = 0; j < V; ++j) {
+          const float f = static_cast<float>(row[j]);
+          if (f != f) {
+            best = j;
+            break;
+          }
         }
       }
       out[r] = best;

@@ -175,6 +175,33 @@ def test_silu_mul_and_argmax_match_torch(dtype):
     assert ops.argmax_rows(logits)[3].item() == 10
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("width", [1, 15, 16, 17, 48, 50, 1000])
+def test_argmax_rows_returns_the_first_maximum_like_torch(dtype, width):
+    """16 lanes each keep their own maximum; ties within and across lanes, rows narrower than a
+    vector, tails past the last vector, all -inf rows and NaN anywhere must still match torch."""
+    g = torch.Generator().manual_seed(width)
+    rows = [torch.randn(width, generator=g), torch.randint(-2, 3, (width,), generator=g).float(),
+            torch.full((width,), float("-inf")), torch.zeros(width)]
+    top = torch.randn(width, generator=g)
+    top[width // 2:] = top.max() + 1  # the maximum repeated from the middle to the end
+    rows.append(top)
+    for at in {0, width // 3, width - 1}:
+        nan = torch.randn(width, generator=g)
+        nan[at] = float("nan")
+        rows.append(nan)
+    if width > 16:
+        lanes = torch.randn(width, generator=g)
+        lanes[[5, width - 1]] = 9.0  # equal maxima: an early lane and the tail
+        rows.append(lanes)
+    if width >= 32:
+        lanes = torch.randn(width, generator=g)
+        lanes[[16 + 1, 5]] = 9.0  # equal maxima in lanes 1 (second vector) and 5 (first): index 5 wins
+        rows.append(lanes)
+    logits = torch.stack(rows).to(dtype)
+    assert torch.equal(ops.argmax_rows(logits), torch.argmax(logits.float(), dim=-1))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n, k", [(96, 64), (100, 48), (7, 33)])
 def test_small_gemm_matches_linear_and_does_not_depend_on_the_batch(dtype, n, k):
