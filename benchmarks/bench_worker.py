@@ -78,14 +78,50 @@ def run_conveyor(spec: dict):
 
     list(engine.generate(reqs(spec["warmup"])))
     work = reqs(spec["requests"])
+    full = _StepTally()  # the steps that ran a full batch (max_num_seqs requests): the steady state
     t0 = time.perf_counter()
-    outs = list(engine.generate(work))
+    outs = []
+    for r in work:  # max_waiting >= the workload: what engine.generate() does, one step at a time
+        engine.add_request(r)
+    while engine.has_unfinished():
+        outs.extend(engine.step())
+        last = engine.last_step
+        if last is not None and last.num_requests >= spec["max_num_seqs"]:
+            full.add(last)
     wall_s = time.perf_counter() - t0
     produced = {o.req_id: o.num_output_tokens for o in outs}
     st = engine.stats()
     extra = {"num_kv_blocks": engine.num_kv_blocks, "preemptions": st.num_preemptions,
-             "prefix_cache_hit_rate": round(st.prefix_cache_hit_rate, 4), "steps": st.num_steps}
+             "prefix_cache_hit_rate": round(st.prefix_cache_hit_rate, 4), "steps": st.num_steps,
+             "full_batch_steps": full.as_dict()}
     return load_s, wall_s, produced, extra
+
+
+class _StepTally:
+    """Sums of conveyor's StepInfo over a set of steps."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.seconds = 0.0
+        self.sampled = 0
+        self.tokens = 0
+        self.decode_rows = 0
+        self.decode_keys = 0
+
+    def add(self, info) -> None:
+        self.steps += 1
+        self.seconds += info.seconds
+        self.sampled += info.num_sampled
+        self.tokens += info.num_tokens
+        self.decode_rows += info.num_decode_rows
+        self.decode_keys += info.decode_keys
+
+    def as_dict(self) -> dict:
+        """Output tokens/s over these steps, and the mix of work they did (for their roofline ceiling)."""
+        return {"steps": self.steps, "seconds": self.seconds, "output_tokens": self.sampled,
+                "tok_s": self.sampled / self.seconds if self.seconds else None,
+                "prompt_tokens": self.tokens - self.decode_rows,
+                "decode_context": self.decode_keys / self.decode_rows if self.decode_rows else None}
 
 
 def run_hf_static(spec: dict):

@@ -56,6 +56,13 @@ Output: a table (median tok/s, spread, wall s, peak RSS MiB, each engine's tok/s
 conveyor's / each engine's, fraction of the workload's steady-state roofline ceiling, from the rates in
 benchmarks/roofline.json if present: see roofline.py) and
 a JSON file (--out, default benchmarks/results/throughput-<dtype>.json) with every run.
+
+Steady state, measured (conveyor only: it reports each step, `Engine.last_step`): a whole run's tok/s
+includes its ramp-down, where the last long requests decode a few at a time, so it sits below a ceiling
+that assumes a full batch throughout. The steps that ran a full batch (--max-num-seqs requests) are
+therefore also timed on their own: their output tokens/s, and that against the roofline ceiling of the
+same work (their own prompt tokens per output token and decode context). Run roofline.py just before
+this script: the machine's speed drifts, and a ceiling measured in another hour is not this run's.
 """
 
 from __future__ import annotations
@@ -258,6 +265,29 @@ def steady_state_ceiling(roofline: dict | None, folder: str, dtype: str, request
                             prefill_m, **workload_stats(requests))
 
 
+def full_batch_fraction(run: dict, roofline: dict | None, folder: str, dtype: str, requests: list[dict], batch: int,
+                        prefill_m: int) -> dict | None:
+    """A conveyor run's steady state as measured: the steps that ran a full batch (`batch` requests), their
+    output tokens/s, and that against the roofline ceiling of the same work (those steps' own prompt tokens
+    per output token and decode context, the workload's prompt context)."""
+    window = (run.get("extra") or {}).get("full_batch_steps")
+    if not window or not window.get("tok_s") or not window.get("decode_context"):
+        return None
+    out = {"steps": window["steps"], "seconds": window["seconds"], "tok_s": window["tok_s"],
+           "share_of_wall": window["seconds"] / run["wall_s"] if run.get("wall_s") else None}
+    if roofline and dtype in roofline.get("matmul", {}):
+        from roofline import workload_ceiling
+
+        cfg = json.loads((Path(folder) / "config.json").read_text())
+        mix = {"prompt_per_output": window["prompt_tokens"] / window["output_tokens"],
+               "decode_context": window["decode_context"],
+               "prompt_context": workload_stats(requests)["prompt_context"]}
+        ceiling = workload_ceiling(cfg, dtype, roofline["matmul"][dtype], roofline["bandwidth"]["read_gbs"], batch,
+                                   prefill_m, **mix)
+        out.update(mix, ceiling_tok_s=ceiling["tok_s"], fraction_of_roofline=window["tok_s"] / ceiling["tok_s"])
+    return out
+
+
 def summarize(runs: list[dict], engines: list[str], roofline: dict | None, dtype: str,
               steady: dict | None = None) -> dict:
     summary = {}
@@ -281,6 +311,14 @@ def summarize(runs: list[dict], engines: list[str], roofline: dict | None, dtype
             "num_requests": ok[0]["num_requests"],
             "count_ok": all(r["count_ok"] for r in ok),
         }
+        windows = [r["full_batch"] for r in ok if r.get("full_batch")]
+        if windows:
+            summary[e]["full_batch_tok_s_median"] = statistics.median(w["tok_s"] for w in windows)
+            summary[e]["full_batch_share_of_wall"] = statistics.median(w["share_of_wall"] for w in windows)
+            fractions = [w["fraction_of_roofline"] for w in windows if "fraction_of_roofline" in w]
+            if fractions:
+                summary[e]["full_batch_fraction_of_roofline"] = statistics.median(fractions)
+                summary[e]["full_batch_fraction_range"] = [min(fractions), max(fractions)]
     base = summary.get("conveyor", {}).get("tok_s_median")
     ceiling = None
     if roofline:
@@ -322,6 +360,14 @@ def print_table(summary: dict, dtype: str, seq_n: int, roofline: dict | None, st
               f"decoding at {steady['decode_gflops']:.0f} GFLOP/s, mean context {steady['decode_context']:.0f}; "
               f"{steady['prompt_per_output']:.2f} prompt tokens per output token at {steady['prefill_gflops']:.0f} "
               f"GFLOP/s), from benchmarks/roofline.json's rates")
+    for e, s in summary.items():
+        if "full_batch_tok_s_median" in s:
+            frac = s.get("full_batch_fraction_of_roofline")
+            lo_hi = s.get("full_batch_fraction_range")
+            roof = (f", {100 * frac:.1f}% ({100 * lo_hi[0]:.1f}-{100 * lo_hi[1]:.1f}%) of the roofline ceiling of "
+                    "the same work" if frac else "")
+            print(f"  {e} at steady state (steps running a full batch, {100 * s['full_batch_share_of_wall']:.0f}% of "
+                  f"the wall time): {s['full_batch_tok_s_median']:.0f} tok/s{roof}")
     decode = (roofline or {}).get("ceilings", {}).get(dtype)
     if decode:
         print(f"  decode-only ceiling at batch {decode['batch']}, context 0: {decode['tok_s']:.0f} tok/s "
@@ -399,6 +445,9 @@ def main() -> None:
                 print(f"[rep {rep + 1}/{args.reps}] {e} ...", file=sys.stderr, flush=True)
                 res = run_one(e, spec_paths[e], args, log_path)
                 res["rep"] = rep
+                if "error" not in res:
+                    res["full_batch"] = full_batch_fraction(res, roofline, folder, args.dtype, requests,
+                                                            args.max_num_seqs, args.max_num_batched_tokens)
                 runs.append(res)
                 if "error" in res:
                     print(f"  {e}: ERROR {res['error']}", file=sys.stderr)

@@ -38,6 +38,17 @@ class EngineStats:
     num_steps: int
 
 
+@dataclass(frozen=True)
+class StepInfo:
+    """What one step ran: its forward pass's rows and what they were, and its wall time."""
+    seconds: float
+    num_requests: int  # requests scheduled
+    num_tokens: int  # rows of the forward pass
+    num_decode_rows: int  # rows that extend a generation by one token
+    decode_keys: int  # keys the decode rows attend to, summed
+    num_sampled: int  # tokens sampled: one per decode row and per prompt completed
+
+
 def eos_ids_of(model, tokenizer) -> set[int]:
     ids: set[int] = set()
     for source in (getattr(model, "generation_config", None), getattr(model, "config", None)):
@@ -79,6 +90,7 @@ class Engine:
         self.num_generated_tokens = 0
         # Seconds per phase of step(); perf_counter is cheap enough to keep always on.
         self._timings = {"schedule_s": 0.0, "update_s": 0.0, "output_s": 0.0, "step_s": 0.0, "steps": 0}
+        self._last_step = None  # (plan, number of tokens sampled, seconds) of the last step
 
     def enable_profiling(self) -> None:
         """Also split the runner's time into prepare / forward / sample (waits for the device)."""
@@ -147,7 +159,19 @@ class Engine:
         t["output_s"] += t4 - t3
         t["step_s"] += t4 - t0
         t["steps"] += 1
+        self._last_step = (plan, len(result.sampled_token_ids), t4 - t0)
         return outputs
+
+    @property
+    def last_step(self) -> StepInfo | None:
+        """The last step that ran (None before the first); worked out only when asked."""
+        if self._last_step is None:
+            return None
+        plan, sampled, seconds = self._last_step
+        decodes = [e for e in plan.scheduled if e.num_tokens == 1 and e.num_output_tokens > 0]
+        return StepInfo(seconds=seconds, num_requests=len(plan.scheduled), num_tokens=plan.num_batched_tokens,
+                        num_decode_rows=len(decodes), decode_keys=sum(e.start_pos + 1 for e in decodes),
+                        num_sampled=sampled)
 
     def _check_stop_strings(self, sampled: dict[str, int], already: list[Request]) -> list[Request]:
         done = {r.req_id for r in already}

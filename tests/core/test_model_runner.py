@@ -342,3 +342,25 @@ def test_the_engine_owns_the_attention_implementation_of_its_model(model, refere
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     engine.abort("x")
     assert _run(engine, [PROMPTS[0]]) == [references[tuple(PROMPTS[0])]]
+
+
+def test_last_step_describes_the_step_that_ran(model):
+    """Two prompts (5 and 9 tokens) prefilled together, then decoded: rows, decode rows, their keys."""
+    engine = Engine(model, CharTokenizer(), EngineConfig(block_size=4, num_kv_blocks=64, enable_prefix_caching=False))
+    assert engine.last_step is None
+    sampling = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    engine.add_request(GenerationRequest("a", list(range(1, 6)), sampling))
+    engine.add_request(GenerationRequest("b", list(range(10, 19)), sampling))
+    engine.step()
+    first = engine.last_step
+    assert (first.num_requests, first.num_tokens, first.num_decode_rows, first.decode_keys, first.num_sampled) == \
+        (2, 14, 0, 0, 2)
+    engine.step()
+    second = engine.last_step
+    # each request feeds its first output token: at position 5 (a) and 9 (b), seeing 6 and 10 keys
+    assert (second.num_requests, second.num_tokens, second.num_decode_rows, second.decode_keys,
+            second.num_sampled) == (2, 2, 2, 16, 2)
+    assert first.seconds > 0 and second.seconds > 0
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.num_generated_tokens == 6
