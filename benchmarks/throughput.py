@@ -62,7 +62,9 @@ includes its ramp-down, where the last long requests decode a few at a time, so 
 that assumes a full batch throughout. The steps that ran a full batch (--max-num-seqs requests) are
 therefore also timed on their own: their output tokens/s, and that against the roofline ceiling of the
 same work (their own prompt tokens per output token and decode context). Run roofline.py just before
-this script: the machine's speed drifts, and a ceiling measured in another hour is not this run's.
+this script: the machine's speed drifts, and a ceiling measured in another hour is not this run's. With
+--probe, the matmul rates at the decode batch and at the prompt step (and the read bandwidth) are also
+timed right before and after each conveyor run, and its steady state is set against their mean as well.
 """
 
 from __future__ import annotations
@@ -269,23 +271,57 @@ def full_batch_fraction(run: dict, roofline: dict | None, folder: str, dtype: st
                         prefill_m: int) -> dict | None:
     """A conveyor run's steady state as measured: the steps that ran a full batch (`batch` requests), their
     output tokens/s, and that against the roofline ceiling of the same work (those steps' own prompt tokens
-    per output token and decode context, the workload's prompt context)."""
+    per output token and decode context, the workload's prompt context): with roofline.json's rates, and
+    with the rates probed next to the run (`--probe`) where there are some."""
     window = (run.get("extra") or {}).get("full_batch_steps")
     if not window or not window.get("tok_s") or not window.get("decode_context"):
         return None
     out = {"steps": window["steps"], "seconds": window["seconds"], "tok_s": window["tok_s"],
            "share_of_wall": window["seconds"] / run["wall_s"] if run.get("wall_s") else None}
-    if roofline and dtype in roofline.get("matmul", {}):
-        from roofline import workload_ceiling
+    from roofline import workload_ceiling
 
-        cfg = json.loads((Path(folder) / "config.json").read_text())
-        mix = {"prompt_per_output": window["prompt_tokens"] / window["output_tokens"],
-               "decode_context": window["decode_context"],
-               "prompt_context": workload_stats(requests)["prompt_context"]}
-        ceiling = workload_ceiling(cfg, dtype, roofline["matmul"][dtype], roofline["bandwidth"]["read_gbs"], batch,
-                                   prefill_m, **mix)
-        out.update(mix, ceiling_tok_s=ceiling["tok_s"], fraction_of_roofline=window["tok_s"] / ceiling["tok_s"])
+    cfg = json.loads((Path(folder) / "config.json").read_text())
+    mix = {"prompt_per_output": window["prompt_tokens"] / window["output_tokens"],
+           "decode_context": window["decode_context"],
+           "prompt_context": workload_stats(requests)["prompt_context"]}
+    out.update(mix)
+    if roofline and dtype in roofline.get("matmul", {}):
+        bw = roofline["bandwidth"]["read_gbs"]
+        ceiling = workload_ceiling(cfg, dtype, roofline["matmul"][dtype], bw, batch, prefill_m, **mix)
+        out.update(ceiling_tok_s=ceiling["tok_s"], fraction_of_roofline=window["tok_s"] / ceiling["tok_s"])
+    probe = run.get("probe")
+    if probe:
+        ceiling = workload_ceiling(cfg, dtype, probe["rates"], probe["read_gbs"], batch, prefill_m, **mix)
+        out.update(probed_ceiling_tok_s=ceiling["tok_s"], fraction_of_probed_roofline=window["tok_s"] / ceiling["tok_s"])
     return out
+
+
+def probe_roofline(args, dtype: str, tmp: Path) -> dict | None:
+    """The matmul rates at M = --max-num-seqs and --max-num-batched-tokens, and the read bandwidth, now
+    (roofline.py with short timings, in its own process): the machine's speed drifts by tens of percent
+    within minutes, so a ceiling for one run is best measured next to it."""
+    out = tmp / "probe.json"
+    ms = f"{args.max_num_seqs},{args.max_num_batched_tokens}"
+    cmd = [sys.executable, str(HERE / "roofline.py"), "--dtypes", dtype, "--ms", ms, "--batch", str(args.max_num_seqs),
+           "--min-time", "0.3", "--repeats", "2", "--bw-mib", "256", "--threads", str(args.threads), "--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=str(REPO), env=env)
+    if done.returncode != 0:
+        print(f"  roofline probe failed (exit {done.returncode}): {done.stderr.strip()[-300:]}", file=sys.stderr)
+        return None
+    record = json.loads(out.read_text())
+    return {"rates": record["matmul"][dtype], "read_gbs": record["bandwidth"]["read_gbs"]}
+
+
+def mean_probe(before: dict | None, after: dict | None) -> dict | None:
+    """Rates and bandwidth averaged over the probes taken before and after a run."""
+    probes = [p for p in (before, after) if p]
+    if not probes:
+        return None
+    rates = [{"m": r["m"], "gflops": statistics.mean(p["rates"][i]["gflops"] for p in probes)}
+             for i, r in enumerate(probes[0]["rates"])]
+    return {"rates": rates, "read_gbs": statistics.mean(p["read_gbs"] for p in probes),
+            "gflops_by_probe": [{str(r["m"]): r["gflops"] for r in p["rates"]} for p in probes]}
 
 
 def summarize(runs: list[dict], engines: list[str], roofline: dict | None, dtype: str,
@@ -315,10 +351,11 @@ def summarize(runs: list[dict], engines: list[str], roofline: dict | None, dtype
         if windows:
             summary[e]["full_batch_tok_s_median"] = statistics.median(w["tok_s"] for w in windows)
             summary[e]["full_batch_share_of_wall"] = statistics.median(w["share_of_wall"] for w in windows)
-            fractions = [w["fraction_of_roofline"] for w in windows if "fraction_of_roofline" in w]
-            if fractions:
-                summary[e]["full_batch_fraction_of_roofline"] = statistics.median(fractions)
-                summary[e]["full_batch_fraction_range"] = [min(fractions), max(fractions)]
+            for key in ("fraction_of_roofline", "fraction_of_probed_roofline"):
+                fractions = [w[key] for w in windows if key in w]
+                if fractions:
+                    summary[e][f"full_batch_{key}"] = statistics.median(fractions)
+                    summary[e][f"full_batch_{key}_range"] = [min(fractions), max(fractions)]
     base = summary.get("conveyor", {}).get("tok_s_median")
     ceiling = None
     if roofline:
@@ -362,12 +399,14 @@ def print_table(summary: dict, dtype: str, seq_n: int, roofline: dict | None, st
               f"GFLOP/s), from benchmarks/roofline.json's rates")
     for e, s in summary.items():
         if "full_batch_tok_s_median" in s:
-            frac = s.get("full_batch_fraction_of_roofline")
-            lo_hi = s.get("full_batch_fraction_range")
-            roof = (f", {100 * frac:.1f}% ({100 * lo_hi[0]:.1f}-{100 * lo_hi[1]:.1f}%) of the roofline ceiling of "
-                    "the same work" if frac else "")
             print(f"  {e} at steady state (steps running a full batch, {100 * s['full_batch_share_of_wall']:.0f}% of "
-                  f"the wall time): {s['full_batch_tok_s_median']:.0f} tok/s{roof}")
+                  f"the wall time): {s['full_batch_tok_s_median']:.0f} tok/s")
+            for key, source in (("fraction_of_roofline", "roofline.json's rates"),
+                                ("fraction_of_probed_roofline", "rates probed before and after each run")):
+                if f"full_batch_{key}" in s:
+                    lo, hi = s[f"full_batch_{key}_range"]
+                    print(f"    {100 * s[f'full_batch_{key}']:.1f}% ({100 * lo:.1f}-{100 * hi:.1f}%) of the roofline "
+                          f"ceiling of the same work, from {source}")
     decode = (roofline or {}).get("ceilings", {}).get(dtype)
     if decode:
         print(f"  decode-only ceiling at batch {decode['batch']}, context 0: {decode['tok_s']:.0f} tok/s "
@@ -401,6 +440,9 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--roofline", type=Path, default=HERE / "roofline.json",
                    help="ceilings from benchmarks/roofline.py (used when the file exists)")
+    p.add_argument("--probe", action="store_true",
+                   help="also time the matmul rates at the decode batch and the prompt step right before and after "
+                        "each conveyor run (~10-40 s each) and report its steady state against that ceiling too")
     args = p.parse_args()
 
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
@@ -443,8 +485,13 @@ def main() -> None:
             for e in engines:
                 log_path = log_dir / f"{args.dtype}-{e}-rep{rep}.log"
                 print(f"[rep {rep + 1}/{args.reps}] {e} ...", file=sys.stderr, flush=True)
+                probing = args.probe and e == "conveyor"
+                before = probe_roofline(args, args.dtype, Path(tmp)) if probing else None
                 res = run_one(e, spec_paths[e], args, log_path)
+                after = probe_roofline(args, args.dtype, Path(tmp)) if probing else None
                 res["rep"] = rep
+                if probing and "error" not in res:
+                    res["probe"] = mean_probe(before, after)
                 if "error" not in res:
                     res["full_batch"] = full_batch_fraction(res, roofline, folder, args.dtype, requests,
                                                             args.max_num_seqs, args.max_num_batched_tokens)
