@@ -331,6 +331,7 @@ torch::Tensor silu_mul(torch::Tensor gu) {
 // vectorized pass per row (torch's argmax reads ~1 GB/s on this kind of CPU).
 torch::Tensor argmax_rows(torch::Tensor x) {
   check_rows(x, "logits");
+  TORCH_CHECK(x.size(1) > 0, "logits must have at least one column");
   auto out = torch::empty({x.size(0)}, x.options().dtype(at::kLong));
   AT_DISPATCH_V2(x.scalar_type(), "argmax_rows", AT_WRAP([&] {
     argmax_rows_impl<scalar_t>(x.data_ptr<scalar_t>(), out.data_ptr<int64_t>(), x.size(0), x.size(1));
