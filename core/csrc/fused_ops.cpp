@@ -183,13 +183,10 @@ void argmax_rows_impl(const scalar_t* x, int64_t* out, int64_t R, int64_t V) {
             best = vidx[l];
           }
         }
-      } else {
-        m = static_cast<float>(row[0]);
-        best = 0;
-        nan = m != m;
-        i = 1;
       }
-      for (; i < V; ++i) {  // the tail past the last full vector
+      // The tail past the last full vector (the whole row if it is shorter than one): from m = -inf
+      // and best = 0, a row of nothing but -inf keeps index 0, as torch.argmax does.
+      for (; i < V; ++i) {
         const float f = static_cast<float>(row[i]);
         nan |= f != f;
         if (f > m) {
