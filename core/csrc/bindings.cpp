@@ -1,14 +1,14 @@
 // Python bindings of conveyor's CPU kernels (one extension module, built once and cached).
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>  // pybind11 with torch's Tensor casters: a third of torch/extension.h's build time
 
-torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor tables,
-                              torch::Tensor token_req, torch::Tensor token_ctx, int64_t block_size, double scale);
-torch::Tensor rms_norm(torch::Tensor h, c10::optional<torch::Tensor> delta, torch::Tensor w, double eps);
-void rope_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor slots, torch::Tensor k_cache,
-                torch::Tensor v_cache, int64_t num_heads);
-torch::Tensor silu_mul(torch::Tensor gu);
-torch::Tensor argmax_rows(torch::Tensor x);
-torch::Tensor small_gemm(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias);
+at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor tables,
+                              at::Tensor token_req, at::Tensor token_ctx, int64_t block_size, double scale);
+at::Tensor rms_norm(at::Tensor h, c10::optional<at::Tensor> delta, at::Tensor w, double eps);
+void rope_store(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor slots, at::Tensor k_cache,
+                at::Tensor v_cache, int64_t num_heads);
+at::Tensor silu_mul(at::Tensor gu);
+at::Tensor argmax_rows(at::Tensor x);
+at::Tensor small_gemm(at::Tensor x, at::Tensor packed, int64_t N, c10::optional<at::Tensor> bias);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "paged attention over a block pool (CPU)");

@@ -8,7 +8,9 @@
 // contraction is off, so products and sums round separately as in torch. Rotary and the residual add
 // are bit-identical to torch; RMSNorm's sum and SiLU's exp may differ in the last bit.
 #pragma GCC optimize("fp-contract=off")
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/Dispatch_v2.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -266,7 +268,7 @@ void silu_mul_rows(const scalar_t* gu, scalar_t* out, int64_t T, int64_t I) {
   });
 }
 
-void check_rows(const torch::Tensor& x, const char* name) {
+void check_rows(const at::Tensor& x, const char* name) {
   TORCH_CHECK(x.device().is_cpu(), name, " must be on the CPU");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), name, " must be a contiguous [rows, features] tensor");
 }
@@ -274,7 +276,7 @@ void check_rows(const torch::Tensor& x, const char* name) {
 }  // namespace
 
 // y = RMSNorm(h) * w; with delta given, h += delta first (in place). Returns y.
-torch::Tensor rms_norm(torch::Tensor h, c10::optional<torch::Tensor> delta, torch::Tensor w, double eps) {
+at::Tensor rms_norm(at::Tensor h, c10::optional<at::Tensor> delta, at::Tensor w, double eps) {
   check_rows(h, "hidden states");
   TORCH_CHECK(w.dim() == 1 && w.size(0) == h.size(1) && w.scalar_type() == h.scalar_type(), "norm weight mismatch");
   if (delta.has_value()) {
@@ -282,7 +284,7 @@ torch::Tensor rms_norm(torch::Tensor h, c10::optional<torch::Tensor> delta, torc
     TORCH_CHECK(delta->sizes() == h.sizes() && delta->scalar_type() == h.scalar_type(), "residual delta mismatch");
   }
   auto wc = w.contiguous();
-  auto y = torch::empty_like(h);
+  auto y = at::empty_like(h);
   AT_DISPATCH_V2(h.scalar_type(), "rms_norm", AT_WRAP([&] {
     rms_norm_rows<scalar_t>(h.data_ptr<scalar_t>(), delta.has_value() ? delta->data_ptr<scalar_t>() : nullptr,
                             wc.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(), h.size(0), h.size(1),
@@ -292,8 +294,8 @@ torch::Tensor rms_norm(torch::Tensor h, c10::optional<torch::Tensor> delta, torc
 }
 
 // In place: rotary on the q and k heads of qkv [T, (H + 2 Hkv) * D]; then k, v stored at slots.
-void rope_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor slots, torch::Tensor k_cache,
-                torch::Tensor v_cache, int64_t num_heads) {
+void rope_store(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor slots, at::Tensor k_cache,
+                at::Tensor v_cache, int64_t num_heads) {
   check_rows(qkv, "qkv");
   const int64_t T = qkv.size(0), Hkv = k_cache.size(1), D = k_cache.size(2), bs = k_cache.size(3);
   TORCH_CHECK(qkv.size(1) == (num_heads + 2 * Hkv) * D && D % 2 == 0, "qkv width does not match the heads");
@@ -313,11 +315,11 @@ void rope_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::
 // gu [T, 2I] (gate | up) -> SiLU(gate) * up [T, I] in one vectorized pass, rounding the SiLU
 // result to the model's dtype before the product as the eager MLP does. (torch's silu and mul on
 // the strided halves took ~10% of a bf16 prompt step.)
-torch::Tensor silu_mul(torch::Tensor gu) {
+at::Tensor silu_mul(at::Tensor gu) {
   check_rows(gu, "gate_up");
   TORCH_CHECK(gu.size(1) % 2 == 0, "gate_up width must be even");
   const int64_t T = gu.size(0), I = gu.size(1) / 2;
-  auto out = torch::empty({T, I}, gu.options());
+  auto out = at::empty({T, I}, gu.options());
   AT_DISPATCH_V2(gu.scalar_type(), "silu_mul", AT_WRAP([&] {
     silu_mul_rows<scalar_t>(gu.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), T, I);
   }), at::kFloat, at::kBFloat16, at::kHalf);
@@ -326,10 +328,10 @@ torch::Tensor silu_mul(torch::Tensor gu) {
 
 // x [R, V] -> [R] int64: index of each row's first maximum, like torch.argmax(x, -1), in one
 // vectorized pass per row (torch's argmax reads ~1 GB/s on this kind of CPU).
-torch::Tensor argmax_rows(torch::Tensor x) {
+at::Tensor argmax_rows(at::Tensor x) {
   check_rows(x, "logits");
   TORCH_CHECK(x.size(1) > 0, "logits must have at least one column");
-  auto out = torch::empty({x.size(0)}, x.options().dtype(at::kLong));
+  auto out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
   AT_DISPATCH_V2(x.scalar_type(), "argmax_rows", AT_WRAP([&] {
     argmax_rows_impl<scalar_t>(x.data_ptr<scalar_t>(), out.data_ptr<int64_t>(), x.size(0), x.size(1));
   }), at::kFloat, at::kBFloat16, at::kHalf);

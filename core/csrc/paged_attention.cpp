@@ -4,7 +4,9 @@
 // (of every token in the run) are done together so each K/V row is read once for all of them.
 // Layouts: keys [num_blocks, Hkv, D, block_size] (transposed within a block, so q.k over a
 // block's keys is a vector loop without horizontal sums); values [slots, Hkv, D].
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/Dispatch_v2.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -286,8 +288,8 @@ static void paged_attention_kernel(const scalar_t* q,        // [T, H, D]
   });
 }
 
-torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor tables,
-                              torch::Tensor token_req, torch::Tensor token_ctx, int64_t block_size, double scale) {
+at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor tables,
+                              at::Tensor token_req, at::Tensor token_ctx, int64_t block_size, double scale) {
   TORCH_CHECK(q.dim() == 3, "q must be [T, H, D]");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 3, "k_cache must be [blocks, Hkv, D, bs], v_cache [slots, Hkv, D]");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
@@ -300,7 +302,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_cache.size(1);
   TORCH_CHECK(H % Hkv == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(k_cache.size(3) == block_size && k_cache.size(2) == D, "k_cache shape does not match block_size/D");
-  auto out = torch::empty_like(q);
+  auto out = at::empty_like(q);
   AT_DISPATCH_V2(q.scalar_type(), "paged_attention", AT_WRAP([&] {
     paged_attention_kernel<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
                                      v_cache.data_ptr<scalar_t>(), tables.data_ptr<int64_t>(),

@@ -12,7 +12,9 @@
 // While a panel is being worked on, the next panel is prefetched into L2, a slice per pass, one
 // or two cache lines per k, so the memory stream runs under the arithmetic instead of between
 // it; this made the kernel 1.3-1.6x faster at 8-64 rows and ahead of BLAS up to ~128 rows.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/Dispatch_v2.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -101,7 +103,7 @@ void small_gemm_impl(const float* xf, const scalar_t* packed, const scalar_t* bi
 }  // namespace
 
 // x [M, K], packed [ceil(N / 32), K, 32] (see fused_llama.pack_panels), bias [N] or None -> [M, N].
-torch::Tensor small_gemm(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias) {
+at::Tensor small_gemm(at::Tensor x, at::Tensor packed, int64_t N, c10::optional<at::Tensor> bias) {
   TORCH_CHECK(x.dim() == 2 && packed.dim() == 3 && packed.size(2) == PW && x.size(1) == packed.size(1),
               "small_gemm: x [M, K] with packed [N/32, K, 32]");
   TORCH_CHECK(packed.size(0) == (N + PW - 1) / PW, "small_gemm: packed panels do not match N");
@@ -109,9 +111,9 @@ torch::Tensor small_gemm(torch::Tensor x, torch::Tensor packed, int64_t N, c10::
               "small_gemm: packed must be contiguous, in x's dtype");
   const int64_t M = x.size(0), K = x.size(1);
   auto xf = x.to(at::kFloat).contiguous();
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   if (M == 0) return y;
-  c10::optional<torch::Tensor> b;
+  c10::optional<at::Tensor> b;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->numel() == N && bias->scalar_type() == x.scalar_type(), "small_gemm: bias must be [N]");
     b = bias->contiguous();
