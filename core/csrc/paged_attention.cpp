@@ -12,6 +12,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <algorithm>
+#include <atomic>
 #include <type_traits>
 #include <cmath>
 #include <cstdint>
@@ -226,36 +227,48 @@ static void paged_attention_kernel(const scalar_t* q,        // [T, H, D]
   }
   const int64_t num_groups = static_cast<int64_t>(group_start.size());
   group_start.push_back(T);
-  // Split the tasks (row group, KV head) into one contiguous run per thread of about equal cost,
-  // not of equal count: a step lists its decode rows (long contexts, K/V cold in memory) before
-  // its prompt rows (short contexts, each group re-reading the K/V its request's previous group
-  // just read), so an even split by count left one thread with all the decodes. Cost of a group:
-  // its keys plus a fixed part, a quarter of that when the group before it is of the same request
-  // (its K/V in cache), plus a part per row.
+  // The tasks (row group, KV head) are cut into contiguous chunks and threads take the next chunk
+  // as they finish one. Chunk sizes shrink as the work left does (guided scheduling: each chunk
+  // about 1 / (2 x threads) of the estimated cost left, down to 1 / (16 x threads) of the total),
+  // so threads finish close together. A static split by count left one thread with all of a step's
+  // decode rows (listed first: long contexts, K/V cold in memory); a static split by estimated cost
+  // still left one thread up to 1.5x the other's time where the estimate was off. Contiguous chunks
+  // keep a prompt chunk's groups of one request (each re-reading the K/V the group before it just
+  // read) mostly on one thread. Estimated cost of a task, from per-key times measured on bf16
+  // steady-state steps: (keys + 16) x (4 per query vector + 6 if its K/V is cold, i.e. the group
+  // before it is of another request).
   const int64_t num_tasks = num_groups * Hkv;
-  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tasks));
-  std::vector<int64_t> bounds(chunks + 1, num_tasks);
-  bounds[0] = 0;
-  if (chunks > 1) {
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tasks));
+  std::vector<int64_t> bounds{0};
+  if (threads > 1) {
     std::vector<int64_t> cost(num_groups);
     int64_t total = 0;
     for (int64_t i = 0; i < num_groups; ++i) {
       const int64_t t0 = group_start[i], t1 = group_start[i + 1];
       const bool warm = t0 > 0 && token_req[t0] == token_req[t0 - 1];
-      cost[i] = (4 * (token_ctx[t1 - 1] + 16)) / (warm ? 4 : 1) + (t1 - t0) * token_ctx[t1 - 1] / 2;
+      cost[i] = (token_ctx[t1 - 1] + 16) * (4 * (t1 - t0) * G + (warm ? 0 : 6));
       total += cost[i] * Hkv;
     }
-    int64_t acc = 0, c = 1;
-    for (int64_t task = 0; task < num_tasks && c < chunks; ++task) {
+    const int64_t smallest = std::max<int64_t>(1, total / (16 * threads));
+    int64_t left = total, acc = 0;
+    for (int64_t task = 0; task < num_tasks; ++task) {
       acc += cost[task / Hkv];
-      while (c < chunks && acc * chunks >= total * c) bounds[c++] = task + 1;
+      if (acc >= std::max(smallest, left / (2 * threads))) {
+        bounds.push_back(task + 1);
+        left -= acc;
+        acc = 0;
+      }
     }
   }
-  at::parallel_for(0, chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
+  if (bounds.back() != num_tasks) bounds.push_back(num_tasks);
+  const int64_t chunks = static_cast<int64_t>(bounds.size()) - 1;
+  std::atomic<int64_t> next_chunk{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     FlushDenormals ftz;
     std::vector<float> qf(R * G * D), out_f(R * G * D), scores;
     std::vector<int64_t> lims(R * G);
-    for (int64_t task = bounds[chunk_begin]; task < bounds[chunk_end]; ++task) {
+    for (int64_t c = next_chunk++; c < chunks; c = next_chunk++)
+    for (int64_t task = bounds[c]; task < bounds[c + 1]; ++task) {
       const int64_t i = task / Hkv, h = task % Hkv;
       const int64_t t0 = group_start[i], rows = group_start[i + 1] - t0, vecs = rows * G;
       const int64_t ctx = token_ctx[t0 + rows - 1];  // the last row sees the most keys

@@ -85,18 +85,28 @@ def test_paged_attention_prompt_rows_taken_together_equal_each_row_alone(dtype, 
         assert torch.allclose(out[i].double(), want, atol=tol, rtol=tol), (i, c)
 
 
+# A step: (context of each request, its rows as (request, keys the row sees)).
+_SMALL_STEP = ([300, 7, 150, 90],  # three decodes, then a 40-token prompt chunk of request 3
+               [(0, 300), (1, 7), (2, 150)] + [(3, c) for c in range(51, 91)])
+_LARGE_STEP = ([40 + 13 * i for i in range(24)] + [200, 64, 333],  # 24 decodes, three prompt chunks
+               [(i, 40 + 13 * i) for i in range(24)] + [(24, c) for c in range(101, 201)]
+               + [(25, c) for c in range(1, 65)] + [(26, c) for c in range(300, 334)])
+
+
+@pytest.mark.parametrize("step", [_SMALL_STEP, _LARGE_STEP], ids=["small", "large"])
 @pytest.mark.parametrize("threads", [2, 3])
-def test_paged_attention_splits_work_across_threads_without_changing_results(threads):
-    """Rows of a step split between threads by cost (decodes first, then a prompt chunk's rows of one
-    request): every row's output equals the single-threaded one bit for bit."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_splits_work_across_threads_without_changing_results(threads, step, dtype):
+    """Rows of a step are cut into chunks that threads take as they go (decodes first, then prompt
+    chunks' rows): every row's output equals the single-threaded one bit for bit."""
     g = torch.Generator().manual_seed(7)
     H, Hkv, D, bs = 9, 3, 64, 16
-    contexts = [300, 7, 150, 90]  # three decodes, then a 40-token prompt chunk of request 3
-    rows_req = [0, 1, 2] + [3] * 40
-    rows_ctx = contexts[:3] + list(range(51, 91))
+    contexts, rows = step
+    rows_req = [r for r, _ in rows]
+    rows_ctx = [c for _, c in rows]
     num_blocks = sum(-(-c // bs) for c in contexts) + 1
-    k_cache = torch.randn(num_blocks, Hkv, D, bs, generator=g)
-    v_cache = torch.randn(num_blocks * bs, Hkv, D, generator=g)
+    k_cache = torch.randn(num_blocks, Hkv, D, bs, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks * bs, Hkv, D, generator=g).to(dtype)
     max_blocks = max(-(-c // bs) for c in contexts)
     tables, nxt = [], 1
     for c in contexts:
@@ -104,7 +114,7 @@ def test_paged_attention_splits_work_across_threads_without_changing_results(thr
         tables.append(list(range(nxt, nxt + n)) + [0] * (max_blocks - n))
         nxt += n
     args = (k_cache, v_cache, torch.tensor(tables), torch.tensor(rows_req), torch.tensor(rows_ctx), bs, D ** -0.5)
-    q = torch.randn(len(rows_req), H, D, generator=g)
+    q = torch.randn(len(rows_req), H, D, generator=g).to(dtype)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
