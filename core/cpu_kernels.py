@@ -1,10 +1,11 @@
 """(torch) Builds and loads conveyor's C++ CPU kernels once, cached on disk.
 
 One extension module: paged attention (`paged_attention.cpp`), the fused element-wise ops of
-the Llama-family forward and the greedy argmax (`fused_ops.cpp`), and the panel matmul of decode
-steps (`small_gemm.cpp`). The build needs a C++ compiler and ninja; where either
-is missing, `cpu_kernels()` returns None: attention falls back to gathering K/V for torch's SDPA
-and the model runs its eager transformers forward (correct, slower).
+the Llama-family forward (`fused_ops.cpp`), the sampler's greedy argmax and temperature sampling
+(`sampling.cpp`), and the panel matmul of decode steps (`small_gemm.cpp`). The build needs a C++
+compiler and ninja; where either is missing, `cpu_kernels()` returns None: attention falls back to
+gathering K/V for torch's SDPA, the model runs its eager transformers forward and the sampler its
+torch ops (correct, slower).
 Set CONVEYOR_NO_KERNELS=1 to force that fallback. The kernel sources include only the ATen headers
 they use, not torch/extension.h: the first build takes ~35 s on 2 cores instead of ~80.
 """
@@ -17,13 +18,14 @@ import sys
 import warnings
 from pathlib import Path
 
-_SOURCES = ("paged_attention.cpp", "fused_ops.cpp", "small_gemm.cpp", "bindings.cpp")
+_SOURCES = ("paged_attention.cpp", "fused_ops.cpp", "sampling.cpp", "small_gemm.cpp", "bindings.cpp")
 _module = None
 _tried = False
 
 
 def cpu_kernels():
-    """The compiled module (paged_attention, rms_norm, rope_store, silu_mul, argmax_rows, small_gemm), or None."""
+    """The compiled module (paged_attention, rms_norm, rope_store, silu_mul, argmax_rows, sample_rows,
+    small_gemm), or None."""
     global _module, _tried
     if _tried:
         return _module

@@ -31,7 +31,8 @@ class ModelRunner:
         if self.device.type == "cpu":
             ops = cpu_kernels()
             keep_freed_memory()
-        self.sampler = Sampler(eos_token_ids, argmax=None if ops is None else ops.argmax_rows)
+        self.sampler = Sampler(eos_token_ids, argmax=None if ops is None else ops.argmax_rows,
+                               sample_rows=None if ops is None else ops.sample_rows)
         self.kernel = None if ops is None else ops.paged_attention
         # Llama-family models on the CPU run a fused forward; others the transformers forward.
         self.fused = FusedLlama.build(model, ops) if fused_forward else None

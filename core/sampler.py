@@ -27,9 +27,13 @@ def uniform_for(seed: int, index: int) -> float:
 
 
 class Sampler:
-    def __init__(self, eos_token_ids: Collection[int], argmax=None) -> None:
+    def __init__(self, eos_token_ids: Collection[int], argmax=None, sample_rows=None) -> None:
         self.eos_token_ids = tuple(eos_token_ids)
         self.argmax = argmax  # a faster exact `torch.argmax(x, -1)` for CPU tensors, or None
+        # (logits, rows, temps, draws, top_k, top_p, min_p) -> token ids: the two sampling paths below
+        # in one C++ pass per row on the CPU, or None. On 64 rows x 49152 columns: 2.6 ms instead of
+        # ~40 ms without truncation and ~200 ms with top-p (torch's full sort).
+        self.sample_rows = sample_rows
 
     def __call__(self, logits: torch.Tensor, entries: Sequence[ScheduledRequest]) -> list[int]:
         """logits [B, V] (one row per sampled entry, same order; modified in place) -> B token ids."""
@@ -41,6 +45,15 @@ class Sampler:
         # Each row's path depends on its own params only, so a token never depends on its batch.
         plain = [i for i, e in enumerate(entries) if not e.sampling.is_greedy and not _truncates(e)]
         truncated = [i for i, e in enumerate(entries) if not e.sampling.is_greedy and _truncates(e)]
+        if self.sample_rows is not None and logits.device.type == "cpu" and (plain or truncated):
+            rows = plain + truncated
+            chosen = [entries[i].sampling for i in rows]
+            tokens[rows] = self.sample_rows(
+                logits.contiguous(), torch.tensor(rows), torch.tensor([s.temperature for s in chosen], dtype=torch.float32),
+                _draws([entries[i] for i in rows]).squeeze(1), torch.tensor([s.top_k for s in chosen]),
+                torch.tensor([s.top_p for s in chosen], dtype=torch.float32),
+                torch.tensor([s.min_p for s in chosen], dtype=torch.float32))
+            plain, truncated = [], []
         for rows, sample in ((plain, self._sample_plain), (truncated, self._sample_truncated)):
             if rows:
                 tokens[rows] = sample(logits[rows].float(), [entries[i] for i in rows])
@@ -92,9 +105,14 @@ def _probs_and_draws(logits: torch.Tensor, entries: Sequence[ScheduledRequest]):
     """Tempered probabilities [B, V] and each row's uniform draw [B, 1] (float64)."""
     temps = torch.tensor([e.sampling.temperature for e in entries], device=logits.device)
     probs = torch.softmax(logits / temps.unsqueeze(1), dim=-1)
+    return probs, _draws(entries).to(logits.device)
+
+
+def _draws(entries: Sequence[ScheduledRequest]) -> torch.Tensor:
+    """Each row's uniform draw [B, 1] (float64): from its seed and output index, or random where unseeded."""
     draws = [uniform_for(e.sampling.seed, e.num_output_tokens) if e.sampling.seed is not None
              else random.random() for e in entries]
-    return probs, torch.tensor(draws, dtype=torch.float64, device=logits.device).unsqueeze(1)
+    return torch.tensor(draws, dtype=torch.float64).unsqueeze(1)
 
 
 def _truncates(e: ScheduledRequest) -> bool:

@@ -8,6 +8,8 @@ void rope_store(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor slots
                 at::Tensor v_cache, int64_t num_heads);
 at::Tensor silu_mul(at::Tensor gu);
 at::Tensor argmax_rows(at::Tensor x);
+at::Tensor sample_rows(at::Tensor logits, at::Tensor rows, at::Tensor temps, at::Tensor u, at::Tensor top_k,
+                       at::Tensor top_p, at::Tensor min_p);
 at::Tensor small_gemm(at::Tensor x, at::Tensor packed, int64_t N, c10::optional<at::Tensor> bias);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -17,4 +19,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up over [rows, 2I] (CPU)");
   m.def("small_gemm", &small_gemm, "x @ W.T (+ bias) for few rows, W prepacked in 32-column panels (CPU)");
   m.def("argmax_rows", &argmax_rows, "first index of each row's maximum, as torch.argmax(x, -1) (CPU)");
+  m.def("sample_rows", &sample_rows, "temperature sampling of listed rows (top-k/top-p/min-p optional) by inverse CDF, one draw each (CPU)");
 }

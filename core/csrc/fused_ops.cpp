@@ -1,7 +1,6 @@
 // Fused element-wise ops for the Llama-family CPU forward: RMSNorm (optionally adding the
 // residual first), rotary embedding + KV-cache store, and SiLU(gate) * up. Each replaces several
-// eager torch ops (and their temporaries) with one pass over the rows. Also the sampler's greedy
-// argmax over each row of logits.
+// eager torch ops (and their temporaries) with one pass over the rows.
 //
 // They round like the eager transformers forward: every intermediate that torch materialises in
 // the model's dtype is rounded to that dtype here too (for bf16/fp16), and floating-point
@@ -148,68 +147,6 @@ void rope_store_rows(scalar_t* qkv, const scalar_t* cos, const scalar_t* sin, co
   });
 }
 
-template <typename scalar_t>
-void argmax_rows_impl(const scalar_t* x, int64_t* out, int64_t R, int64_t V) {
-  typedef int32_t v16i __attribute__((vector_size(64)));
-  at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const scalar_t* __restrict__ row = x + r * V;
-      // One pass, 16 lanes: lane i keeps the largest value among elements i, i + 16, ... and the
-      // index where it first appeared (strictly greater replaces), so the lowest index among the
-      // lanes holding the row's maximum is the row's first maximum. NaN compares false: noted,
-      // and the row is then searched for its first NaN as torch.argmax does.
-      const int64_t vec_end = V / 16 * 16;
-      float m = -INFINITY;
-      int64_t best = 0;
-      bool nan = false;
-      int64_t i = 0;
-      if (vec_end > 0) {
-        v16f vmax = load16(row);
-        v16i vidx, lane;
-        for (int l = 0; l < 16; ++l) lane[l] = l;
-        vidx = lane;
-        v16i seen_nan = vmax != vmax;
-        for (i = 16; i < vec_end; i += 16) {
-          const v16f v = load16(row + i);
-          const v16i gt = v > vmax;
-          vmax = gt ? v : vmax;
-          vidx = gt ? lane + static_cast<int32_t>(i) : vidx;
-          seen_nan |= v != v;
-        }
-        m = vmax[0];
-        best = vidx[0];
-        for (int l = 0; l < 16; ++l) {
-          nan |= seen_nan[l] != 0;
-          if (vmax[l] > m || (vmax[l] == m && vidx[l] < best)) {
-            m = vmax[l];
-            best = vidx[l];
-          }
-        }
-      }
-      // The tail past the last full vector (the whole row if it is shorter than one): from m = -inf
-      // and best = 0, a row of nothing but -inf keeps index 0, as torch.argmax does.
-      for (; i < V; ++i) {
-        const float f = static_cast<float>(row[i]);
-        nan |= f != f;
-        if (f > m) {
-          m = f;
-          best = i;
-        }
-      }
-      if (nan) {
-        for (int64_t j = 0; j < V; ++j) {
-          const float f = static_cast<float>(row[j]);
-          if (f != f) {
-            best = j;
-            break;
-          }
-        }
-      }
-      out[r] = best;
-    }
-  });
-}
-
 // SiLU for a result rounded to bf16/fp16 next: exp with fused multiply-adds and 1 / (1 + e) as a
 // refined reciprocal estimate instead of a division (within ~1 float ulp of x / (1 + exp(-x)),
 // invisible after rounding to 8 or 11 mantissa bits but for rare ties). SiLU*up over 168-2048 bf16
@@ -268,12 +205,13 @@ void silu_mul_rows(const scalar_t* gu, scalar_t* out, int64_t T, int64_t I) {
   });
 }
 
+}  // namespace
+
+// Shared with sampling.cpp.
 void check_rows(const at::Tensor& x, const char* name) {
   TORCH_CHECK(x.device().is_cpu(), name, " must be on the CPU");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), name, " must be a contiguous [rows, features] tensor");
 }
-
-}  // namespace
 
 // y = RMSNorm(h) * w; with delta given, h += delta first (in place). Returns y.
 at::Tensor rms_norm(at::Tensor h, c10::optional<at::Tensor> delta, at::Tensor w, double eps) {
@@ -322,18 +260,6 @@ at::Tensor silu_mul(at::Tensor gu) {
   auto out = at::empty({T, I}, gu.options());
   AT_DISPATCH_V2(gu.scalar_type(), "silu_mul", AT_WRAP([&] {
     silu_mul_rows<scalar_t>(gu.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), T, I);
-  }), at::kFloat, at::kBFloat16, at::kHalf);
-  return out;
-}
-
-// x [R, V] -> [R] int64: index of each row's first maximum, like torch.argmax(x, -1), in one
-// vectorized pass per row (torch's argmax reads ~1 GB/s on this kind of CPU).
-at::Tensor argmax_rows(at::Tensor x) {
-  check_rows(x, "logits");
-  TORCH_CHECK(x.size(1) > 0, "logits must have at least one column");
-  auto out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
-  AT_DISPATCH_V2(x.scalar_type(), "argmax_rows", AT_WRAP([&] {
-    argmax_rows_impl<scalar_t>(x.data_ptr<scalar_t>(), out.data_ptr<int64_t>(), x.size(0), x.size(1));
   }), at::kFloat, at::kBFloat16, at::kHalf);
   return out;
 }

@@ -359,3 +359,121 @@ def test_fused_forward_declines_what_it_does_not_cover():
 
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=100, n_embd=32, n_layer=1, n_head=2, n_positions=64)).eval()
     assert FusedLlama.build(gpt2, ops) is None
+
+
+def _sample(logits, rows, temps, u, top_k=None, top_p=None, min_p=None):
+    n = len(rows)
+    return ops.sample_rows(logits, torch.as_tensor(rows), torch.as_tensor(temps, dtype=torch.float32),
+                           torch.as_tensor(u, dtype=torch.float64),
+                           torch.as_tensor(top_k if top_k is not None else [0] * n),
+                           torch.as_tensor(top_p if top_p is not None else [1.0] * n, dtype=torch.float32),
+                           torch.as_tensor(min_p if min_p is not None else [0.0] * n, dtype=torch.float32))
+
+
+def _inverse_cdf_reference(x, temp, u, top_k=0, top_p=1.0, min_p=0.0):
+    """(column, distance of u x kept mass from the nearest CDF boundary, relative to it), in float64:
+    no truncation: columns in id order; else columns by probability (ties by id), the kept prefix."""
+    p = torch.softmax(x.double() / temp, -1)
+    order = torch.arange(x.numel())
+    if top_k > 0 or top_p < 1.0 or min_p > 0.0:
+        order = torch.tensor(sorted(range(x.numel()), key=lambda j: (-p[j].item(), j)))
+        sp = p[order]
+        keep = torch.ones(x.numel(), dtype=torch.bool)
+        if top_k > 0:
+            keep &= torch.arange(x.numel()) < top_k
+        keep &= torch.cumsum(sp, -1) - sp < top_p
+        keep &= sp >= min_p * sp[0]
+        keep[0] = True
+        order = order[:int(keep.long().cumprod(0).sum())]
+    cdf = torch.cumsum(p[order], -1)
+    target = u * cdf[-1].item()
+    pos = int(torch.searchsorted(cdf, torch.tensor([target], dtype=torch.float64), right=True).item())
+    return int(order[min(pos, len(order) - 1)]), (cdf - target).abs().min().item() / cdf[-1].item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [1, 7, 16, 17, 50, 1000, 4099])
+def test_sample_rows_is_the_inverse_cdf_of_the_tempered_softmax(dtype, vocab):
+    """Each sampled row's token is where u x total falls in its CDF (columns in id order), as a float64
+    softmax gives, away from a boundary; rows not listed are not read; rows never affect each other."""
+    g = torch.Generator().manual_seed(vocab)
+    logits = (torch.randn(12, vocab, generator=g) * 3).to(dtype)
+    rows = torch.tensor([0, 3, 4, 7, 9, 11, 3])
+    temps = torch.tensor([1.0, 0.5, 2.0, 1.0, 0.7, 1.3, 1.0], dtype=torch.float32)
+    u = torch.rand(7, generator=g, dtype=torch.float64)
+    u[0], u[1] = 0.0, 1.0 - 2 ** -53
+    got = _sample(logits, rows, temps, u)
+    checked = 0
+    for k in range(7):
+        want, margin = _inverse_cdf_reference(logits[rows[k]].float(), temps[k].item(), u[k].item())
+        if margin > 1e-5:
+            assert got[k].item() == want, (k, got[k].item(), want)
+            checked += 1
+        alone = _sample(logits[rows[k]:rows[k] + 1].clone(), [0], temps[k:k + 1], u[k:k + 1])
+        assert alone.item() == got[k].item()
+    assert checked >= 5
+
+
+def test_sample_rows_follows_the_distribution():
+    row = torch.tensor([[2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0] * 3])  # 24 columns: a vector and a tail
+    n = 20000
+    u = torch.rand(n, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    tokens = _sample(row.repeat(n, 1), torch.arange(n), torch.full((n,), 0.8), u)
+    freq = torch.bincount(tokens, minlength=24).float() / n
+    assert torch.allclose(freq, torch.softmax(row[0] / 0.8, -1), atol=0.01)
+
+
+def test_sample_rows_never_draws_banned_or_nan_columns():
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 40, generator=g)
+    logits[:, ::2] = float("-inf")  # banned: every even column
+    logits[1, 1] = float("nan")
+    logits[2, :39] = float("-inf")  # only the last column is left
+    u = torch.tensor([0.0, 1.0 - 2 ** -53, 0.5, 0.999])
+    for trial in range(50):
+        if trial:
+            u = torch.rand(4, generator=g, dtype=torch.float64)
+        got = _sample(logits, torch.arange(4), torch.ones(4), u).tolist()
+        got += _sample(logits, torch.arange(4), torch.ones(4), u, top_k=[3] * 4, top_p=[0.5] * 4).tolist()
+        for r, col in zip([0, 1, 2, 3] * 2, got):
+            assert not torch.isnan(logits[r, col]) and logits[r, col].item() > float("-inf"), (r, col)
+        assert got[2] == got[6] == 39
+
+
+def test_sample_rows_takes_the_first_maximum_where_no_weights_exist():
+    logits = torch.tensor([[float("-inf")] * 20,
+                           [0.0, float("inf"), 1.0, float("inf")] + [0.0] * 16,
+                           [float("nan")] * 5 + [float("-inf")] * 15])
+    for top_p in (1.0, 0.5):
+        got = _sample(logits, torch.arange(3), torch.ones(3), torch.full((3,), 0.5), top_p=[top_p] * 3)
+        assert got.tolist() == [0, 1, 0]
+
+
+def test_sample_rows_refuses_bad_arguments():
+    logits = torch.zeros(2, 8)
+    with pytest.raises(RuntimeError, match="out of range"):
+        _sample(logits, [2], [1.0], [0.0])
+    with pytest.raises(RuntimeError, match="one entry per sampled row"):
+        _sample(logits, [0, 1], [1.0], [0.0, 0.0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [5, 33, 2000])
+@pytest.mark.parametrize("params", [dict(top_k=1), dict(top_k=4), dict(top_p=0.3), dict(top_p=0.95),
+                                    dict(min_p=0.2), dict(top_k=10, top_p=0.8, min_p=0.05)])
+def test_sample_rows_truncates_like_the_sorted_reference(dtype, vocab, params):
+    """top-k / top-p / min-p: columns by probability (ties by id), the kept prefix, its inverse CDF."""
+    g = torch.Generator().manual_seed(vocab)
+    n = 24
+    logits = (torch.randn(n, vocab, generator=g) * 2).to(dtype)
+    temps = [0.5 + 0.1 * i for i in range(n)]
+    u = torch.rand(n, generator=g, dtype=torch.float64)
+    args = {k: [v] * n for k, v in params.items()}
+    got = _sample(logits, list(range(n)), temps, u, **args).tolist()
+    checked = 0
+    for r in range(n):
+        want, margin = _inverse_cdf_reference(logits[r].float(), temps[r], u[r].item(), **params)
+        if margin > 1e-5:
+            assert got[r] == want, (r, got[r], want)
+            checked += 1
+    assert checked >= n // 2

@@ -25,9 +25,17 @@ def _logits(rows: int, seed: int = 0, scale: float = 3.0) -> torch.Tensor:
     return torch.randn(rows, VOCAB, generator=g) * scale
 
 
-@pytest.fixture
-def sampler() -> Sampler:
-    return Sampler([EOS])
+@pytest.fixture(params=["torch", "kernels"])
+def sampler(request) -> Sampler:
+    """The torch ops, and conveyor's C++ kernels (argmax and sampling) where they build."""
+    if request.param == "torch":
+        return Sampler([EOS])
+    from conveyor.core.cpu_kernels import cpu_kernels
+
+    ops = cpu_kernels()
+    if ops is None:
+        pytest.skip("conveyor's C++ CPU kernels are unavailable here")
+    return Sampler([EOS], argmax=ops.argmax_rows, sample_rows=ops.sample_rows)
 
 
 def test_greedy_is_argmax(sampler):
