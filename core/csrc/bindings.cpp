@@ -2,7 +2,7 @@
 #include <torch/csrc/utils/pybind.h>  // pybind11 with torch's Tensor casters: a third of torch/extension.h's build time
 
 at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor tables,
-                              at::Tensor token_req, at::Tensor token_ctx, int64_t block_size, double scale);
+                           at::Tensor token_req, at::Tensor token_ctx, int64_t block_size, double scale);
 at::Tensor rms_norm(at::Tensor h, c10::optional<at::Tensor> delta, at::Tensor w, double eps);
 void rope_store(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor slots, at::Tensor k_cache,
                 at::Tensor v_cache, int64_t num_heads);

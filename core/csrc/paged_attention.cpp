@@ -302,7 +302,7 @@ static void paged_attention_kernel(const scalar_t* q,        // [T, H, D]
 }
 
 at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor tables,
-                              at::Tensor token_req, at::Tensor token_ctx, int64_t block_size, double scale) {
+                           at::Tensor token_req, at::Tensor token_ctx, int64_t block_size, double scale) {
   TORCH_CHECK(q.dim() == 3, "q must be [T, H, D]");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 3, "k_cache must be [blocks, Hkv, D, bs], v_cache [slots, Hkv, D]");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
