@@ -395,7 +395,7 @@ def _inverse_cdf_reference(x, temp, u, top_k=0, top_p=1.0, min_p=0.0):
 @pytest.mark.parametrize("vocab", [1, 7, 16, 17, 50, 1000, 4099])
 def test_sample_rows_is_the_inverse_cdf_of_the_tempered_softmax(dtype, vocab):
     """Each sampled row's token is where u x total falls in its CDF (columns in id order), as a float64
-    softmax gives, away from a boundary; rows not listed are not read; rows never affect each other."""
+    softmax gives, away from a boundary; a row sampled alone gives the same token as in the batch."""
     g = torch.Generator().manual_seed(vocab)
     logits = (torch.randn(12, vocab, generator=g) * 3).to(dtype)
     rows = torch.tensor([0, 3, 4, 7, 9, 11, 3])
