@@ -79,13 +79,20 @@ static inline void softmax_inplace(float* __restrict__ s, int64_t n) {
 }
 
 // The pool's blocks are scattered, so the hardware prefetcher cannot run ahead across a block
-// table; the fast path below requests the next block's rows (prefetch_l2, vec16.h) one or two
-// cache lines at a time while it computes on the current block (the B=64 bf16 attention of
-// SmolLM2 went from ~43 to ~26 ms per step in a cold-pool benchmark).
+// table; the fast path below requests the rows of the block PF blocks ahead (prefetch_l2, vec16.h)
+// one or two cache lines at a time while it computes on the current block (the B=64 bf16
+// attention of SmolLM2 went from ~43 to ~26 ms per step in a cold-pool benchmark with the next
+// block; 4 blocks ahead instead of 1 took another 6-12% off a 64-row decode call: one block of
+// compute, ~50 ns, is shorter than a miss to memory).
 
 // Fast path (block_size 16, head_dim 16 * NV), the group size G known at compile time: each key
 // row and value row is loaded (and widened from bf16) once for the G query heads sharing it, with
 // scores and the weighted sum of values in register accumulators.
+#ifndef CONVEYOR_PF
+#define CONVEYOR_PF 4
+#endif
+constexpr int64_t PF = CONVEYOR_PF;  // blocks ahead that the fast path prefetches
+
 template <int NV, int G, typename scalar_t>
 static void attend_grouped(const float* __restrict__ qf, const scalar_t* __restrict__ k_cache,
                            const scalar_t* __restrict__ v_cache, const int64_t* table, int64_t ctx,
@@ -94,14 +101,16 @@ static void attend_grouped(const float* __restrict__ qf, const scalar_t* __restr
   constexpr int64_t D = 16 * NV, bs = 16;
   const int64_t num_blocks = (ctx + bs - 1) / bs;
   const int64_t sstride = (ctx + 15) / 16 * 16;
+  for (int64_t b = 1; b < std::min<int64_t>(PF, num_blocks); ++b)  // the blocks before the first prefetched in the loop
+    prefetch_l2(k_cache + (table[b] * Hkv + h) * D * bs, D * bs);
   for (int64_t b = 0; b < num_blocks; ++b) {
     const scalar_t* __restrict__ kb = k_cache + (table[b] * Hkv + h) * D * bs;
-    const scalar_t* kb_next = b + 1 < num_blocks ? k_cache + (table[b + 1] * Hkv + h) * D * bs : nullptr;
+    const scalar_t* kb_next = b + PF < num_blocks ? k_cache + (table[b + PF] * Hkv + h) * D * bs : nullptr;
     const int64_t n = std::min(bs, ctx - b * bs);
     v16f even[G], odd[G];
     for (int g = 0; g < G; ++g) even[g] = odd[g] = v16f{};
     for (int64_t d = 0; d < D; d += 2) {
-      if (kb_next) prefetch_l2(kb_next + d * bs, 2 * bs);  // the same two rows of the next block
+      if (kb_next) prefetch_l2(kb_next + d * bs, 2 * bs);  // the same two rows, PF blocks ahead
       const v16f k0 = load16(kb + d * bs), k1 = load16(kb + (d + 1) * bs);
       for (int g = 0; g < G; ++g) {
         even[g] += qf[g * D + d] * k0;
@@ -115,8 +124,8 @@ static void attend_grouped(const float* __restrict__ qf, const scalar_t* __restr
     }
   }
   const int64_t stride = Hkv * D;
-  const scalar_t* vb_first = v_cache + (table[0] * bs * Hkv + h) * D;
-  for (int64_t o = 0; o < std::min(bs, ctx); ++o) prefetch_l2(vb_first + o * stride, D);  // during the softmax
+  for (int64_t b = 0; b < std::min<int64_t>(PF, num_blocks); ++b)  // during the softmax
+    for (int64_t o = 0; o < std::min(bs, ctx - b * bs); ++o) prefetch_l2(v_cache + ((table[b] * bs + o) * Hkv + h) * D, D);
   for (int g = 0; g < G; ++g) {  // a vector sees its first lim[g] keys; the rest weigh nothing
     softmax_inplace(scores + g * sstride, lim[g]);
     std::fill(scores + g * sstride + lim[g], scores + g * sstride + ctx, 0.f);
@@ -127,9 +136,9 @@ static void attend_grouped(const float* __restrict__ qf, const scalar_t* __restr
   for (int64_t b = 0; b < num_blocks; ++b) {
     const int64_t n = std::min(bs, ctx - b * bs);
     const scalar_t* __restrict__ vb = v_cache + (table[b] * bs * Hkv + h) * D;
-    const scalar_t* vb_next = b + 1 < num_blocks ? v_cache + (table[b + 1] * bs * Hkv + h) * D : nullptr;
+    const scalar_t* vb_next = b + PF < num_blocks ? v_cache + (table[b + PF] * bs * Hkv + h) * D : nullptr;
     for (int64_t o = 0; o < n; ++o) {
-      if (vb_next) prefetch_l2(vb_next + o * stride, D);  // the same row of the next block
+      if (vb_next) prefetch_l2(vb_next + o * stride, D);  // the same row, PF blocks ahead
       v16f v[NV];
       for (int i = 0; i < NV; ++i) v[i] = load16(vb + o * stride + 16 * i);
       for (int g = 0; g < G; ++g) {
