@@ -82,8 +82,9 @@ static inline void softmax_inplace(float* __restrict__ s, int64_t n) {
 // table; the fast path below requests the rows of the block PF blocks ahead (prefetch_l2, vec16.h)
 // one or two cache lines at a time while it computes on the current block (the B=64 bf16
 // attention of SmolLM2 went from ~43 to ~26 ms per step in a cold-pool benchmark with the next
-// block; 4 blocks ahead instead of 1 took another 6-12% off a 64-row decode call: one block of
-// compute, ~50 ns, is shorter than a miss to memory).
+// block; 4 blocks ahead instead of 1 took another 6-12% off a 64-row decode call on a cold pool,
+// as one block of compute, ~50 ns, is shorter than a miss to memory; in the engine, whose blocks
+// are reused warm from the free list, the difference was within noise).
 
 // Fast path (block_size 16, head_dim 16 * NV), the group size G known at compile time: each key
 // row and value row is loaded (and widened from bf16) once for the G query heads sharing it, with
