@@ -89,10 +89,7 @@ static inline void softmax_inplace(float* __restrict__ s, int64_t n) {
 // Fast path (block_size 16, head_dim 16 * NV), the group size G known at compile time: each key
 // row and value row is loaded (and widened from bf16) once for the G query heads sharing it, with
 // scores and the weighted sum of values in register accumulators.
-#ifndef CONVEYOR_PF
-#define CONVEYOR_PF 4
-#endif
-constexpr int64_t PF = CONVEYOR_PF;  // blocks ahead that the fast path prefetches
+constexpr int64_t PF = 4;  // blocks ahead that the fast path prefetches
 
 template <int NV, int G, typename scalar_t>
 static void attend_grouped(const float* __restrict__ qf, const scalar_t* __restrict__ k_cache,
