@@ -11,8 +11,8 @@ Measured, per dtype (float32, bfloat16), with --threads threads:
                     the LM head), x[M, in] @ W[out, in].T, timed together; R(M) = sum of
                     2*M*in*out over the shapes / best time of the set. Timed through every implementation
                     available here, and R(M) is the fastest: torch's `F.linear` (MKL / oneDNN), oneDNN with
-                    the weights prepacked once (`mkldnn._reorder_linear_weight`), and conveyor's panel kernel
-                    (`small_gemm`, M <= 256). A ceiling must bound every engine, conveyor's kernels included:
+                    the weights prepacked once (`mkldnn._reorder_linear_weight`), conveyor's panel kernel
+                    (`small_gemm`, M <= 256) and, in bf16 on CPUs with AMX, conveyor's tile kernel (`amx_gemm`). A ceiling must bound every engine, conveyor's kernels included:
                     with torch's rate alone, conveyor's float32 decode steps ran above the "ceiling". Measured
                     at M = --ms (default 1, 8, 16, 32, 64, 256, 2048; 2048 is a prompt step of the default
                     token budget) and at the decode batch B. The weights (~135M params: 540 MB in fp32) do not
@@ -96,7 +96,7 @@ def time_best(fn, min_time: float, repeats: int) -> float:
     return best
 
 
-IMPLS = ("torch", "onednn", "panels")
+IMPLS = ("torch", "onednn", "panels", "amx")
 
 
 def _linear_impl(torch, impl: str, dtype, m: int):
@@ -128,6 +128,18 @@ def _linear_impl(torch, impl: str, dtype, m: int):
         if ops is None or not hasattr(ops, "small_gemm"):
             return None
         return (lambda w: (pack_panels(w), w.shape[0])), (lambda x, pw: ops.small_gemm(x, pw[0], pw[1], None))
+    if impl == "amx":  # conveyor's AMX tile kernel (bf16, CPUs with AMX; the weights in tile layout)
+        if dtype != torch.bfloat16:
+            return None
+        try:
+            from conveyor.core.cpu_kernels import cpu_kernels
+            from conveyor.core.fused_llama import pack_amx
+        except ImportError:
+            return None
+        ops = cpu_kernels()
+        if ops is None or not hasattr(ops, "amx_gemm") or not ops.amx_gemm_available():
+            return None
+        return (lambda w: (pack_amx(w), w.shape[0])), (lambda x, pw: ops.amx_gemm(x, pw[0], pw[1], None))
     raise ValueError(impl)
 
 
@@ -142,7 +154,10 @@ def matmul_rate(torch, cfg: dict, dtype, m: int, min_time: float, repeats: int, 
     per_layer, layers = timed_shapes(cfg)
     shapes = [s for _ in range(layers) for s in per_layer] + [(cfg["hidden_size"], cfg["vocab_size"])]
     gen = torch.Generator().manual_seed(0)
-    weights = [prepare(torch.randn(o, i, generator=gen, dtype=torch.float32).to(dtype) * 0.02) for i, o in shapes]
+    try:
+        weights = [prepare(torch.randn(o, i, generator=gen, dtype=torch.float32).to(dtype) * 0.02) for i, o in shapes]
+    except ValueError:  # a shape this implementation does not take (AMX: K not a multiple of 32)
+        return None
     xs = {i: torch.randn(m, i, generator=gen, dtype=torch.float32).to(dtype) for i in {s[0] for s in shapes}}
 
     def step():

@@ -18,7 +18,7 @@ import sys
 import warnings
 from pathlib import Path
 
-_SOURCES = ("paged_attention.cpp", "fused_ops.cpp", "sampling.cpp", "small_gemm.cpp", "bindings.cpp")
+_SOURCES = ("paged_attention.cpp", "fused_ops.cpp", "sampling.cpp", "small_gemm.cpp", "amx_gemm.cpp", "bindings.cpp")
 _module = None
 _tried = False
 

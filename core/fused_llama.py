@@ -2,9 +2,9 @@
 
 Same weights and the same arithmetic as transformers' eager forward, with far fewer operations
 per layer: q/k/v and gate/up are each one matmul (the module weights become views into the
-concatenated tensors), weights are also kept in 32-column panels for the decode-step kernel
-and, in bf16, prepacked once for oneDNN (extra copies of the weights: the price of reading them
-at memory speed), and the element-wise work between matmuls runs in the C++ kernels of
+concatenated tensors), weights are also kept in the layouts of the matmul kernels (32-column panels
+for float32 decode steps; in bf16, AMX tiles where the CPU has them and oneDNN's prepacked form:
+extra copies of the weights, the price of reading them at memory speed), and the element-wise work between matmuls runs in the C++ kernels of
 `fused_ops.cpp`: residual add + RMSNorm, rotary + KV store, SiLU(gate) * up. Per layer that is
 9 calls instead of ~40.
 
@@ -26,7 +26,8 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
 SMALL_M = 128  # float32 linears with at most this many rows use conveyor's panel kernel (BLAS above)
-SMALL_M_BF16 = 8  # bfloat16: the panel kernel up to this many rows, oneDNN (AMX) above
+SMALL_M_BF16 = 8  # bfloat16 without AMX: the panel kernel up to this many rows, oneDNN above
+AMX_MAX_M = 384  # bfloat16 with AMX: conveyor's tile kernel up to this many rows, oneDNN above
 EXACT_M_ONEDNN = 64  # oneDNN calls with more rows than this are padded to a row bucket (below)
 
 
@@ -51,15 +52,28 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     return wt.view(k, panels, 32).permute(1, 0, 2).contiguous()
 
 
+def pack_amx(weight: torch.Tensor) -> torch.Tensor:
+    """W [N, K] (K a multiple of 32) -> [ceil(N / 32), K / 32, 2, 16, 16, 2]: for each panel of 32 output
+    columns, for each 32-wide slice of K, two 16 x 16 tiles of (k, k + 1) pairs: the layout of the B
+    operand of AMX's TDPBF16PS, one contiguous run per panel (zero-padded columns)."""
+    n, k = weight.shape
+    if k % 32:
+        raise ValueError(f"pack_amx: K={k} is not a multiple of 32")
+    padded = -(-n // 32) * 32
+    w = weight if padded == n else torch.cat([weight, weight.new_zeros(padded - n, k)])
+    return w.reshape(padded // 32, 2, 16, k // 32, 16, 2).permute(0, 3, 1, 4, 2, 5).contiguous()
+
+
 class _Linear:
     """y = x @ W.T (+ b), by the fastest exact-enough route measured for the rows at hand.
 
     float32: up to SMALL_M rows (decode steps) go to the C++ kernel over 32-column panels of W,
     which streams the weights under its arithmetic (measured 1.1-1.9x faster than BLAS at 1-128
     rows on the model's shapes); more rows (prompt steps) to torch's GEMM.
-    bfloat16: the same panel kernel up to SMALL_M_BF16 rows (a weight read: 10-25% faster than
-    oneDNN's per-call overhead on small layers), above that oneDNN with the weights prepacked once
-    (AMX on CPUs that have it), rows padded to a bucket (`row_bucket`).
+    bfloat16 on CPUs with AMX: conveyor's tile kernel (`amx_gemm.cpp`) up to AMX_MAX_M rows (1.3-2x
+    oneDNN's rate there, and at memory speed from 1 row up), oneDNN with the weights prepacked once
+    above, rows padded to a bucket (`row_bucket`). Without AMX: the panel kernel up to SMALL_M_BF16
+    rows (a weight read: 10-25% faster than oneDNN's per-call overhead on small layers), oneDNN above.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, ops) -> None:
@@ -69,7 +83,13 @@ class _Linear:
         self.packed = None
         self.panels = None
         self.small_gemm = None
-        if weight.dtype in (torch.float32, torch.bfloat16) and ops is not None and hasattr(ops, "small_gemm"):
+        self.amx = None
+        self.amx_gemm = None
+        if (weight.dtype == torch.bfloat16 and weight.shape[1] % 32 == 0 and ops is not None
+                and hasattr(ops, "amx_gemm") and ops.amx_gemm_available()):
+            self.amx = pack_amx(weight)
+            self.amx_gemm = ops.amx_gemm
+        elif weight.dtype in (torch.float32, torch.bfloat16) and ops is not None and hasattr(ops, "small_gemm"):
             self.panels = pack_panels(weight)
             self.small_gemm = ops.small_gemm
         if weight.dtype == torch.bfloat16 and _onednn_bf16():
@@ -84,6 +104,8 @@ class _Linear:
                 self.packed = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.amx is not None and (x.shape[0] <= AMX_MAX_M or self.packed is None):
+            return self.amx_gemm(x, self.amx, self.out_features, self.bias)
         limit = SMALL_M if self.weight.dtype == torch.float32 else SMALL_M_BF16
         if self.panels is not None and x.shape[0] <= limit:
             return self.small_gemm(x, self.panels, self.out_features, self.bias)

@@ -11,6 +11,8 @@ at::Tensor argmax_rows(at::Tensor x);
 at::Tensor sample_rows(at::Tensor logits, at::Tensor rows, at::Tensor temps, at::Tensor u, at::Tensor top_k,
                        at::Tensor top_p, at::Tensor min_p);
 at::Tensor small_gemm(at::Tensor x, at::Tensor packed, int64_t N, c10::optional<at::Tensor> bias);
+at::Tensor amx_gemm(at::Tensor x, at::Tensor packed, int64_t N, c10::optional<at::Tensor> bias);
+bool amx_gemm_available();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "paged attention over a block pool (CPU)");
@@ -18,6 +20,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_store", &rope_store, "rotary embedding on q/k in place, then k/v stored into the paged pool (CPU)");
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up over [rows, 2I] (CPU)");
   m.def("small_gemm", &small_gemm, "x @ W.T (+ bias) for few rows, W prepacked in 32-column panels (CPU)");
+  m.def("amx_gemm", &amx_gemm, "x @ W.T (+ bias) in bf16 on AMX tiles, W prepacked by fused_llama.pack_amx (CPU)");
+  m.def("amx_gemm_available", &amx_gemm_available, "whether amx_gemm can run here (AMX built in and permitted)");
   m.def("argmax_rows", &argmax_rows, "first index of each row's maximum, as torch.argmax(x, -1) (CPU)");
   m.def("sample_rows", &sample_rows, "temperature sampling of listed rows (top-k/top-p/min-p optional) by inverse CDF, one draw each (CPU)");
 }

@@ -10,7 +10,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from conveyor.core.attention import PagedBatch
 from conveyor.core.cpu_kernels import cpu_kernels
-from conveyor.core.fused_llama import EXACT_M_ONEDNN, FusedLlama, _Linear, pack_panels, row_bucket
+from conveyor.core.fused_llama import AMX_MAX_M, EXACT_M_ONEDNN, FusedLlama, _Linear, pack_amx, pack_panels, row_bucket
 from conveyor.core.kv_cache import KVCache
 
 ops = cpu_kernels()
@@ -233,6 +233,61 @@ def test_small_gemm_matches_linear_and_does_not_depend_on_the_batch(dtype, n, k)
         assert torch.equal(ops.small_gemm(x[i:i + 1], panels, n, bias)[0], full[i])
 
 
+def test_amx_packing_puts_each_weight_where_the_tile_layout_wants_it():
+    n, k = 40, 64  # two panels, the second half zero padding
+    w = torch.arange(n * k, dtype=torch.float32).view(n, k).to(torch.bfloat16)
+    packed = pack_amx(w)
+    assert packed.shape == (2, 2, 2, 16, 16, 2)  # panels, K slices, column tiles, k pairs, columns, pair
+    for col in (0, 15, 16, 31, 32, 39):
+        for kk in (0, 1, 30, 31, 32, 63):
+            p, j, c = col // 32, col % 32 // 16, col % 16
+            assert packed[p, kk // 32, j, kk % 32 // 2, c, kk % 2] == w[col, kk]
+    assert packed[1, :, :, :, 8:].abs().sum() == 0 and packed[1, :, 1].abs().sum() == 0
+    with pytest.raises(ValueError, match="multiple of 32"):
+        pack_amx(torch.zeros(32, 48, dtype=torch.bfloat16))
+
+
+amx = pytest.mark.skipif(ops is None or not ops.amx_gemm_available(), reason="this CPU has no AMX tiles")
+
+
+@amx
+@pytest.mark.parametrize("n, k", [(96, 64), (100, 32), (7, 96), (576, 1536)])
+def test_amx_gemm_matches_linear_and_does_not_depend_on_the_batch(n, k):
+    g = torch.Generator().manual_seed(n + k)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(torch.bfloat16)
+    bias = torch.randn(n, generator=g).to(torch.bfloat16)
+    x = torch.randn(530, k, generator=g).to(torch.bfloat16)
+    packed = pack_amx(w)
+    for m in (1, 15, 16, 17, 32, 33, 48, 100, 256, 257, 530):  # row tiles, their tails, several row chunks
+        for b in (None, bias):
+            got = ops.amx_gemm(x[:m], packed, n, b)
+            assert got.shape == (m, n) and got.dtype == torch.bfloat16
+            want = F.linear(x[:m].double(), w.double(), None if b is None else b.double())
+            assert torch.allclose(got.double(), want, atol=2e-2, rtol=1e-2), (m, b is None)
+    assert ops.amx_gemm(x[:0], packed, n, bias).shape == (0, n)
+    full = ops.amx_gemm(x, packed, n, bias)
+    for i in (0, 15, 16, 31, 300, 529):  # each row alone equals that row computed among 529 others
+        assert torch.equal(ops.amx_gemm(x[i:i + 1], packed, n, bias)[0], full[i])
+    assert torch.equal(ops.amx_gemm(x[:40].t().contiguous().t(), packed, n, bias), full[:40])  # strided x
+    with pytest.raises(RuntimeError, match="do not match"):
+        ops.amx_gemm(x[:4, :32], packed, n, bias) if k != 32 else ops.amx_gemm(x[:4].repeat(1, 2), packed, n, bias)
+
+
+@amx
+def test_bf16_linear_takes_the_amx_kernel_up_to_its_row_limit_then_onednn():
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(64, 96, generator=g).to(torch.bfloat16)
+    lin = _Linear(w, None, ops)
+    assert lin.amx is not None and lin.panels is None
+    for m in (1, AMX_MAX_M):
+        x = torch.randn(m, 96, generator=g).to(torch.bfloat16)
+        assert torch.equal(lin(x), ops.amx_gemm(x, lin.amx, 64, None))
+    x = torch.randn(AMX_MAX_M + 1, 96, generator=g).to(torch.bfloat16)
+    want = F.linear(x.double(), w.double())
+    assert torch.allclose(lin(x).double(), want, atol=0.25, rtol=3e-2)
+    assert _Linear(torch.zeros(64, 48, dtype=torch.bfloat16), None, ops).amx is None  # K not a multiple of 32
+
+
 def test_row_buckets_cover_every_row_count_with_few_shapes():
     buckets = {row_bucket(m) for m in range(1, 2049)}
     for m in range(1, 4097):
@@ -250,7 +305,7 @@ def test_bf16_linear_pads_rows_to_a_bucket_and_returns_only_the_real_rows(bias):
     w = torch.randn(96, 64, generator=g).to(torch.bfloat16)
     b = torch.randn(96, generator=g).to(torch.bfloat16) if bias else None
     lin = _Linear(w, b, ops)
-    for m in (1, 8, 9, 64, 65, 100, 513, 1030):  # panels, exact oneDNN, padded oneDNN
+    for m in (1, 8, 9, 64, 65, 100, 513, 1030):  # AMX kernel (or panels, exact oneDNN), padded oneDNN
         x = torch.randn(m, 64, generator=g).to(torch.bfloat16)
         got = lin(x)
         assert got.shape == (m, 96) and got.is_contiguous()
