@@ -299,12 +299,25 @@ def test_row_buckets_cover_every_row_count_with_few_shapes():
     assert len(buckets - set(range(1, EXACT_M_ONEDNN + 1))) <= 64  # shapes oneDNN builds above the exact range
 
 
+class _WithoutAmx:
+    """The kernels as a CPU without AMX tiles sees them."""
+
+    def __getattr__(self, name):
+        return getattr(ops, name)
+
+    def amx_gemm_available(self):
+        return False
+
+
+@pytest.mark.parametrize("amx", [True, False])
 @pytest.mark.parametrize("bias", [False, True])
-def test_bf16_linear_pads_rows_to_a_bucket_and_returns_only_the_real_rows(bias):
+def test_bf16_linear_pads_rows_to_a_bucket_and_returns_only_the_real_rows(bias, amx):
     g = torch.Generator().manual_seed(7)
     w = torch.randn(96, 64, generator=g).to(torch.bfloat16)
     b = torch.randn(96, generator=g).to(torch.bfloat16) if bias else None
-    lin = _Linear(w, b, ops)
+    lin = _Linear(w, b, ops if amx else _WithoutAmx())
+    if not amx:
+        assert lin.amx is None and lin.panels is not None  # panels up to SMALL_M_BF16 rows, oneDNN above
     for m in (1, 8, 9, 64, 65, 100, 513, 1030):  # AMX kernel (or panels, exact oneDNN), padded oneDNN
         x = torch.randn(m, 64, generator=g).to(torch.bfloat16)
         got = lin(x)
