@@ -2,7 +2,8 @@
 
 One extension module: paged attention (`paged_attention.cpp`), the fused element-wise ops of
 the Llama-family forward (`fused_ops.cpp`), the sampler's greedy argmax and temperature sampling
-(`sampling.cpp`), and the panel matmul of decode steps (`small_gemm.cpp`). The build needs a C++
+(`sampling.cpp`), the panel matmul of decode steps (`small_gemm.cpp`) and the bf16 matmul on AMX
+tiles (`amx_gemm.cpp`, compiled in only where the compiler targets AMX). The build needs a C++
 compiler and ninja; where either is missing, `cpu_kernels()` returns None: attention falls back to
 gathering K/V for torch's SDPA, the model runs its eager transformers forward and the sampler its
 torch ops (correct, slower).
@@ -25,7 +26,7 @@ _tried = False
 
 def cpu_kernels():
     """The compiled module (paged_attention, rms_norm, rope_store, silu_mul, argmax_rows, sample_rows,
-    small_gemm), or None."""
+    small_gemm, amx_gemm, amx_gemm_available), or None."""
     global _module, _tried
     if _tried:
         return _module

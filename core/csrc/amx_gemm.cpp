@@ -1,6 +1,6 @@
 // y [M, N] = x [M, K] @ W.T (+ bias) in bfloat16 on Intel AMX tiles, for the rows of a step.
 //
-// oneDNN's AMX GEMM reaches ~1.6 TFLOP/s on large prompt steps here but only 180-250 GFLOP/s at
+// oneDNN's AMX GEMM reaches 1.6-2.2 TFLOP/s on large prompt steps here but only 160-290 GFLOP/s at
 // 16-32 rows, where a linear layer should be a read of its weights at memory speed. This kernel
 // keeps W prepacked in the tile layout TDPBF16PS wants (see fused_llama.pack_amx): for each panel
 // of 32 output columns, for each 32-wide slice of K, two 16 x 16 tiles of bf16 pairs, so a panel
