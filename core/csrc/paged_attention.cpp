@@ -209,6 +209,126 @@ static void attend_generic(const float* __restrict__ qf, const scalar_t* __restr
   }
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
+#define CONVEYOR_AMX_ATTENTION 1
+#endif
+bool amx_gemm_available();  // amx_gemm.cpp: AMX compiled in and the tile registers granted
+
+#ifdef CONVEYOR_AMX_ATTENTION
+// Prompt runs in bf16 on AMX tiles (head_dim 64, block size 16): up to 16 query vectors (R rows x G
+// heads sharing one KV head) against the request's keys, in two matrix products instead of vector
+// FMAs. Scores: q [16 x 64] . K^T per block of 16 keys, K's (d, d+1) rows interleaved into the
+// TDPBF16PS layout on the fly; softmax in float as above; then P (rounded to bf16) . V per 32 keys,
+// V's rows interleaved the same way. Measured ~13 cycles per (query vector, key) on the FMA path
+// for prompt rows; this path's arithmetic is a few dozen cycles per block for all 16 vectors.
+// Keys past the context are zero in V's tiles (their weight is zero; 0 x a stale NaN would not be).
+
+struct alignas(64) AttnTileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+static inline void attn_tile_config() {
+  AttnTileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = 16;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// [a0 b0 a1 b1 ... a15 b15]: two rows of 16 bf16 as one row of 16 (a, b) pairs.
+static inline __m512i pair_rows(__m256i a, __m256i b) {
+  const __m512i idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                       39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  return _mm512_permutex2var_epi16(_mm512_castsi256_si512(a), idx, _mm512_castsi256_si512(b));
+}
+
+// qv [16][64] bf16 (vectors past `vecs` zero), lim[v] keys seen by vector v; out_f [16][64] float.
+static void attend_amx(const c10::BFloat16* qv, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache,
+                       const int64_t* table, int64_t ctx, const int64_t* lim, int64_t vecs, int64_t h, int64_t Hkv,
+                       float scale, float* scores, c10::BFloat16* probs, float* out_f) {
+  constexpr int64_t D = 64, bs = 16;
+  const int64_t num_blocks = (ctx + bs - 1) / bs;
+  const int64_t sstride = (ctx + 31) / 32 * 32;  // scores / probs row per vector, 32-key chunks
+  alignas(64) c10::BFloat16 bt[4][16][32];        // B tiles being built
+  _tile_loadd(4, qv, D * 2);                      // q, dims 0-31
+  _tile_loadd(5, qv + 32, D * 2);                 // q, dims 32-63
+  const int64_t stride = Hkv * D;
+  for (int64_t b = 0; b < std::min<int64_t>(PF, num_blocks); ++b) {  // K and V of the first blocks
+    prefetch_l2(k_cache + (table[b] * Hkv + h) * D * bs, D * bs);
+    for (int64_t o = 0; o < bs; ++o) prefetch_l2(v_cache + (table[b] * bs + o) * stride + h * D, D);
+  }
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const c10::BFloat16* kb = k_cache + (table[b] * Hkv + h) * D * bs;  // [64 d][16 keys]
+    if (b + PF < num_blocks) {  // K and V PF blocks ahead: V is read after the softmax, from L2
+      prefetch_l2(k_cache + (table[b + PF] * Hkv + h) * D * bs, D * bs);
+      for (int64_t o = 0; o < bs; ++o) prefetch_l2(v_cache + (table[b + PF] * bs + o) * stride + h * D, D);
+    }
+    for (int64_t kk = 0; kk < D / 2; ++kk) {
+      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kb + 2 * kk * bs));
+      const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kb + (2 * kk + 1) * bs));
+      _mm512_store_si512(&bt[kk / 16][kk % 16][0], pair_rows(a, c));
+    }
+    _tile_loadd(6, &bt[0][0][0], 64);
+    _tile_loadd(7, &bt[1][0][0], 64);
+    _tile_zero(0);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(0, 5, 7);
+    _tile_stored(0, scores + b * bs, sstride * 4);
+  }
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t v = 0; v < vecs; ++v) {  // rows past vecs give output rows nobody reads
+    float* s = scores + v * sstride;
+    c10::BFloat16* pr = probs + v * sstride;
+    const int64_t n = lim[v];
+    for (int64_t j = 0; j < n; j += 16) {
+      const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(s + j), vscale);
+      _mm512_storeu_ps(s + j, x);  // may write past n within the row's padding: rewritten below
+    }
+    softmax_inplace(s, n);
+    for (int64_t j = n; j < sstride; ++j) s[j] = 0.f;
+    for (int64_t j = 0; j < sstride; j += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j),
+                          reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(s + j))));
+  }
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t k0 = 0; k0 < ctx; k0 += 32) {
+    for (int64_t kk = 0; kk < 16; ++kk) {  // key pair (k0 + 2 kk, k0 + 2 kk + 1)
+      const c10::BFloat16* row[2];
+      for (int i = 0; i < 2; ++i) {
+        const int64_t key = k0 + 2 * kk + i;
+        row[i] = key < ctx ? v_cache + ((table[key / bs] * bs + key % bs) * Hkv + h) * D : nullptr;
+      }
+      for (int64_t j = 0; j < 4; ++j) {
+        const __m256i a = row[0] ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[0] + 16 * j)) : _mm256_setzero_si256();
+        const __m256i c = row[1] ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[1] + 16 * j)) : _mm256_setzero_si256();
+        _mm512_store_si512(&bt[j][kk][0], pair_rows(a, c));
+      }
+    }
+    _tile_loadd(4, probs + k0, sstride * 2);
+    _tile_loadd(6, &bt[0][0][0], 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_loadd(7, &bt[1][0][0], 64);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_loadd(6, &bt[2][0][0], 64);
+    _tile_dpbf16ps(2, 4, 6);
+    _tile_loadd(7, &bt[3][0][0], 64);
+    _tile_dpbf16ps(3, 4, 7);
+  }
+  _tile_stored(0, out_f, D * 4);
+  _tile_stored(1, out_f + 16, D * 4);
+  _tile_stored(2, out_f + 32, D * 4);
+  _tile_stored(3, out_f + 48, D * 4);
+}
+#endif  // CONVEYOR_AMX_ATTENTION
+
 template <typename scalar_t>
 static void paged_attention_kernel(const scalar_t* q,        // [T, H, D]
                                    const scalar_t* k_cache,  // [num_blocks, Hkv, D, block_size]
@@ -225,7 +345,12 @@ static void paged_attention_kernel(const scalar_t* q,        // [T, H, D]
   // K/V row read serves R x G query vectors instead of G: a row sees one key more than the row
   // before it, and scores past a vector's own keys are masked. Each row's result is the same as
   // computed alone (the same sums in the same order; masked keys add exact zeros).
-  const int64_t R = fast ? std::max<int64_t>(1, 8 / G) : 1;
+#ifdef CONVEYOR_AMX_ATTENTION
+  const bool amx = std::is_same_v<scalar_t, c10::BFloat16> && bs == 16 && D == 64 && G <= 16 && amx_gemm_available();
+#else
+  const bool amx = false;
+#endif
+  const int64_t R = amx ? 16 / G : fast ? std::max<int64_t>(1, 8 / G) : 1;  // AMX: runs of 16 query vectors
   std::vector<int64_t> group_start;  // row groups: [group_start[i], group_start[i + 1])
   for (int64_t t = 0; t < T; ++t) {
     const bool joins = t > 0 && t - group_start.back() < R && token_req[t] == token_req[t - 1] &&
@@ -272,14 +397,47 @@ static void paged_attention_kernel(const scalar_t* q,        // [T, H, D]
   std::atomic<int64_t> next_chunk{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     FlushDenormals ftz;
-    std::vector<float> qf(R * G * D), out_f(R * G * D), scores;
+    std::vector<float> qf(R * G * D), out_f(std::max<int64_t>(R * G, 16) * D), scores;
     std::vector<int64_t> lims(R * G);
+#ifdef CONVEYOR_AMX_ATTENTION
+    bool tiles = false;
+    std::vector<float> amx_scores;
+    std::vector<c10::BFloat16> amx_probs, amx_q(16 * 64);
+#endif
     for (int64_t c = next_chunk++; c < chunks; c = next_chunk++)
     for (int64_t task = bounds[c]; task < bounds[c + 1]; ++task) {
       const int64_t i = task / Hkv, h = task % Hkv;
       const int64_t t0 = group_start[i], rows = group_start[i + 1] - t0, vecs = rows * G;
       const int64_t ctx = token_ctx[t0 + rows - 1];  // the last row sees the most keys
       const int64_t* table = tables + token_req[t0] * max_blocks;
+#ifdef CONVEYOR_AMX_ATTENTION
+      if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+        if (amx && rows > 1) {  // prompt runs on the tiles; single rows (decodes) stream K/V faster below
+          if (!tiles) {
+            attn_tile_config();
+            tiles = true;
+          }
+          const int64_t sstride = (ctx + 31) / 32 * 32;
+          if (static_cast<int64_t>(amx_scores.size()) < 16 * sstride) {
+            amx_scores.resize(16 * sstride);
+            amx_probs.resize(16 * sstride);
+          }
+          std::fill(amx_q.begin(), amx_q.end(), c10::BFloat16(0.f));
+          for (int64_t r = 0; r < rows; ++r)
+            for (int64_t g = 0; g < G; ++g) {
+              lims[r * G + g] = token_ctx[t0 + r];
+              std::memcpy(amx_q.data() + (r * G + g) * 64, q + ((t0 + r) * H + h * G + g) * D, 64 * sizeof(scalar_t));
+            }
+          attend_amx(amx_q.data(), k_cache, v_cache, table, ctx, lims.data(), vecs, h, Hkv, scale, amx_scores.data(),
+                     amx_probs.data(), out_f.data());
+          for (int64_t r = 0; r < rows; ++r)
+            for (int64_t g = 0; g < G; ++g)
+              for (int64_t d = 0; d < D; ++d)
+                out[((t0 + r) * H + h * G + g) * D + d] = static_cast<scalar_t>(out_f[(r * G + g) * D + d]);
+          continue;
+        }
+      }
+#endif
       if (static_cast<int64_t>(scores.size()) < std::min<int64_t>(vecs, 8) * (ctx + 16))
         scores.resize(std::min<int64_t>(vecs, 8) * (ctx + 16));
       for (int64_t r = 0; r < rows; ++r)
@@ -305,6 +463,9 @@ static void paged_attention_kernel(const scalar_t* q,        // [T, H, D]
           for (int64_t d = 0; d < D; ++d)
             out[((t0 + r) * H + h * G + g) * D + d] = static_cast<scalar_t>(out_f[(r * G + g) * D + d]);
     }
+#ifdef CONVEYOR_AMX_ATTENTION
+    if (tiles) _tile_release();
+#endif
   });
 }
 
