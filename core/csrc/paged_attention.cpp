@@ -247,85 +247,92 @@ static inline __m512i pair_rows(__m256i a, __m256i b) {
   return _mm512_permutex2var_epi16(_mm512_castsi256_si512(a), idx, _mm512_castsi256_si512(b));
 }
 
-// qv [16][64] bf16 (vectors past `vecs` zero), lim[v] keys seen by vector v; out_f [16][64] float.
+constexpr int64_t AMX_QTILES = 4;  // query tiles (16 vectors each) per run: K/V interleaved once for all
+
+// qv [vecs rounded up to 16][64] bf16, lim[v] keys seen by vector v; out_f [same][64] float.
+// kt: room for the run's K tiles (ceil(ctx / 16) x 1 KiB x 2), vt: its V tiles (ceil(ctx / 32) x 4 KiB).
 static void attend_amx(const c10::BFloat16* qv, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache,
                        const int64_t* table, int64_t ctx, const int64_t* lim, int64_t vecs, int64_t h, int64_t Hkv,
-                       float scale, float* scores, c10::BFloat16* probs, float* out_f) {
+                       float scale, float* scores, c10::BFloat16* probs, c10::BFloat16* kt, c10::BFloat16* vt,
+                       float* out_f) {
   constexpr int64_t D = 64, bs = 16;
-  const int64_t num_blocks = (ctx + bs - 1) / bs;
-  const int64_t sstride = (ctx + 31) / 32 * 32;  // scores / probs row per vector, 32-key chunks
-  alignas(64) c10::BFloat16 bt[4][16][32];        // B tiles being built
-  _tile_loadd(4, qv, D * 2);                      // q, dims 0-31
-  _tile_loadd(5, qv + 32, D * 2);                 // q, dims 32-63
+  const int64_t num_blocks = (ctx + bs - 1) / bs, chunks = (ctx + 31) / 32;
+  const int64_t sstride = chunks * 32;  // scores / probs row per vector, 32-key chunks
   const int64_t stride = Hkv * D;
-  for (int64_t b = 0; b < std::min<int64_t>(PF, num_blocks); ++b) {  // K and V of the first blocks
-    prefetch_l2(k_cache + (table[b] * Hkv + h) * D * bs, D * bs);
-    for (int64_t o = 0; o < bs; ++o) prefetch_l2(v_cache + (table[b] * bs + o) * stride + h * D, D);
-  }
+  // K: per block of 16 keys, two tiles (dims 0-31, 32-63) of (d, d + 1) pairs for 16 keys.
+  for (int64_t b = 0; b < std::min<int64_t>(PF, num_blocks); ++b) prefetch_l2(k_cache + (table[b] * Hkv + h) * D * bs, D * bs);
   for (int64_t b = 0; b < num_blocks; ++b) {
     const c10::BFloat16* kb = k_cache + (table[b] * Hkv + h) * D * bs;  // [64 d][16 keys]
-    if (b + PF < num_blocks) {  // K and V PF blocks ahead: V is read after the softmax, from L2
-      prefetch_l2(k_cache + (table[b + PF] * Hkv + h) * D * bs, D * bs);
-      for (int64_t o = 0; o < bs; ++o) prefetch_l2(v_cache + (table[b + PF] * bs + o) * stride + h * D, D);
-    }
+    if (b + PF < num_blocks) prefetch_l2(k_cache + (table[b + PF] * Hkv + h) * D * bs, D * bs);
     for (int64_t kk = 0; kk < D / 2; ++kk) {
       const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kb + 2 * kk * bs));
       const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kb + (2 * kk + 1) * bs));
-      _mm512_store_si512(&bt[kk / 16][kk % 16][0], pair_rows(a, c));
+      _mm512_store_si512(kt + (b * 2 + kk / 16) * 512 + (kk % 16) * 32, pair_rows(a, c));
     }
-    _tile_loadd(6, &bt[0][0][0], 64);
-    _tile_loadd(7, &bt[1][0][0], 64);
-    _tile_zero(0);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(0, 5, 7);
-    _tile_stored(0, scores + b * bs, sstride * 4);
   }
-  const __m512 vscale = _mm512_set1_ps(scale);
-  for (int64_t v = 0; v < vecs; ++v) {  // rows past vecs give output rows nobody reads
-    float* s = scores + v * sstride;
-    c10::BFloat16* pr = probs + v * sstride;
-    const int64_t n = lim[v];
-    for (int64_t j = 0; j < n; j += 16) {
-      const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(s + j), vscale);
-      _mm512_storeu_ps(s + j, x);  // may write past n within the row's padding: rewritten below
-    }
-    softmax_inplace(s, n);
-    for (int64_t j = n; j < sstride; ++j) s[j] = 0.f;
-    for (int64_t j = 0; j < sstride; j += 16)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j),
-                          reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(s + j))));
-  }
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
+  // V: per 32 keys, four tiles (16 dims each) of (key, key + 1) pairs; keys past ctx are zero.
   for (int64_t k0 = 0; k0 < ctx; k0 += 32) {
-    for (int64_t kk = 0; kk < 16; ++kk) {  // key pair (k0 + 2 kk, k0 + 2 kk + 1)
+    for (int64_t kk = 0; kk < 16; ++kk) {
       const c10::BFloat16* row[2];
       for (int i = 0; i < 2; ++i) {
         const int64_t key = k0 + 2 * kk + i;
-        row[i] = key < ctx ? v_cache + ((table[key / bs] * bs + key % bs) * Hkv + h) * D : nullptr;
+        row[i] = key < ctx ? v_cache + (table[key / bs] * bs + key % bs) * stride + h * D : nullptr;
       }
       for (int64_t j = 0; j < 4; ++j) {
         const __m256i a = row[0] ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[0] + 16 * j)) : _mm256_setzero_si256();
         const __m256i c = row[1] ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[1] + 16 * j)) : _mm256_setzero_si256();
-        _mm512_store_si512(&bt[j][kk][0], pair_rows(a, c));
+        _mm512_store_si512(vt + ((k0 / 32) * 4 + j) * 512 + kk * 32, pair_rows(a, c));
       }
     }
-    _tile_loadd(4, probs + k0, sstride * 2);
-    _tile_loadd(6, &bt[0][0][0], 64);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_loadd(7, &bt[1][0][0], 64);
-    _tile_dpbf16ps(1, 4, 7);
-    _tile_loadd(6, &bt[2][0][0], 64);
-    _tile_dpbf16ps(2, 4, 6);
-    _tile_loadd(7, &bt[3][0][0], 64);
-    _tile_dpbf16ps(3, 4, 7);
   }
-  _tile_stored(0, out_f, D * 4);
-  _tile_stored(1, out_f + 16, D * 4);
-  _tile_stored(2, out_f + 32, D * 4);
-  _tile_stored(3, out_f + 48, D * 4);
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t v0 = 0; v0 < vecs; v0 += 16) {  // one tile of 16 query vectors at a time
+    _tile_loadd(4, qv + v0 * D, D * 2);       // q, dims 0-31
+    _tile_loadd(5, qv + v0 * D + 32, D * 2);  // q, dims 32-63
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      _tile_loadd(6, kt + b * 2 * 512, 64);
+      _tile_loadd(7, kt + (b * 2 + 1) * 512, 64);
+      _tile_zero(0);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(0, 5, 7);
+      _tile_stored(0, scores + b * bs, sstride * 4);
+    }
+    const int64_t live = std::min<int64_t>(16, vecs - v0);  // rows past them give outputs nobody reads
+    for (int64_t v = 0; v < live; ++v) {
+      float* s = scores + v * sstride;
+      c10::BFloat16* pr = probs + v * sstride;
+      const int64_t n = lim[v0 + v];
+      for (int64_t j = 0; j < n; j += 16) {  // may write past n within the row's padding: zeroed below
+        _mm512_storeu_ps(s + j, _mm512_mul_ps(_mm512_loadu_ps(s + j), vscale));
+      }
+      softmax_inplace(s, n);
+      for (int64_t j = n; j < sstride; ++j) s[j] = 0.f;
+      for (int64_t j = 0; j < sstride; j += 16)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j),
+                            reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(s + j))));
+    }
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t c = 0; c < chunks; ++c) {
+      const c10::BFloat16* w = vt + c * 4 * 512;
+      _tile_loadd(4, probs + c * 32, sstride * 2);
+      _tile_loadd(6, w, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_loadd(7, w + 512, 64);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_loadd(6, w + 1024, 64);
+      _tile_dpbf16ps(2, 4, 6);
+      _tile_loadd(7, w + 1536, 64);
+      _tile_dpbf16ps(3, 4, 7);
+    }
+    float* o = out_f + v0 * D;
+    _tile_stored(0, o, D * 4);
+    _tile_stored(1, o + 16, D * 4);
+    _tile_stored(2, o + 32, D * 4);
+    _tile_stored(3, o + 48, D * 4);
+  }
 }
 #endif  // CONVEYOR_AMX_ATTENTION
 
@@ -350,7 +357,7 @@ static void paged_attention_kernel(const scalar_t* q,        // [T, H, D]
 #else
   const bool amx = false;
 #endif
-  const int64_t R = amx ? 16 / G : fast ? std::max<int64_t>(1, 8 / G) : 1;  // AMX: runs of 16 query vectors
+  const int64_t R = amx ? 16 * AMX_QTILES / G : fast ? std::max<int64_t>(1, 8 / G) : 1;  // AMX: up to 64 query vectors
   std::vector<int64_t> group_start;  // row groups: [group_start[i], group_start[i + 1])
   for (int64_t t = 0; t < T; ++t) {
     const bool joins = t > 0 && t - group_start.back() < R && token_req[t] == token_req[t - 1] &&
@@ -397,12 +404,12 @@ static void paged_attention_kernel(const scalar_t* q,        // [T, H, D]
   std::atomic<int64_t> next_chunk{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     FlushDenormals ftz;
-    std::vector<float> qf(R * G * D), out_f(std::max<int64_t>(R * G, 16) * D), scores;
+    std::vector<float> qf(R * G * D), out_f((R * G + 15) / 16 * 16 * D), scores;
     std::vector<int64_t> lims(R * G);
 #ifdef CONVEYOR_AMX_ATTENTION
     bool tiles = false;
     std::vector<float> amx_scores;
-    std::vector<c10::BFloat16> amx_probs, amx_q(16 * 64);
+    std::vector<c10::BFloat16> amx_probs, amx_kt, amx_vt, amx_q(16 * AMX_QTILES * 64);
 #endif
     for (int64_t c = next_chunk++; c < chunks; c = next_chunk++)
     for (int64_t task = bounds[c]; task < bounds[c + 1]; ++task) {
@@ -421,7 +428,12 @@ static void paged_attention_kernel(const scalar_t* q,        // [T, H, D]
           if (static_cast<int64_t>(amx_scores.size()) < 16 * sstride) {
             amx_scores.resize(16 * sstride);
             amx_probs.resize(16 * sstride);
+            amx_kt.resize(2 * sstride * 32 + 64);  // 64-byte aligned below
+            amx_vt.resize(2 * sstride * 32 + 64);
           }
+          const auto aligned = [](c10::BFloat16* p) {
+            return reinterpret_cast<c10::BFloat16*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t(63));
+          };
           std::fill(amx_q.begin(), amx_q.end(), c10::BFloat16(0.f));
           for (int64_t r = 0; r < rows; ++r)
             for (int64_t g = 0; g < G; ++g) {
@@ -429,11 +441,12 @@ static void paged_attention_kernel(const scalar_t* q,        // [T, H, D]
               std::memcpy(amx_q.data() + (r * G + g) * 64, q + ((t0 + r) * H + h * G + g) * D, 64 * sizeof(scalar_t));
             }
           attend_amx(amx_q.data(), k_cache, v_cache, table, ctx, lims.data(), vecs, h, Hkv, scale, amx_scores.data(),
-                     amx_probs.data(), out_f.data());
+                     amx_probs.data(), aligned(amx_kt.data()), aligned(amx_vt.data()), out_f.data());
           for (int64_t r = 0; r < rows; ++r)
             for (int64_t g = 0; g < G; ++g)
-              for (int64_t d = 0; d < D; ++d)
-                out[((t0 + r) * H + h * G + g) * D + d] = static_cast<scalar_t>(out_f[(r * G + g) * D + d]);
+              for (int64_t d = 0; d < 64; d += 16)  // rounded to nearest even, as static_cast rounds
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + ((t0 + r) * H + h * G + g) * D + d),
+                                    reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(out_f.data() + (r * G + g) * D + d))));
           continue;
         }
       }

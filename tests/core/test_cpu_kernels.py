@@ -66,7 +66,7 @@ def test_paged_attention_prompt_rows_taken_together_equal_each_row_alone(dtype, 
     positions."""
     g = torch.Generator().manual_seed(sum(heads))
     H, Hkv = heads
-    tiles = dtype == torch.bfloat16 and ops.amx_gemm_available() and H // Hkv <= 8  # runs of 2+ rows
+    tiles = dtype == torch.bfloat16 and ops.amx_gemm_available() and H // Hkv <= 16  # runs of 2+ rows
     D, bs = 64, 16
     num_blocks = 40
     k_cache = torch.randn(num_blocks, Hkv, D, bs, generator=g).to(dtype)
