@@ -213,6 +213,7 @@ static void attend_generic(const float* __restrict__ qf, const scalar_t* __restr
 #define CONVEYOR_AMX_ATTENTION 1
 #endif
 bool amx_gemm_available();  // amx_gemm.cpp: AMX compiled in and the tile registers granted
+constexpr int64_t AMX_QTILES = 4;  // query tiles (16 vectors each) per run: K/V interleaved once for all
 
 #ifdef CONVEYOR_AMX_ATTENTION
 // Prompt runs in bf16 on AMX tiles (head_dim 64, block size 16): up to 16 query vectors (R rows x G
@@ -247,7 +248,6 @@ static inline __m512i pair_rows(__m256i a, __m256i b) {
   return _mm512_permutex2var_epi16(_mm512_castsi256_si512(a), idx, _mm512_castsi256_si512(b));
 }
 
-constexpr int64_t AMX_QTILES = 4;  // query tiles (16 vectors each) per run: K/V interleaved once for all
 
 // qv [vecs rounded up to 16][64] bf16, lim[v] keys seen by vector v; out_f [same][64] float.
 // kt: room for the run's K tiles (ceil(ctx / 16) x 1 KiB x 2), vt: its V tiles (ceil(ctx / 32) x 4 KiB).
