@@ -12,8 +12,9 @@ Measured, per dtype (float32, bfloat16), with --threads threads:
                     2*M*in*out over the shapes / best time of the set. Timed through every implementation
                     available here, and R(M) is the fastest: torch's `F.linear` (MKL / oneDNN), oneDNN with
                     the weights prepacked once (`mkldnn._reorder_linear_weight`), conveyor's panel kernel
-                    (`small_gemm`, M <= 256) and, in bf16 on CPUs with AMX, conveyor's tile kernel (`amx_gemm`). A ceiling must bound every engine, conveyor's kernels included:
-                    with torch's rate alone, conveyor's float32 decode steps ran above the "ceiling". Measured
+                    (`small_gemm`, M <= 256) and, in bf16 on CPUs with AMX, conveyor's tile kernel
+                    (`amx_gemm`). A ceiling must bound every engine, conveyor's kernels included: with
+                    torch's rate alone, conveyor's float32 decode steps ran above the "ceiling". Measured
                     at M = --ms (default 1, 8, 16, 32, 64, 256, 2048; 2048 is a prompt step of the default
                     token budget) and at the decode batch B. The weights (~135M params: 540 MB in fp32) do not
                     fit in cache, so R(M) includes the cost of streaming them at small M.

@@ -4,9 +4,9 @@ Same weights and the same arithmetic as transformers' eager forward, with far fe
 per layer: q/k/v and gate/up are each one matmul (the module weights become views into the
 concatenated tensors), weights are also kept in the layouts of the matmul kernels (32-column panels
 for float32 decode steps; in bf16, AMX tiles where the CPU has them and oneDNN's prepacked form:
-extra copies of the weights, the price of reading them at memory speed), and the element-wise work between matmuls runs in the C++ kernels of
-`fused_ops.cpp`: residual add + RMSNorm, rotary + KV store, SiLU(gate) * up. Per layer that is
-9 calls instead of ~40.
+extra copies of the weights, the price of reading them at memory speed), and the element-wise work
+between matmuls runs in the C++ kernels of `fused_ops.cpp`: residual add + RMSNorm, rotary + KV
+store, SiLU(gate) * up. Per layer that is 9 calls instead of ~40.
 
 `FusedLlama.build(model)` returns None for anything it does not cover (other architectures,
 biases in norms, sliding windows, non-SiLU MLPs, devices other than the CPU, missing kernels); the
@@ -71,9 +71,11 @@ class _Linear:
     which streams the weights under its arithmetic (measured 1.1-1.9x faster than BLAS at 1-128
     rows on the model's shapes); more rows (prompt steps) to torch's GEMM.
     bfloat16 on CPUs with AMX: conveyor's tile kernel (`amx_gemm.cpp`) up to AMX_MAX_M rows (1.1-2x
-    oneDNN's rate there, a read of the weights at small M), oneDNN with the weights prepacked once
-    above (1.4x faster than the tile kernel at 2048 rows), rows padded to a bucket (`row_bucket`). Without AMX: the panel kernel up to SMALL_M_BF16
-    rows (a weight read: 10-25% faster than oneDNN's per-call overhead on small layers), oneDNN above.
+    oneDNN's rate there, a read of the weights at small M); above, oneDNN with the weights prepacked
+    once (as fast or faster there: 1.4x at 2048 rows on the model's layers alone, 0-7% in the
+    engine), rows padded to a bucket (`row_bucket`). Without AMX: the panel kernel up to
+    SMALL_M_BF16 rows (a weight read: 10-25% faster than oneDNN's per-call overhead on small
+    layers), oneDNN above.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, ops) -> None:
