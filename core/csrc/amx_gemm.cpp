@@ -22,9 +22,9 @@
 #include <algorithm>
 #include <cstring>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
-#define CONVEYOR_AMX 1
-#include <immintrin.h>
+#include "amx_tiles.h"
+
+#ifdef CONVEYOR_AMX
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -37,24 +37,7 @@ constexpr int64_t ROW_CHUNK = 256;  // rows of x per pass over the weights
 
 #ifdef CONVEYOR_AMX
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Tiles 0-3: accumulators C[row tile][column tile]; 4-5: x rows; 6-7: W columns. All 16 x 64 bytes.
-inline void load_config() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = 16;
-  }
-  _tile_loadconfig(&cfg);
-}
-
+// Tiles (amx_tile_config): 0-3 accumulators C[row tile][column tile]; 4-5 x rows; 6-7 W columns.
 // One output block of 16 or 32 rows x 32 columns. a0/a1: the rows' x (a1 unused when one tile),
 // stride lda bytes; panel: K/32 slices of two 1 KiB W tiles. Results (float32) to c [32][32].
 template <bool TWO>
@@ -115,7 +98,7 @@ void amx_gemm_impl(const c10::BFloat16* x, const c10::BFloat16* tail, const c10:
   const int64_t full_rows = M / 16 * 16;  // rows read from x; the rest (M % 16) from `tail`, zero-padded
   const int64_t lda = K * 2;
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    load_config();
+    amx_tile_config();
     alignas(64) float c[32 * PANEL];
     for (int64_t r0 = 0; r0 < M; r0 += ROW_CHUNK) {
       const int64_t r1 = std::min(M, r0 + ROW_CHUNK);

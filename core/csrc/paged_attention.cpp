@@ -19,6 +19,7 @@
 #include <cstring>
 #include <vector>
 
+#include "amx_tiles.h"
 #include "vec16.h"
 #if defined(__SSE__) || defined(__x86_64__)
 #include <xmmintrin.h>
@@ -209,13 +210,9 @@ static void attend_generic(const float* __restrict__ qf, const scalar_t* __restr
   }
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
-#define CONVEYOR_AMX_ATTENTION 1
-#endif
-bool amx_gemm_available();  // amx_gemm.cpp: AMX compiled in and the tile registers granted
 constexpr int64_t AMX_QTILES = 4;  // query tiles (16 vectors each) per run: K/V interleaved once for all
 
-#ifdef CONVEYOR_AMX_ATTENTION
+#ifdef CONVEYOR_AMX
 // Prompt runs in bf16 on AMX tiles (head_dim 64, block size 16): up to 64 query vectors (R rows x G
 // heads sharing one KV head) against the request's keys, in two matrix products instead of vector
 // FMAs. The run's K blocks and V rows are first interleaved into the (pair, column, 2) layout of
@@ -224,23 +221,6 @@ constexpr int64_t AMX_QTILES = 4;  // query tiles (16 vectors each) per run: K/V
 // bf16) . V per 32 keys. One layer, cold pool: 2 prompts x 300 tokens 1.9 -> 1.1 ms, 4 x 512
 // 10.2 -> 5.3 ms against the FMA path. Keys past the context are zero in V's tiles (their weight is
 // zero; 0 x a stale NaN would not be). Decode rows stay on the FMA path, 13% faster for them.
-
-struct alignas(64) AttnTileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-static inline void attn_tile_config() {
-  AttnTileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = 16;
-  }
-  _tile_loadconfig(&cfg);
-}
 
 // [a0 b0 a1 b1 ... a15 b15]: two rows of 16 bf16 as one row of 16 (a, b) pairs.
 static inline __m512i pair_rows(__m256i a, __m256i b) {
@@ -334,7 +314,7 @@ static void attend_amx(const c10::BFloat16* qv, const c10::BFloat16* k_cache, co
     _tile_stored(3, o + 48, D * 4);
   }
 }
-#endif  // CONVEYOR_AMX_ATTENTION
+#endif  // CONVEYOR_AMX
 
 template <typename scalar_t>
 static void paged_attention_kernel(const scalar_t* q,        // [T, H, D]
@@ -353,7 +333,7 @@ static void paged_attention_kernel(const scalar_t* q,        // [T, H, D]
   // before it, and scores past a vector's own keys are masked. On the FMA path each row's result is
   // the same as computed alone (the same sums in the same order; masked keys add exact zeros); bf16
   // runs on AMX tiles differ from a lone row by the rounding of their probabilities to bf16.
-#ifdef CONVEYOR_AMX_ATTENTION
+#ifdef CONVEYOR_AMX
   const bool amx = std::is_same_v<scalar_t, c10::BFloat16> && bs == 16 && D == 64 && G <= 16 && amx_gemm_available();
 #else
   const bool amx = false;
@@ -407,7 +387,7 @@ static void paged_attention_kernel(const scalar_t* q,        // [T, H, D]
     FlushDenormals ftz;
     std::vector<float> qf(R * G * D), out_f((R * G + 15) / 16 * 16 * D), scores;
     std::vector<int64_t> lims(R * G);
-#ifdef CONVEYOR_AMX_ATTENTION
+#ifdef CONVEYOR_AMX
     bool tiles = false;
     std::vector<float> amx_scores;
     std::vector<c10::BFloat16> amx_probs, amx_kt, amx_vt, amx_q(16 * AMX_QTILES * 64);
@@ -418,11 +398,11 @@ static void paged_attention_kernel(const scalar_t* q,        // [T, H, D]
       const int64_t t0 = group_start[i], rows = group_start[i + 1] - t0, vecs = rows * G;
       const int64_t ctx = token_ctx[t0 + rows - 1];  // the last row sees the most keys
       const int64_t* table = tables + token_req[t0] * max_blocks;
-#ifdef CONVEYOR_AMX_ATTENTION
+#ifdef CONVEYOR_AMX
       if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
         if (amx && rows > 1) {  // prompt runs on the tiles; single rows (decodes) stream K/V faster below
           if (!tiles) {
-            attn_tile_config();
+            amx_tile_config();
             tiles = true;
           }
           const int64_t sstride = (ctx + 31) / 32 * 32;
@@ -477,7 +457,7 @@ static void paged_attention_kernel(const scalar_t* q,        // [T, H, D]
           for (int64_t d = 0; d < D; ++d)
             out[((t0 + r) * H + h * G + g) * D + d] = static_cast<scalar_t>(out_f[(r * G + g) * D + d]);
     }
-#ifdef CONVEYOR_AMX_ATTENTION
+#ifdef CONVEYOR_AMX
     if (tiles) _tile_release();
 #endif
   });

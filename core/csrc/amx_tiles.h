@@ -1,0 +1,32 @@
+// AMX tiles for the CPU kernels: whether the build targets them (CONVEYOR_AMX), and the one tile
+// configuration conveyor uses (eight tiles of 16 rows x 64 bytes). `amx_gemm_available()`
+// (amx_gemm.cpp) says whether they may run here.
+#pragma once
+#include <cstdint>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
+#define CONVEYOR_AMX 1
+#include <immintrin.h>
+#endif
+
+bool amx_gemm_available();  // AMX compiled in and the tile registers granted by the kernel
+
+#ifdef CONVEYOR_AMX
+struct alignas(64) AmxTileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-7, each 16 rows x 64 bytes (16 floats, or 32 bf16 / 16 bf16 pairs), on this thread.
+static inline void amx_tile_config() {
+  AmxTileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = 16;
+  }
+  _tile_loadconfig(&cfg);
+}
+#endif
