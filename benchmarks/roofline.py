@@ -117,30 +117,22 @@ def _linear_impl(torch, impl: str, dtype, m: int):
             return None
         return ((lambda w: torch.ops.mkldnn._reorder_linear_weight(w, 64)),
                 (lambda x, pw: torch.ops.mkldnn._linear_pointwise(x, pw, None, "none", [], "")))
-    if impl == "panels":  # conveyor's decode-step kernel (weights in 32-column panels); small M only
-        if m > 256:
-            return None
+    if impl in ("panels", "amx"):  # conveyor's own kernels, where built (and, for AMX, where the CPU has it)
         try:
             from conveyor.core.cpu_kernels import cpu_kernels
-            from conveyor.core.fused_llama import pack_panels
+            from conveyor.core import fused_llama
         except ImportError:
             return None
         ops = cpu_kernels()
-        if ops is None or not hasattr(ops, "small_gemm"):
-            return None
-        return (lambda w: (pack_panels(w), w.shape[0])), (lambda x, pw: ops.small_gemm(x, pw[0], pw[1], None))
-    if impl == "amx":  # conveyor's AMX tile kernel (bf16, CPUs with AMX; the weights in tile layout)
-        if dtype != torch.bfloat16:
-            return None
-        try:
-            from conveyor.core.cpu_kernels import cpu_kernels
-            from conveyor.core.fused_llama import pack_amx
-        except ImportError:
-            return None
-        ops = cpu_kernels()
-        if ops is None or not hasattr(ops, "amx_gemm") or not ops.amx_gemm_available():
-            return None
-        return (lambda w: (pack_amx(w), w.shape[0])), (lambda x, pw: ops.amx_gemm(x, pw[0], pw[1], None))
+        if impl == "panels":  # the decode-step kernel (weights in 32-column panels); small M only
+            if m > 256 or ops is None or not hasattr(ops, "small_gemm"):
+                return None
+            pack, gemm = fused_llama.pack_panels, ops.small_gemm
+        else:  # the tile kernel, bf16 only (weights in tile layout)
+            if dtype != torch.bfloat16 or ops is None or not hasattr(ops, "amx_gemm") or not ops.amx_gemm_available():
+                return None
+            pack, gemm = fused_llama.pack_amx, ops.amx_gemm
+        return (lambda w: (pack(w), w.shape[0])), (lambda x, pw: gemm(x, pw[0], pw[1], None))
     raise ValueError(impl)
 
 

@@ -159,16 +159,19 @@ at::Tensor amx_gemm(at::Tensor x, at::Tensor packed, int64_t N, c10::optional<at
 #ifdef CONVEYOR_AMX
   auto xc = x.contiguous();
   const int64_t full_rows = M / 16 * 16;
-  at::Tensor tail = at::zeros({16, K}, x.options());
-  if (full_rows < M)
+  at::Tensor tail;  // the last M % 16 rows, zero-padded to a whole tile; only when there are some
+  if (full_rows < M) {
+    tail = at::zeros({16, K}, x.options());
     std::memcpy(tail.data_ptr<c10::BFloat16>(), xc.data_ptr<c10::BFloat16>() + full_rows * K,
                 (M - full_rows) * K * sizeof(c10::BFloat16));
+  }
   c10::optional<at::Tensor> b;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->numel() == N && bias->scalar_type() == at::kBFloat16, "amx_gemm: bias must be [N] bf16");
     b = bias->contiguous();
   }
-  amx_gemm_impl(xc.data_ptr<c10::BFloat16>(), tail.data_ptr<c10::BFloat16>(), packed.data_ptr<c10::BFloat16>(),
+  amx_gemm_impl(xc.data_ptr<c10::BFloat16>(), tail.defined() ? tail.data_ptr<c10::BFloat16>() : nullptr,
+                packed.data_ptr<c10::BFloat16>(),
                 b.has_value() ? b->data_ptr<c10::BFloat16>() : nullptr, y.data_ptr<c10::BFloat16>(), M, N, K);
 #endif
   return y;
