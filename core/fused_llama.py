@@ -265,5 +265,5 @@ class FusedLlama:
         return out.view(T, H * D)
 
     def _paged(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
-        return batch.kernel(q.contiguous(), k_cache, v_cache, batch.tables, batch.token_req, batch.token_ctx,
+        return batch.kernel(q, k_cache, v_cache, batch.tables, batch.token_req, batch.token_ctx,
                             batch.block_size, self.scale)

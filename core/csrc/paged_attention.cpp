@@ -6,7 +6,6 @@
 // block's keys is a vector loop without horizontal sums); values [slots, Hkv, D].
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
 #include <ATen/Dispatch_v2.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -339,7 +338,7 @@ static void attend_amx(const c10::BFloat16* qv, const c10::BFloat16* k_cache, co
 #endif  // CONVEYOR_AMX
 
 template <typename scalar_t>
-static void paged_attention_kernel(const scalar_t* q,        // [T, H, D]
+static void paged_attention_kernel(const scalar_t* q,        // [T, H, D], rows q_stride apart
                                    const scalar_t* k_cache,  // [num_blocks, Hkv, D, block_size]
                                    const scalar_t* v_cache,  // [num_blocks * block_size, Hkv, D]
                                    const int64_t* tables,    // [R, max_blocks]
@@ -347,7 +346,7 @@ static void paged_attention_kernel(const scalar_t* q,        // [T, H, D]
                                    const int64_t* token_ctx, // [T] keys visible to the token
                                    scalar_t* out,            // [T, H, D]
                                    int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t max_blocks,
-                                   int64_t bs, float scale) {
+                                   int64_t bs, float scale, int64_t q_stride) {
   const int64_t G = H / Hkv;
   const bool fast = bs == 16 && (D == 32 || D == 64 || D == 128);
   // Rows of one request at consecutive positions (a prompt chunk) are taken R at a time, so each
@@ -441,7 +440,7 @@ static void paged_attention_kernel(const scalar_t* q,        // [T, H, D]
           for (int64_t r = 0; r < rows; ++r)
             for (int64_t g = 0; g < G; ++g) {
               lims[r * G + g] = token_ctx[t0 + r];
-              std::memcpy(amx_q.data() + (r * G + g) * 64, q + ((t0 + r) * H + h * G + g) * D, 64 * sizeof(scalar_t));
+              std::memcpy(amx_q.data() + (r * G + g) * 64, q + (t0 + r) * q_stride + (h * G + g) * D, 64 * sizeof(scalar_t));
             }
           attend_amx(amx_q.data(), k_cache, v_cache, table, ctx, lims.data(), vecs, h, Hkv, scale, amx_scores.data(),
                      amx_probs.data(), aligned(amx_kt.data()), aligned(amx_vt.data()), out_f.data());
@@ -460,7 +459,7 @@ static void paged_attention_kernel(const scalar_t* q,        // [T, H, D]
         for (int64_t g = 0; g < G; ++g) {  // query vector r * G + g: row t0 + r, head h * G + g
           lims[r * G + g] = token_ctx[t0 + r];
           for (int64_t d = 0; d < D; ++d)
-            qf[(r * G + g) * D + d] = static_cast<float>(q[((t0 + r) * H + h * G + g) * D + d]) * scale;
+            qf[(r * G + g) * D + d] = static_cast<float>(q[(t0 + r) * q_stride + (h * G + g) * D + d]) * scale;
         }
       if (fast && D == 64) {
         attend_dispatch<4>(qf.data(), k_cache, v_cache, table, ctx, lims.data(), h, vecs, Hkv, scores.data(),
@@ -492,20 +491,20 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
               "q and the caches must share a dtype");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the caches must be contiguous");
-  q = q.contiguous();
+  if (q.stride(2) != 1 || q.stride(1) != q.size(2)) q = q.contiguous();  // rows may be apart (q within qkv)
   tables = tables.contiguous();
   token_req = token_req.contiguous();
   token_ctx = token_ctx.contiguous();
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_cache.size(1);
   TORCH_CHECK(H % Hkv == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(k_cache.size(3) == block_size && k_cache.size(2) == D, "k_cache shape does not match block_size/D");
-  auto out = at::empty_like(q);
+  auto out = at::empty({T, H, D}, q.options());
   AT_DISPATCH_V2(q.scalar_type(), "paged_attention", AT_WRAP([&] {
     paged_attention_kernel<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
                                      v_cache.data_ptr<scalar_t>(), tables.data_ptr<int64_t>(),
                                      token_req.data_ptr<int64_t>(), token_ctx.data_ptr<int64_t>(),
                                      out.data_ptr<scalar_t>(), T, H, Hkv, D, tables.size(1), block_size,
-                                     static_cast<float>(scale));
+                                     static_cast<float>(scale), q.stride(0));
   }), at::kFloat, at::kBFloat16, at::kHalf);
   return out;
 }

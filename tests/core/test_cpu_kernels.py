@@ -133,6 +133,33 @@ def test_paged_attention_splits_work_across_threads_without_changing_results(thr
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_reads_query_rows_in_place_from_a_wider_tensor(dtype):
+    """q as the fused forward passes it: the first H * D columns of each qkv row, not a contiguous
+    tensor. The result equals that of a contiguous copy, and a q strided within a row is copied."""
+    g = torch.Generator().manual_seed(11)
+    H, Hkv, D, bs = 9, 3, 64, 16
+    contexts, rows = _SMALL_STEP
+    num_blocks = sum(-(-c // bs) for c in contexts) + 1
+    k_cache = torch.randn(num_blocks, Hkv, D, bs, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks * bs, Hkv, D, generator=g).to(dtype)
+    max_blocks = max(-(-c // bs) for c in contexts)
+    tables, nxt = [], 1
+    for c in contexts:
+        n = -(-c // bs)
+        tables.append(list(range(nxt, nxt + n)) + [0] * (max_blocks - n))
+        nxt += n
+    args = (k_cache, v_cache, torch.tensor(tables), torch.tensor([r for r, _ in rows]),
+            torch.tensor([c for _, c in rows]), bs, D ** -0.5)
+    qkv = torch.randn(len(rows), (H + 2 * Hkv) * D, generator=g).to(dtype)
+    q = qkv[:, :H * D].view(len(rows), H, D)
+    assert not q.is_contiguous()
+    want = ops.paged_attention(q.contiguous(), *args)
+    assert torch.equal(ops.paged_attention(q, *args), want)
+    heads_apart = torch.randn(len(rows), D, H, generator=g).to(dtype).transpose(1, 2)  # stride(1) = 1
+    assert torch.equal(ops.paged_attention(heads_apart, *args), ops.paged_attention(heads_apart.contiguous(), *args))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_with_and_without_residual(dtype):
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
