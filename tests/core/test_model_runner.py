@@ -180,6 +180,38 @@ def test_runner_logits_match_the_model_across_prefills_chunks_decodes_and_shared
         assert torch.allclose(row, _last_logits(ref_model, tokens), atol=1e-4)
 
 
+def test_bf16_prompts_from_position_zero_go_through_the_kernel_where_it_has_tiles():
+    """bf16 on CPUs with AMX: prompts with nothing cached take the kernel's tile path, not SDPA (faster
+    there); their logits stay close to transformers' own bf16 forward."""
+    from conveyor.core.cpu_kernels import cpu_kernels
+
+    ops = cpu_kernels()
+    if not (ops and ops.amx_gemm_available()):
+        pytest.skip("no AMX tiles here: such prompts take SDPA")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+                      initializer_range=0.1, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    ref = LlamaForCausalLM(cfg).eval().to(torch.bfloat16)
+    ref.set_attn_implementation("sdpa")
+    model = LlamaForCausalLM(cfg).eval().to(torch.bfloat16)
+    model.load_state_dict(ref.state_dict())
+    kv = KVCache(2, 1, 64, num_blocks=32, block_size=16, dtype=torch.bfloat16, device=torch.device("cpu"))
+    runner = ModelRunner(model, kv, eos_token_ids=())
+    assert runner.fresh_prompts_paged and runner.fused is not None
+    _, _, batch, _ = runner._prepare([_entry("a", [1, 2, 3], 0, [4])])
+    assert batch.fresh_chunks == [] and batch.has_paged_rows
+    capture = _CapturingSampler()
+    runner.sampler = capture
+    g = torch.Generator().manual_seed(3)
+    a, b = (torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (70, 21))
+    runner.execute(SchedulerOutput([_entry("a", a, 0, [5, 2, 7, 9, 11]), _entry("b", b, 0, [1, 6])], len(a) + len(b)))
+    for got, tokens in zip(capture.logits[-1], [a, b]):
+        want = _last_logits(ref, tokens).float()
+        assert (got.float() - want).norm() / want.norm() < 0.03
+        assert got.argmax() == want.argmax()
+
+
 # -- the engine against model.generate ---------------------------------------------------------------
 
 @pytest.mark.parametrize("kw", [
