@@ -199,6 +199,8 @@ def test_bf16_prompts_from_position_zero_go_through_the_kernel_where_it_has_tile
     kv = KVCache(2, 1, 64, num_blocks=32, block_size=16, dtype=torch.bfloat16, device=torch.device("cpu"))
     runner = ModelRunner(model, kv, eos_token_ids=())
     assert runner.fresh_prompts_paged and runner.fused is not None
+    small_blocks = KVCache(2, 1, 64, num_blocks=32, block_size=8, dtype=torch.bfloat16, device=torch.device("cpu"))
+    assert not ModelRunner(model, small_blocks, eos_token_ids=()).fresh_prompts_paged  # no tile path for them
     _, _, batch, _ = runner._prepare([_entry("a", [1, 2, 3], 0, [4])])
     assert batch.fresh_chunks == [] and batch.has_paged_rows
     capture = _CapturingSampler()
