@@ -99,17 +99,11 @@ _LARGE_STEP = ([40 + 13 * i for i in range(24)] + [200, 64, 333],  # 24 decodes,
                + [(25, c) for c in range(1, 65)] + [(26, c) for c in range(300, 334)])
 
 
-@pytest.mark.parametrize("step", [_SMALL_STEP, _LARGE_STEP], ids=["small", "large"])
-@pytest.mark.parametrize("threads", [2, 3])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_paged_attention_splits_work_across_threads_without_changing_results(threads, step, dtype):
-    """Rows of a step are cut into chunks that threads take as they go (decodes first, then prompt
-    chunks' rows): every row's output equals the single-threaded one bit for bit."""
-    g = torch.Generator().manual_seed(7)
-    H, Hkv, D, bs = 9, 3, 64, 16
+def _step_args(step, dtype, g):
+    """Everything but q for `ops.paged_attention` on a step (9 query heads, 3 KV heads, head_dim 64,
+    block size 16): caches of random K/V, each request's blocks in turn, the rows' requests and keys."""
+    Hkv, D, bs = 3, 64, 16
     contexts, rows = step
-    rows_req = [r for r, _ in rows]
-    rows_ctx = [c for _, c in rows]
     num_blocks = sum(-(-c // bs) for c in contexts) + 1
     k_cache = torch.randn(num_blocks, Hkv, D, bs, generator=g).to(dtype)
     v_cache = torch.randn(num_blocks * bs, Hkv, D, generator=g).to(dtype)
@@ -119,8 +113,19 @@ def test_paged_attention_splits_work_across_threads_without_changing_results(thr
         n = -(-c // bs)
         tables.append(list(range(nxt, nxt + n)) + [0] * (max_blocks - n))
         nxt += n
-    args = (k_cache, v_cache, torch.tensor(tables), torch.tensor(rows_req), torch.tensor(rows_ctx), bs, D ** -0.5)
-    q = torch.randn(len(rows_req), H, D, generator=g).to(dtype)
+    return (k_cache, v_cache, torch.tensor(tables), torch.tensor([r for r, _ in rows]),
+            torch.tensor([c for _, c in rows]), bs, D ** -0.5)
+
+
+@pytest.mark.parametrize("step", [_SMALL_STEP, _LARGE_STEP], ids=["small", "large"])
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_splits_work_across_threads_without_changing_results(threads, step, dtype):
+    """Rows of a step are cut into chunks that threads take as they go (decodes first, then prompt
+    chunks' rows): every row's output equals the single-threaded one bit for bit."""
+    g = torch.Generator().manual_seed(7)
+    args = _step_args(step, dtype, g)
+    q = torch.randn(len(step[1]), 9, 64, generator=g).to(dtype)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -137,19 +142,9 @@ def test_paged_attention_reads_query_rows_in_place_from_a_wider_tensor(dtype):
     """q as the fused forward passes it: the first H * D columns of each qkv row, not a contiguous
     tensor. The result equals that of a contiguous copy, and a q strided within a row is copied."""
     g = torch.Generator().manual_seed(11)
-    H, Hkv, D, bs = 9, 3, 64, 16
-    contexts, rows = _SMALL_STEP
-    num_blocks = sum(-(-c // bs) for c in contexts) + 1
-    k_cache = torch.randn(num_blocks, Hkv, D, bs, generator=g).to(dtype)
-    v_cache = torch.randn(num_blocks * bs, Hkv, D, generator=g).to(dtype)
-    max_blocks = max(-(-c // bs) for c in contexts)
-    tables, nxt = [], 1
-    for c in contexts:
-        n = -(-c // bs)
-        tables.append(list(range(nxt, nxt + n)) + [0] * (max_blocks - n))
-        nxt += n
-    args = (k_cache, v_cache, torch.tensor(tables), torch.tensor([r for r, _ in rows]),
-            torch.tensor([c for _, c in rows]), bs, D ** -0.5)
+    H, Hkv, D = 9, 3, 64
+    rows = _SMALL_STEP[1]
+    args = _step_args(_SMALL_STEP, dtype, g)
     qkv = torch.randn(len(rows), (H + 2 * Hkv) * D, generator=g).to(dtype)
     q = qkv[:, :H * D].view(len(rows), H, D)
     assert not q.is_contiguous()
