@@ -220,7 +220,9 @@ constexpr int64_t AMX_QTILES = 4;  // query tiles (16 vectors each) per run: K/V
 // and rounded to bf16 (exp_to_probs); then P . V per 32 keys, each output divided by its weights'
 // sum. One layer, cold pool: 2 prompts x 300 tokens 1.9 -> 1.1 ms, 4 x 512
 // 10.2 -> 5.3 ms against the FMA path. Keys past the context are zero in V's tiles (their weight is
-// zero; 0 x a stale NaN would not be). Decode rows stay on the FMA path, 13% faster for them.
+// zero; 0 x a stale NaN would not be). Decode rows stay on the FMA path: 64 decodes on a cold pool
+// took 0.60 ms per layer there against 0.93-0.95 on the tiles, whose K/V interleave a single row
+// cannot share.
 
 // [a0 b0 a1 b1 ... a15 b15]: two rows of 16 bf16 as one row of 16 (a, b) pairs.
 static inline __m512i pair_rows(__m256i a, __m256i b) {
@@ -337,6 +339,18 @@ static void attend_amx(const c10::BFloat16* qv, const c10::BFloat16* k_cache, co
 }
 #endif  // CONVEYOR_AMX
 
+// Whether rows of this shape run on the AMX tiles above (prompt runs; the runner also sends prompts
+// that start at position 0 here rather than to SDPA, which the tiles outrun). One answer for the
+// kernel and its callers.
+bool paged_attention_tiles(bool bf16, int64_t head_dim, int64_t block_size, int64_t group) {
+#ifdef CONVEYOR_AMX
+  return bf16 && block_size == 16 && head_dim == 64 && group <= 16 && amx_gemm_available();
+#else
+  (void)bf16, (void)head_dim, (void)block_size, (void)group;
+  return false;
+#endif
+}
+
 template <typename scalar_t>
 static void paged_attention_kernel(const scalar_t* q,        // [T, H, D], rows q_stride apart
                                    const scalar_t* k_cache,  // [num_blocks, Hkv, D, block_size]
@@ -354,11 +368,7 @@ static void paged_attention_kernel(const scalar_t* q,        // [T, H, D], rows 
   // before it, and scores past a vector's own keys are masked. On the FMA path each row's result is
   // the same as computed alone (the same sums in the same order; masked keys add exact zeros); bf16
   // runs on AMX tiles differ from a lone row by the rounding of their probabilities to bf16.
-#ifdef CONVEYOR_AMX
-  const bool amx = std::is_same_v<scalar_t, c10::BFloat16> && bs == 16 && D == 64 && G <= 16 && amx_gemm_available();
-#else
-  const bool amx = false;
-#endif
+  const bool amx = paged_attention_tiles(std::is_same_v<scalar_t, c10::BFloat16>, D, bs, G);
   const int64_t R = amx ? 16 * AMX_QTILES / G : fast ? std::max<int64_t>(1, 8 / G) : 1;  // AMX: up to 64 query vectors
   std::vector<int64_t> group_start;  // row groups: [group_start[i], group_start[i + 1])
   for (int64_t t = 0; t < T; ++t) {
@@ -436,7 +446,8 @@ static void paged_attention_kernel(const scalar_t* q,        // [T, H, D], rows 
           const auto aligned = [](c10::BFloat16* p) {
             return reinterpret_cast<c10::BFloat16*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t(63));
           };
-          std::fill(amx_q.begin(), amx_q.end(), c10::BFloat16(0.f));
+          std::fill(amx_q.begin() + vecs * 64, amx_q.begin() + (vecs + 15) / 16 * 16 * 64,  // the last tile's pad
+                    c10::BFloat16(0.f));
           for (int64_t r = 0; r < rows; ++r)
             for (int64_t g = 0; g < G; ++g) {
               lims[r * G + g] = token_ctx[t0 + r];

@@ -66,8 +66,8 @@ def test_paged_attention_prompt_rows_taken_together_equal_each_row_alone(dtype, 
     positions."""
     g = torch.Generator().manual_seed(sum(heads))
     H, Hkv = heads
-    tiles = dtype == torch.bfloat16 and ops.amx_gemm_available() and H // Hkv <= 16  # runs of 2+ rows
     D, bs = 64, 16
+    tiles = ops.paged_attention_tiles(dtype == torch.bfloat16, D, bs, H // Hkv)  # runs of 2+ rows
     num_blocks = 40
     k_cache = torch.randn(num_blocks, Hkv, D, bs, generator=g).to(dtype)
     v_cache = torch.randn(num_blocks * bs, Hkv, D, generator=g).to(dtype)
@@ -89,6 +89,13 @@ def test_paged_attention_prompt_rows_taken_together_equal_each_row_alone(dtype, 
         want = _reference_attention(q[i], keys, v_cache[slots], D ** -0.5)
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         assert torch.allclose(out[i].double(), want, atol=tol, rtol=tol), (i, c)
+
+
+def test_the_tile_path_of_attention_covers_bf16_with_head_dim_64_and_block_16_only():
+    assert ops.paged_attention_tiles(True, 64, 16, 3) == ops.amx_gemm_available()
+    assert ops.paged_attention_tiles(True, 64, 16, 16) == ops.amx_gemm_available()
+    for bf16, d, bs, group in ((False, 64, 16, 3), (True, 128, 16, 3), (True, 64, 8, 3), (True, 64, 16, 17)):
+        assert not ops.paged_attention_tiles(bf16, d, bs, group)
 
 
 # A step: (context of each request, its rows as (request, keys the row sees)).
