@@ -21,12 +21,16 @@ struct alignas(64) AmxTileConfig {
 };
 
 // Tiles 0-7, each 16 rows x 64 bytes (16 floats, or 32 bf16 / 16 bf16 pairs), on this thread.
+// LDTILECFG is issued here rather than through `_tile_loadconfig`: GCC 12's intrinsic tells the
+// compiler it reads only the first 8 bytes of the configuration, so at -O2/-O3 the stores of the
+// rows and column widths may be dropped as dead, and the first tile instruction then faults
+// (SIGILL). Naming the whole 64-byte block as the input keeps them.
 static inline void amx_tile_config() {
   AmxTileConfig cfg;
   for (int t = 0; t < 8; ++t) {
     cfg.colsb[t] = 64;
     cfg.rows[t] = 16;
   }
-  _tile_loadconfig(&cfg);
+  __asm__ volatile("ldtilecfg %0" : : "m"(cfg));
 }
 #endif
