@@ -71,10 +71,10 @@ class _Linear:
     which streams the weights under its arithmetic (measured 1.1-1.9x faster than BLAS at 1-128
     rows on the model's shapes); more rows (prompt steps) to torch's GEMM.
     bfloat16 on CPUs with AMX: conveyor's tile kernel (`amx_gemm.cpp`) up to AMX_MAX_M rows (1.1-2x
-    oneDNN's rate there, a read of the weights at small M; in the engine 1.5-2.4x on 416-512-row
-    steps); above, oneDNN with the weights prepacked once (as fast or faster there: 1.4x at 2048
-    rows on the model's layers alone, 1.0-1.5x per layer shape in the engine), rows padded to a
-    bucket (`row_bucket`). Without AMX: the panel kernel up to
+    oneDNN's rate there, a read of the weights at small M; in the engine 1.2-2.2x per call at
+    416-512 rows, whole such steps 4-13% faster); above, oneDNN with the weights prepacked once (as
+    fast or faster there: 1.4x at 2048 rows on the model's layers alone, 1.0-1.5x per layer shape in
+    the engine), rows padded to a bucket (`row_bucket`). Without AMX: the panel kernel up to
     SMALL_M_BF16 rows (a weight read: 10-25% faster than oneDNN's per-call overhead on small
     layers), oneDNN above.
     """
