@@ -181,7 +181,7 @@ class RequestBuilder:
         return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
 
     def _chat_tokens(self, messages: Any, field: str) -> list[int]:
-        _check_messages(messages, field)
+        messages = _checked_messages(messages, field)
         system_prompt = self.options.system_prompt
         if system_prompt and not any(m["role"] == "system" for m in messages):
             messages = [{"role": "system", "content": system_prompt}, *messages]
@@ -208,11 +208,15 @@ class RequestBuilder:
                           f"of {max_len}; lower max_tokens to at most {max_len - num_tokens}")
 
 
-def _check_messages(messages: Any, field: str) -> None:
+def _checked_messages(messages: Any, field: str) -> list[dict]:
+    """The chat messages, each content a string: OpenAI-style lists of text parts
+    ([{"type": "text", "text": ...}, ...]) are joined with newlines, as vLLM does for string-content
+    templates. Anything else is rejected, naming the message and part at fault."""
     if not isinstance(messages, list):
         raise _Reject(f"field '{field}' must be a list of chat messages, got {describe(messages)}")
     if not messages:
         raise _Reject(f"field '{field}' is an empty list; give at least one message")
+    checked = []
     for i, message in enumerate(messages):
         at = f"{field}[{i}]"
         if not isinstance(message, dict):
@@ -222,10 +226,29 @@ def _check_messages(messages: Any, field: str) -> None:
             raise _Reject(f"{at}.role must be a string, got {describe(role)}")
         if role not in ROLES:
             raise _Reject(f"{at}.role {role!r} is not one of {', '.join(ROLES)}")
-        if not isinstance(message.get("content"), str):
-            raise _Reject(f"{at}.content must be a string, got {describe(message.get('content'))}")
-    if not any(m["content"].strip() for m in messages):
+        content = message.get("content")
+        if isinstance(content, list):
+            content = _joined_text_parts(content, f"{at}.content")
+        elif not isinstance(content, str):
+            raise _Reject(f"{at}.content must be a string or a list of text parts, got {describe(content)}")
+        checked.append(message if content is message["content"] else {**message, "content": content})
+    if not any(m["content"].strip() for m in checked):
         raise _Reject(f"every message in '{field}' has empty content; give a prompt or remove the record")
+    return checked
+
+
+def _joined_text_parts(parts: list, at: str) -> str:
+    texts = []
+    for k, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text":
+            what = f"a part of type {kind!r}" if isinstance(kind, str) else describe(part)
+            raise _Reject(f"{at}[{k}] is {what}; only text parts ({{\"type\": \"text\", \"text\": ...}}) "
+                          "can be sent to a text model")
+        if not isinstance(part.get("text"), str):
+            raise _Reject(f"{at}[{k}].text must be a string, got {describe(part.get('text'))}")
+        texts.append(part["text"])
+    return "\n".join(texts)
 
 
 def _as_float(field: str, value: Any) -> float:

@@ -61,6 +61,15 @@ def test_chat_and_system_prompt(tokenizer):
     assert kept_own.prompt_token_ids == chat_ids(tokenizer, own)
 
 
+def test_chat_content_as_openai_text_parts(tokenizer):
+    parts = [{"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+             {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]}]
+    built = build(tokenizer, {"messages": parts})
+    assert built.prompt_token_ids == chat_ids(tokenizer, [{"role": "system", "content": "Be brief."},
+                                                          {"role": "user", "content": "Hi\nthere"}])
+    assert parts[1]["content"][0] == {"type": "text", "text": "Hi"}  # the record itself is left as it was
+
+
 def test_custom_field_names_and_keep_fields(tokenizer):
     record = {"key": 7, "text": "Hello", "category": "demo", "meta": {"a": 1}}
     built = build(tokenizer, record, prompt_field="text", id_field="key", keep_fields=("category", "meta", "gone"))
@@ -211,7 +220,15 @@ def test_unparsed_record_passes_its_error_through(tokenizer):
     ({"messages": [{"role": "robot", "content": "a"}]}, "line 5: messages[0].role 'robot' is not one of"),
     ({"messages": [{"content": "a"}]}, "line 5: messages[0].role must be a string, got null"),
     ({"messages": [{"role": "user", "content": "a"}, {"role": "user"}]},
-     "line 5: messages[1].content must be a string, got null"),
+     "line 5: messages[1].content must be a string or a list of text parts, got null"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x.png"}}]}]},
+     "line 5: messages[0].content[0] is a part of type 'image_url'; only text parts"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, "b"]}]},
+     "line 5: messages[0].content[1] is a string; only text parts"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": None}]}]},
+     "line 5: messages[0].content[0].text must be a string, got null"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": " "}]}]},
+     "line 5: every message in 'messages' has empty content"),
     ({"messages": [{"role": "user", "content": " "}]}, "line 5: every message in 'messages' has empty content"),
 ])
 def test_bad_record_is_an_error_row(tokenizer, record, message):
