@@ -72,14 +72,15 @@ inline void store16(scalar_t* __restrict__ dst, v16f x) {
     std::memcpy(dst, &x, sizeof(x));
   } else if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
 #ifdef __AVX512BF16__
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(reinterpret_cast<__m512>(x))));
-    return;
-#endif
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),
+                        reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(reinterpret_cast<__m512>(x))));
+#else
     const v16f r = round16<scalar_t>(x);
     v16u32 bits;
     std::memcpy(&bits, &r, sizeof(bits));
     const v16u16 h = __builtin_convertvector(bits >> 16, v16u16);
     std::memcpy(dst, &h, sizeof(h));
+#endif
   } else {
     for (int i = 0; i < 16; ++i) dst[i] = static_cast<scalar_t>(x[i]);
   }
