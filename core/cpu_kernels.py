@@ -7,12 +7,16 @@ tiles (`amx_gemm.cpp`, compiled in only where the compiler targets AMX). The bui
 compiler and ninja; where either is missing, `cpu_kernels()` returns None: attention falls back to
 gathering K/V for torch's SDPA, the model runs its eager transformers forward and the sampler its
 torch ops (correct, slower).
+The build is tuned for the CPU it runs on (`-march=native`), so it is cached per CPU
+(`kernels/py311-<cpu tag>`): a cache directory shared between machines (a home directory on a
+cluster) never hands one CPU a build with another's instructions, which would die of SIGILL.
 Set CONVEYOR_NO_KERNELS=1 to force that fallback. The kernel sources include only the ATen headers
 they use, not torch/extension.h: the first build takes ~35 s on 2 cores instead of ~80.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import platform
 import sys
@@ -38,7 +42,7 @@ def cpu_kernels():
 
         from conveyor.core.model_loader import cache_dir
 
-        build_dir = cache_dir() / "kernels" / f"py{sys.version_info.major}{sys.version_info.minor}"
+        build_dir = cache_dir() / "kernels" / f"py{sys.version_info.major}{sys.version_info.minor}-{cpu_tag()}"
         build_dir.mkdir(parents=True, exist_ok=True)
         csrc = Path(__file__).parent / "csrc"
         if not (build_dir / "conveyor_cpu_kernels.so").exists():
@@ -51,6 +55,24 @@ def cpu_kernels():
                       "using the slower torch fallback", stacklevel=2)
         _module = None
     return _module
+
+
+def cpu_tag(cpuinfo: str | None = None) -> str:
+    """A short hash of what `-march=native` compiles for: the architecture, the CPU's model name and
+    its instruction-set flags (the first processor's, from /proc/cpuinfo where there is one)."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+                cpuinfo = f.read()
+        except OSError:
+            cpuinfo = ""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())  # first processor's values
+    model = fields.get("model name") or platform.processor()
+    flags = " ".join(sorted((fields.get("flags") or fields.get("Features") or "").split()))  # x86 / arm64
+    return hashlib.sha256(f"{platform.machine()}|{model}|{flags}".encode()).hexdigest()[:12]
 
 
 def _cflags() -> list[str]:
