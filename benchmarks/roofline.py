@@ -57,6 +57,34 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
+_ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")  # what decides which matmul kernels run here
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), or platform.processor() elsewhere."""
+    try:
+        for line in open("/proc/cpuinfo", encoding="utf-8"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cpu_signature() -> str:
+    """Model name and the matmul-relevant instruction sets, e.g. "AMD EPYC (avx2 avx512f avx512_bf16)":
+    two machines with the same signature run the same kernels; rates from another signature do not apply."""
+    flags: set[str] = set()
+    try:
+        for line in open("/proc/cpuinfo", encoding="utf-8"):
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    return f"{cpu_model()} ({' '.join(f for f in _ISA_FLAGS if f in flags) or 'flags unknown'})"
+
+
 def model_shapes(cfg: dict) -> tuple[list[tuple[int, int]], int]:
     """[(in, out), ...] of every linear layer, and the layer count they repeat over (lm head separate)."""
     h = cfg["hidden_size"]
@@ -294,7 +322,7 @@ def main() -> None:
         "batch": a.batch,
         "context": a.context,
         "threads": a.threads,
-        "machine": {"cpu": platform.processor() or platform.machine(), "torch": torch.__version__},
+        "machine": {"cpu": cpu_signature(), "torch": torch.__version__},
         "params_per_token": params_per_token(cfg),
         "bandwidth": bw,
         "matmul": rates,

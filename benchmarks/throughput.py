@@ -89,6 +89,7 @@ RESULT_PREFIX = "BENCH_RESULT "
 ALL_ENGINES = ("conveyor", "vllm", "hf-cb", "hf-static", "sequential")
 
 sys.path.insert(0, str(HERE))
+from roofline import cpu_signature  # noqa: E402
 from workload import make_workload  # noqa: E402
 
 
@@ -124,14 +125,19 @@ def allowed_cpus() -> list[int]:
         return list(range(os.cpu_count() or 1))
 
 
-def cpu_model() -> str:
-    try:
-        for line in open("/proc/cpuinfo", encoding="utf-8"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
+def load_roofline(path: Path) -> dict | None:
+    """roofline.py's record at `path`, if it exists and was measured on a CPU like this one (same model name
+    and matmul instruction sets); otherwise None, saying why: another CPU's rates are no ceiling here."""
+    if not path.exists():
+        return None
+    record = json.loads(path.read_text())
+    measured_on, here = (record.get("machine") or {}).get("cpu"), cpu_signature()
+    if measured_on != here:
+        print(f"roofline: {path} was measured on {measured_on!r}, this machine is {here!r}; its rates do not apply "
+              f"here, so no roofline fraction from it. Run `python benchmarks/roofline.py` (about 4 minutes) "
+              f"to measure this machine, or pass --probe.", file=sys.stderr)
+        return None
+    return record
 
 
 def vllm_command(venv: Path, spec_path: Path) -> list[str] | None:
@@ -472,7 +478,7 @@ def main() -> None:
     common = {"model": folder, "dtype": args.dtype, "threads": args.threads, "max_num_seqs": args.max_num_seqs,
               "max_num_batched_tokens": args.max_num_batched_tokens, "kv_gib": args.kv_gib,
               "static_batch": args.static_batch, "vllm_eager": args.vllm_eager, "warmup": warmup}
-    roofline = json.loads(args.roofline.read_text()) if args.roofline.exists() else None
+    roofline = load_roofline(args.roofline)
 
     runs: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="conveyor-bench-") as tmp:
@@ -516,7 +522,7 @@ def main() -> None:
     record = {
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "engines": engines,
-        "machine": {"cpu": cpu_model(), "cores": cpu_count(), "python": platform.python_version(),
+        "machine": {"cpu": cpu_signature(), "cores": cpu_count(), "python": platform.python_version(),
                     "torch": torch.__version__, "transformers": transformers.__version__},
         "model": folder,
         "workload": {"n": len(requests), "output_tokens": sum(r["max_tokens"] for r in requests),
