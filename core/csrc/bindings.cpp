@@ -3,7 +3,8 @@
 
 at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor tables,
                            at::Tensor token_req, at::Tensor token_ctx, int64_t block_size, double scale);
-bool paged_attention_tiles(bool bf16, int64_t head_dim, int64_t block_size, int64_t group);
+bool paged_attention_bf16_prompts(bool bf16, int64_t head_dim, int64_t block_size, int64_t group);
+bool bf16_products_available();
 at::Tensor rms_norm(at::Tensor h, c10::optional<at::Tensor> delta, at::Tensor w, double eps);
 void rope_store(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor slots, at::Tensor k_cache,
                 at::Tensor v_cache, int64_t num_heads);
@@ -17,8 +18,11 @@ bool amx_gemm_available();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "paged attention over a block pool (CPU)");
-  m.def("paged_attention_tiles", &paged_attention_tiles,
-        "whether paged_attention runs prompt rows of this shape (bf16?, head_dim, block_size, query heads per KV head) on AMX tiles");
+  m.def("paged_attention_bf16_prompts", &paged_attention_bf16_prompts,
+        "whether paged_attention runs prompt rows of this shape (bf16?, head_dim, block_size, query heads per KV head) "
+        "as bf16 products (AMX tiles or AVX512-BF16)");
+  m.def("bf16_products_available", &bf16_products_available,
+        "whether this build and CPU run bf16 prompt attention as products (AMX tiles or AVX512-BF16)");
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally adding a residual delta in place first (CPU)");
   m.def("rope_store", &rope_store, "rotary embedding on q/k in place, then k/v stored into the paged pool (CPU)");
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up over [rows, 2I] (CPU)");

@@ -211,18 +211,23 @@ static void attend_generic(const float* __restrict__ qf, const scalar_t* __restr
 
 constexpr int64_t AMX_QTILES = 4;  // query tiles (16 vectors each) per run: K/V interleaved once for all
 
-#ifdef CONVEYOR_AMX
-// Prompt runs in bf16 on AMX tiles (head_dim 64, block size 16): up to 64 query vectors (R rows x G
-// heads sharing one KV head) against the request's keys, in two matrix products instead of vector
-// FMAs. The run's K blocks and V rows are first interleaved into the (pair, column, 2) layout of
-// TDPBF16PS (one permute per 32 values) and then shared by up to AMX_QTILES tiles of 16 vectors.
-// Scores: q [16 x 64] . K^T per block of 16 keys; exp(scale x (s - max)) in float, left unnormalized
-// and rounded to bf16 (exp_to_probs); then P . V per 32 keys, each output divided by its weights'
-// sum. One layer, cold pool: 2 prompts x 300 tokens 1.9 -> 1.1 ms, 4 x 512
-// 10.2 -> 5.3 ms against the FMA path. Keys past the context are zero in V's tiles (their weight is
-// zero; 0 x a stale NaN would not be). Decode rows stay on the FMA path: 64 decodes on a cold pool
-// took 0.60 ms per layer there against 0.93-0.95 on the tiles, whose K/V interleave a single row
-// cannot share.
+// Prompt runs in bf16 as products of bf16 pairs (head_dim 64, block size 16): up to 64 query vectors
+// (R rows x G heads sharing one KV head) against the request's keys. The run's K blocks and V rows
+// are first interleaved into (pair, column, 2) rows, the layout of AMX's TDPBF16PS and of AVX512-BF16's
+// VDPBF16PS alike (one permute per 32 values), then shared by all the run's vectors. Scores: q . K^T
+// per block of 16 keys; exp(scale x (s - max)) in float, left unnormalized and rounded to bf16
+// (exp_to_probs); then P . V per 32 keys, each output divided by its weights' sum. Two products:
+// - AMX tiles (attend_amx): one layer, cold pool: 2 prompts x 300 tokens 1.9 -> 1.1 ms, 4 x 512
+//   10.2 -> 5.3 ms against the FMA path.
+// - AVX512-BF16 vectors where there are no tiles (attend_dpbf16; AMD Zen 4, for one): each
+//   VDPBF16PS does 32 multiply-adds where an FMA on widened floats does 16. One layer, cold pool,
+//   against the FMA path, ms: 2 prompts x 300 tokens 1.72-1.86 -> 1.00, 4 x 512 8.8-9.1 -> 5.3-5.5,
+//   1 x 1500 16.1-16.4 -> 9.5-9.7.
+// Keys past the context are zero in V's rows (their weight is zero; 0 x a stale NaN would not be).
+// Decode rows stay on the FMA path: 64 decodes on a cold pool took 0.60 ms per layer there against
+// 0.93-0.95 on the tiles, whose K/V interleave a single row cannot share.
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__)
+#define CONVEYOR_BF16_PAIRS 1
 
 // [a0 b0 a1 b1 ... a15 b15]: two rows of 16 bf16 as one row of 16 (a, b) pairs.
 static inline __m512i pair_rows(__m256i a, __m256i b) {
@@ -258,17 +263,13 @@ static inline float exp_to_probs(const float* s, c10::BFloat16* pr, int64_t n, i
   return 1.f / _mm512_reduce_add_ps(sum);
 }
 
-// qv [vecs rounded up to 16][64] bf16, lim[v] keys seen by vector v; out_f [same][64] float.
-// kt: room for the run's K tiles (ceil(ctx / 16) x 1 KiB x 2), vt: its V tiles (ceil(ctx / 32) x 4 KiB).
-static void attend_amx(const c10::BFloat16* qv, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache,
-                       const int64_t* table, int64_t ctx, const int64_t* lim, int64_t vecs, int64_t h, int64_t Hkv,
-                       float scale, float* scores, c10::BFloat16* probs, c10::BFloat16* kt, c10::BFloat16* vt,
-                       float* out_f) {
+// The run's K and V in pair rows. kt: per block of 16 keys, two groups (dims 0-31, 32-63) of 16 rows
+// (d, d + 1) x 16 keys; vt: per 32 keys, four groups (16 dims each) of 16 rows (key, key + 1) x 16 dims.
+static void interleave_kv(const c10::BFloat16* k_cache, const c10::BFloat16* v_cache, const int64_t* table,
+                          int64_t ctx, int64_t h, int64_t Hkv, c10::BFloat16* kt, c10::BFloat16* vt) {
   constexpr int64_t D = 64, bs = 16;
-  const int64_t num_blocks = (ctx + bs - 1) / bs, chunks = (ctx + 31) / 32;
-  const int64_t sstride = chunks * 32;  // scores / probs row per vector, 32-key chunks
+  const int64_t num_blocks = (ctx + bs - 1) / bs;
   const int64_t stride = Hkv * D;
-  // K: per block of 16 keys, two tiles (dims 0-31, 32-63) of (d, d + 1) pairs for 16 keys.
   for (int64_t b = 0; b < std::min<int64_t>(PF, num_blocks); ++b) prefetch_l2(k_cache + (table[b] * Hkv + h) * D * bs, D * bs);
   for (int64_t b = 0; b < num_blocks; ++b) {
     const c10::BFloat16* kb = k_cache + (table[b] * Hkv + h) * D * bs;  // [64 d][16 keys]
@@ -279,7 +280,6 @@ static void attend_amx(const c10::BFloat16* qv, const c10::BFloat16* k_cache, co
       _mm512_store_si512(kt + (b * 2 + kk / 16) * 512 + (kk % 16) * 32, pair_rows(a, c));
     }
   }
-  // V: per 32 keys, four tiles (16 dims each) of (key, key + 1) pairs; keys past ctx are zero.
   for (int64_t k0 = 0; k0 < ctx; k0 += 32) {
     for (int64_t kk = 0; kk < 16; ++kk) {
       const c10::BFloat16* row[2];
@@ -294,6 +294,107 @@ static void attend_amx(const c10::BFloat16* qv, const c10::BFloat16* k_cache, co
       }
     }
   }
+}
+
+// The 32 bits of a bf16 pair, broadcast to all 16 lanes.
+static inline __m512bh pair_bcast(const c10::BFloat16* p) {
+  int32_t bits;
+  std::memcpy(&bits, p, sizeof(bits));
+  return reinterpret_cast<__m512bh>(_mm512_set1_epi32(bits));
+}
+
+// Scores of NQ query vectors (bf16 [NQ][64], rows 64 apart) against one block's K pair rows (kb: 32
+// rows of 16 keys x 2), unscaled, to scores + v * sstride.
+template <int NQ>
+static inline void block_scores(const c10::BFloat16* q, const c10::BFloat16* kb, float* scores, int64_t sstride) {
+  __m512 acc[NQ];
+  for (int v = 0; v < NQ; ++v) acc[v] = _mm512_setzero_ps();
+  for (int64_t kk = 0; kk < 32; ++kk) {
+    const __m512bh k = reinterpret_cast<__m512bh>(_mm512_load_si512(kb + (kk / 16) * 512 + (kk % 16) * 32));
+    for (int v = 0; v < NQ; ++v) acc[v] = _mm512_dpbf16_ps(acc[v], pair_bcast(q + v * 64 + 2 * kk), k);
+  }
+  for (int v = 0; v < NQ; ++v) _mm512_storeu_ps(scores + v * sstride, acc[v]);
+}
+
+// P . V for NQ vectors (probs: bf16 rows sstride apart, `chunks` x 32 keys) over the V pair rows,
+// times inv[v], to out_f + v * 64.
+template <int NQ>
+static inline void probs_values(const c10::BFloat16* probs, int64_t sstride, const c10::BFloat16* vt, int64_t chunks,
+                                const float* inv, float* out_f) {
+  __m512 acc[NQ][4];
+  for (int v = 0; v < NQ; ++v)
+    for (int j = 0; j < 4; ++j) acc[v][j] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < chunks; ++c) {
+    const c10::BFloat16* w = vt + c * 4 * 512;
+    for (int64_t kk = 0; kk < 16; ++kk) {
+      __m512bh vr[4];
+      for (int j = 0; j < 4; ++j) vr[j] = reinterpret_cast<__m512bh>(_mm512_load_si512(w + j * 512 + kk * 32));
+      for (int v = 0; v < NQ; ++v) {
+        const __m512bh p = pair_bcast(probs + v * sstride + c * 32 + 2 * kk);
+        for (int j = 0; j < 4; ++j) acc[v][j] = _mm512_dpbf16_ps(acc[v][j], p, vr[j]);
+      }
+    }
+  }
+  for (int v = 0; v < NQ; ++v) {
+    const __m512 f = _mm512_set1_ps(inv[v]);
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(out_f + v * 64 + 16 * j, _mm512_mul_ps(acc[v][j], f));
+  }
+}
+
+// qv [vecs][64] bf16, lim[v] keys seen by vector v; out_f [vecs][64] float. kt / vt: room for the run's
+// pair rows (ceil(ctx / 16) x 2 KiB each, 64-byte aligned); scores / probs: 8 rows of ceil(ctx / 32) x 32.
+static void attend_dpbf16(const c10::BFloat16* qv, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache,
+                          const int64_t* table, int64_t ctx, const int64_t* lim, int64_t vecs, int64_t h,
+                          int64_t Hkv, float scale, float* scores, c10::BFloat16* probs, c10::BFloat16* kt,
+                          c10::BFloat16* vt, float* out_f) {
+  constexpr int64_t QS = 8, PV = 4;  // vectors per pass: scores (8 accumulators), P . V (4 x 4)
+  const int64_t num_blocks = (ctx + 15) / 16, chunks = (ctx + 31) / 32, sstride = chunks * 32;
+  interleave_kv(k_cache, v_cache, table, ctx, h, Hkv, kt, vt);
+  for (int64_t v0 = 0; v0 < vecs; v0 += QS) {
+    const int64_t nq = std::min(QS, vecs - v0);
+    const c10::BFloat16* q = qv + v0 * 64;
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      const c10::BFloat16* kb = kt + b * 2 * 512;
+      float* sc = scores + b * 16;
+      switch (nq) {
+        case 1: block_scores<1>(q, kb, sc, sstride); break;
+        case 2: block_scores<2>(q, kb, sc, sstride); break;
+        case 3: block_scores<3>(q, kb, sc, sstride); break;
+        case 4: block_scores<4>(q, kb, sc, sstride); break;
+        case 5: block_scores<5>(q, kb, sc, sstride); break;
+        case 6: block_scores<6>(q, kb, sc, sstride); break;
+        case 7: block_scores<7>(q, kb, sc, sstride); break;
+        default: block_scores<8>(q, kb, sc, sstride); break;
+      }
+    }
+    alignas(64) float inv[QS];
+    for (int64_t v = 0; v < nq; ++v)
+      inv[v] = exp_to_probs(scores + v * sstride, probs + v * sstride, lim[v0 + v], sstride, scale);
+    for (int64_t p0 = 0; p0 < nq; p0 += PV) {
+      const c10::BFloat16* pr = probs + p0 * sstride;
+      float* o = out_f + (v0 + p0) * 64;
+      switch (std::min(PV, nq - p0)) {
+        case 1: probs_values<1>(pr, sstride, vt, chunks, inv + p0, o); break;
+        case 2: probs_values<2>(pr, sstride, vt, chunks, inv + p0, o); break;
+        case 3: probs_values<3>(pr, sstride, vt, chunks, inv + p0, o); break;
+        default: probs_values<4>(pr, sstride, vt, chunks, inv + p0, o); break;
+      }
+    }
+  }
+}
+#endif  // AVX512-BF16
+
+#ifdef CONVEYOR_AMX
+// qv [vecs rounded up to 16][64] bf16, lim[v] keys seen by vector v; out_f [same][64] float.
+// kt: room for the run's K tiles (ceil(ctx / 16) x 1 KiB x 2), vt: its V tiles (ceil(ctx / 32) x 4 KiB).
+static void attend_amx(const c10::BFloat16* qv, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache,
+                       const int64_t* table, int64_t ctx, const int64_t* lim, int64_t vecs, int64_t h, int64_t Hkv,
+                       float scale, float* scores, c10::BFloat16* probs, c10::BFloat16* kt, c10::BFloat16* vt,
+                       float* out_f) {
+  constexpr int64_t D = 64, bs = 16;
+  const int64_t num_blocks = (ctx + bs - 1) / bs, chunks = (ctx + 31) / 32;
+  const int64_t sstride = chunks * 32;  // scores / probs row per vector, 32-key chunks
+  interleave_kv(k_cache, v_cache, table, ctx, h, Hkv, kt, vt);
   for (int64_t v0 = 0; v0 < vecs; v0 += 16) {  // one tile of 16 query vectors at a time
     _tile_loadd(4, qv + v0 * D, D * 2);       // q, dims 0-31
     _tile_loadd(5, qv + v0 * D + 32, D * 2);  // q, dims 32-63
@@ -339,17 +440,30 @@ static void attend_amx(const c10::BFloat16* qv, const c10::BFloat16* k_cache, co
 }
 #endif  // CONVEYOR_AMX
 
-// Whether rows of this shape run on the AMX tiles above (prompt runs; the runner also sends prompts
-// that start at position 0 here rather than to SDPA, which the tiles outrun). One answer for the
-// kernel and its callers.
-bool paged_attention_tiles(bool bf16, int64_t head_dim, int64_t block_size, int64_t group) {
+// Which product prompt runs of this shape take: tiles (AMX, permitted here), bf16 pair vectors
+// (AVX512-BF16 without usable tiles) or none (the FMA path on floats).
+enum class PromptPath { kFma, kPairs, kTiles };
+
+static PromptPath prompt_path(bool bf16, int64_t head_dim, int64_t block_size, int64_t group) {
+  if (!(bf16 && block_size == 16 && head_dim == 64 && group <= 16)) return PromptPath::kFma;
 #ifdef CONVEYOR_AMX
-  return bf16 && block_size == 16 && head_dim == 64 && group <= 16 && amx_gemm_available();
-#else
-  (void)bf16, (void)head_dim, (void)block_size, (void)group;
-  return false;
+  if (amx_gemm_available()) return PromptPath::kTiles;
 #endif
+#ifdef CONVEYOR_BF16_PAIRS
+  return PromptPath::kPairs;
+#endif
+  return PromptPath::kFma;
 }
+
+// Whether prompt runs of this shape are bf16 products (tiles or pair vectors, above). The runner
+// then also sends prompts that start at position 0 here rather than to SDPA, which both outrun.
+// One answer for the kernel and its callers.
+bool paged_attention_bf16_prompts(bool bf16, int64_t head_dim, int64_t block_size, int64_t group) {
+  return prompt_path(bf16, head_dim, block_size, group) != PromptPath::kFma;
+}
+
+// Whether this build and CPU have a bf16 product for prompt runs at all (AMX tiles or AVX512-BF16).
+bool bf16_products_available() { return paged_attention_bf16_prompts(true, 64, 16, 1); }
 
 template <typename scalar_t>
 static void paged_attention_kernel(const scalar_t* q,        // [T, H, D], rows q_stride apart
@@ -367,9 +481,10 @@ static void paged_attention_kernel(const scalar_t* q,        // [T, H, D], rows 
   // K/V row read serves R x G query vectors instead of G: a row sees one key more than the row
   // before it, and scores past a vector's own keys are masked. On the FMA path each row's result is
   // the same as computed alone (the same sums in the same order; masked keys add exact zeros); bf16
-  // runs on AMX tiles differ from a lone row by the rounding of their probabilities to bf16.
-  const bool amx = paged_attention_tiles(std::is_same_v<scalar_t, c10::BFloat16>, D, bs, G);
-  const int64_t R = amx ? 16 * AMX_QTILES / G : fast ? std::max<int64_t>(1, 8 / G) : 1;  // AMX: up to 64 query vectors
+  // runs as bf16 products differ from a lone row by the rounding of their probabilities to bf16.
+  const PromptPath path = prompt_path(std::is_same_v<scalar_t, c10::BFloat16>, D, bs, G);
+  const bool products = path != PromptPath::kFma;
+  const int64_t R = products ? 16 * AMX_QTILES / G : fast ? std::max<int64_t>(1, 8 / G) : 1;  // up to 64 query vectors
   std::vector<int64_t> group_start;  // row groups: [group_start[i], group_start[i + 1])
   for (int64_t t = 0; t < T; ++t) {
     const bool joins = t > 0 && t - group_start.back() < R && token_req[t] == token_req[t - 1] &&
@@ -420,8 +535,10 @@ static void paged_attention_kernel(const scalar_t* q,        // [T, H, D], rows 
     std::vector<int64_t> lims(R * G);
 #ifdef CONVEYOR_AMX
     bool tiles = false;
-    std::vector<float> amx_scores;
-    std::vector<c10::BFloat16> amx_probs, amx_kt, amx_vt, amx_q(16 * AMX_QTILES * 64);
+#endif
+#ifdef CONVEYOR_BF16_PAIRS
+    std::vector<float> run_scores;
+    std::vector<c10::BFloat16> run_probs, run_kt, run_vt, run_q(16 * AMX_QTILES * 64);
 #endif
     for (int64_t c = next_chunk++; c < chunks; c = next_chunk++)
     for (int64_t task = bounds[c]; task < bounds[c + 1]; ++task) {
@@ -429,32 +546,41 @@ static void paged_attention_kernel(const scalar_t* q,        // [T, H, D], rows 
       const int64_t t0 = group_start[i], rows = group_start[i + 1] - t0, vecs = rows * G;
       const int64_t ctx = token_ctx[t0 + rows - 1];  // the last row sees the most keys
       const int64_t* table = tables + token_req[t0] * max_blocks;
-#ifdef CONVEYOR_AMX
+#ifdef CONVEYOR_BF16_PAIRS
       if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-        if (amx && rows > 1) {  // prompt runs on the tiles; single rows (decodes) stream K/V faster below
-          if (!tiles) {
-            amx_tile_config();
-            tiles = true;
-          }
+        if (products && rows > 1) {  // prompt runs as bf16 products; single rows (decodes) stream K/V faster below
           const int64_t sstride = (ctx + 31) / 32 * 32;
-          if (static_cast<int64_t>(amx_scores.size()) < 16 * sstride) {
-            amx_scores.resize(16 * sstride);
-            amx_probs.resize(16 * sstride);
-            amx_kt.resize(2 * sstride * 32 + 64);  // 64-byte aligned below
-            amx_vt.resize(2 * sstride * 32 + 64);
+          if (static_cast<int64_t>(run_scores.size()) < 16 * sstride) {
+            run_scores.resize(16 * sstride);
+            run_probs.resize(16 * sstride);
+            run_kt.resize(2 * sstride * 32 + 64);  // 64-byte aligned below
+            run_vt.resize(2 * sstride * 32 + 64);
           }
           const auto aligned = [](c10::BFloat16* p) {
             return reinterpret_cast<c10::BFloat16*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t(63));
           };
-          std::fill(amx_q.begin() + vecs * 64, amx_q.begin() + (vecs + 15) / 16 * 16 * 64,  // the last tile's pad
+          std::fill(run_q.begin() + vecs * 64, run_q.begin() + (vecs + 15) / 16 * 16 * 64,  // the last tile's pad
                     c10::BFloat16(0.f));
           for (int64_t r = 0; r < rows; ++r)
             for (int64_t g = 0; g < G; ++g) {
               lims[r * G + g] = token_ctx[t0 + r];
-              std::memcpy(amx_q.data() + (r * G + g) * 64, q + (t0 + r) * q_stride + (h * G + g) * D, 64 * sizeof(scalar_t));
+              std::memcpy(run_q.data() + (r * G + g) * 64, q + (t0 + r) * q_stride + (h * G + g) * D, 64 * sizeof(scalar_t));
             }
-          attend_amx(amx_q.data(), k_cache, v_cache, table, ctx, lims.data(), vecs, h, Hkv, scale, amx_scores.data(),
-                     amx_probs.data(), aligned(amx_kt.data()), aligned(amx_vt.data()), out_f.data());
+#ifdef CONVEYOR_AMX
+          if (path == PromptPath::kTiles) {
+            if (!tiles) {
+              amx_tile_config();
+              tiles = true;
+            }
+            attend_amx(run_q.data(), k_cache, v_cache, table, ctx, lims.data(), vecs, h, Hkv, scale, run_scores.data(),
+                       run_probs.data(), aligned(run_kt.data()), aligned(run_vt.data()), out_f.data());
+          } else
+#endif
+          {
+            attend_dpbf16(run_q.data(), k_cache, v_cache, table, ctx, lims.data(), vecs, h, Hkv, scale,
+                          run_scores.data(), run_probs.data(), aligned(run_kt.data()), aligned(run_vt.data()),
+                          out_f.data());
+          }
           for (int64_t r = 0; r < rows; ++r)
             for (int64_t g = 0; g < G; ++g)
               for (int64_t d = 0; d < 64; d += 16)  // rounded to nearest even, as static_cast rounds

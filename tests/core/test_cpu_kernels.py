@@ -61,13 +61,13 @@ def test_paged_attention_matches_a_dense_reference(dtype, head_dim, block_size, 
 def test_paged_attention_prompt_rows_taken_together_equal_each_row_alone(dtype, heads):
     """A prompt chunk's rows (one request, consecutive positions) share their K/V reads in the
     kernel; each row's output must equal that row computed on its own, bit for bit (bf16 on a CPU with
-    AMX: runs go to the tiles with bf16 probabilities, single rows to the FMA path, so only close), and
-    the dense reference. Covers runs cut by the run length, by another request and by a gap in
+    AMX or AVX512-BF16: runs are bf16 products with bf16 probabilities, single rows take the FMA path,
+    so only close), and the dense reference. Covers runs cut by the run length, by another request and by a gap in
     positions."""
     g = torch.Generator().manual_seed(sum(heads))
     H, Hkv = heads
     D, bs = 64, 16
-    tiles = ops.paged_attention_tiles(dtype == torch.bfloat16, D, bs, H // Hkv)  # runs of 2+ rows
+    tiles = ops.paged_attention_bf16_prompts(dtype == torch.bfloat16, D, bs, H // Hkv)  # runs of 2+ rows
     num_blocks = 40
     k_cache = torch.randn(num_blocks, Hkv, D, bs, generator=g).to(dtype)
     v_cache = torch.randn(num_blocks * bs, Hkv, D, generator=g).to(dtype)
@@ -91,11 +91,22 @@ def test_paged_attention_prompt_rows_taken_together_equal_each_row_alone(dtype, 
         assert torch.allclose(out[i].double(), want, atol=tol, rtol=tol), (i, c)
 
 
-def test_the_tile_path_of_attention_covers_bf16_with_head_dim_64_and_block_16_only():
-    assert ops.paged_attention_tiles(True, 64, 16, 3) == ops.amx_gemm_available()
-    assert ops.paged_attention_tiles(True, 64, 16, 16) == ops.amx_gemm_available()
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+def test_bf16_prompt_products_cover_bf16_with_head_dim_64_and_block_16_only():
+    """Prompt runs take bf16 products (AMX tiles, or AVX512-BF16 vectors) wherever the CPU has either."""
+    if ops.amx_gemm_available() or "avx512_bf16" in _cpu_flags():
+        assert ops.bf16_products_available()
+    assert ops.paged_attention_bf16_prompts(True, 64, 16, 3) == ops.bf16_products_available()
+    assert ops.paged_attention_bf16_prompts(True, 64, 16, 16) == ops.bf16_products_available()
     for bf16, d, bs, group in ((False, 64, 16, 3), (True, 128, 16, 3), (True, 64, 8, 3), (True, 64, 16, 17)):
-        assert not ops.paged_attention_tiles(bf16, d, bs, group)
+        assert not ops.paged_attention_bf16_prompts(bf16, d, bs, group)
 
 
 # A step: (context of each request, its rows as (request, keys the row sees)).

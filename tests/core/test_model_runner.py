@@ -180,14 +180,14 @@ def test_runner_logits_match_the_model_across_prefills_chunks_decodes_and_shared
         assert torch.allclose(row, _last_logits(ref_model, tokens), atol=1e-4)
 
 
-def test_bf16_prompts_from_position_zero_go_through_the_kernel_where_it_has_tiles():
-    """bf16 on CPUs with AMX: prompts with nothing cached take the kernel's tile path, not SDPA (faster
-    there); their logits stay close to transformers' own bf16 forward."""
+def test_bf16_prompts_from_position_zero_go_through_the_kernel_where_it_has_bf16_products():
+    """bf16 on CPUs with AMX or AVX512-BF16: prompts with nothing cached take the kernel's bf16 products,
+    not SDPA (faster there); their logits stay close to transformers' own bf16 forward."""
     from conveyor.core.cpu_kernels import cpu_kernels
 
     ops = cpu_kernels()
-    if not (ops and ops.amx_gemm_available()):
-        pytest.skip("no AMX tiles here: such prompts take SDPA")
+    if not (ops and ops.bf16_products_available()):
+        pytest.skip("no AMX or AVX512-BF16 here: such prompts take SDPA")
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
@@ -200,7 +200,7 @@ def test_bf16_prompts_from_position_zero_go_through_the_kernel_where_it_has_tile
     runner = ModelRunner(model, kv, eos_token_ids=())
     assert runner.fresh_prompts_paged and runner.fused is not None
     small_blocks = KVCache(2, 1, 64, num_blocks=32, block_size=8, dtype=torch.bfloat16, device=torch.device("cpu"))
-    assert not ModelRunner(model, small_blocks, eos_token_ids=()).fresh_prompts_paged  # no tile path for them
+    assert not ModelRunner(model, small_blocks, eos_token_ids=()).fresh_prompts_paged  # no product path for them
     _, _, batch, _ = runner._prepare([_entry("a", [1, 2, 3], 0, [4])])
     assert batch.fresh_chunks == [] and batch.has_paged_rows
     capture = _CapturingSampler()
