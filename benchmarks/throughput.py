@@ -103,9 +103,10 @@ def chat_token_ids(tokenizer, messages) -> list[int]:
     return [int(t) for t in out]
 
 
-def build_requests(tokenizer, n: int, seed: int, cap: int | None) -> list[dict]:
+def build_requests(tokenizer, n: int, seed: int, cap: int | None, **shape) -> list[dict]:
+    """The workload as token ids; `shape`: make_workload's min_words / max_words / min_tokens / max_tokens."""
     out = []
-    for r in make_workload(n, seed):
+    for r in make_workload(n, seed, **shape):
         mt = min(r.max_tokens, cap) if cap else r.max_tokens
         out.append({"id": r.id, "prompt_token_ids": chat_token_ids(tokenizer, r.messages), "max_tokens": mt})
     return out
@@ -423,6 +424,16 @@ def print_table(summary: dict, dtype: str, seq_n: int, roofline: dict | None, st
           " RSS counts pages shared between processes once per process, PSS splits them")
 
 
+def _span(text: str) -> tuple[int, int]:
+    try:
+        lo, hi = (int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected MIN,MAX (two integers), got {text!r}") from None
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"expected 1 <= MIN <= MAX, got {text!r}")
+    return lo, hi
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -440,6 +451,10 @@ def main() -> None:
     p.add_argument("--warmup-n", type=int, default=4, help="untimed warm-up requests (other prompts)")
     p.add_argument("--warmup-tokens", type=int, default=8)
     p.add_argument("--max-tokens-cap", type=int, default=None, help="cap every request's max_tokens (smoke tests)")
+    p.add_argument("--prompt-words", type=_span, default=(3, 300), metavar="MIN,MAX",
+                   help="words per prompt, log-uniform (default 3,300: about 10-400 tokens with the chat template)")
+    p.add_argument("--output-tokens", type=_span, default=(8, 256), metavar="MIN,MAX",
+                   help="clip of the skewed max_tokens distribution (default 8,256)")
     p.add_argument("--vllm-venv", type=Path, default=Path(os.environ.get("VLLM_VENV", HERE / ".venv-vllm")))
     p.add_argument("--vllm-eager", action="store_true", help="vLLM enforce_eager=True (no torch.compile)")
     p.add_argument("--timeout", type=int, default=7200, help="seconds per engine process")
@@ -471,7 +486,9 @@ def main() -> None:
 
     folder = str(ensure_embedded("smollm2-135m-instruct"))
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    requests = build_requests(tokenizer, args.n, args.seed, args.max_tokens_cap)
+    shape = {"min_words": args.prompt_words[0], "max_words": args.prompt_words[1],
+             "min_tokens": args.output_tokens[0], "max_tokens": args.output_tokens[1]}
+    requests = build_requests(tokenizer, args.n, args.seed, args.max_tokens_cap, **shape)
     warmup = build_requests(tokenizer, args.warmup_n, args.seed + 1, args.warmup_tokens)
     for w in warmup:
         w["id"] = "warmup-" + w["id"]
