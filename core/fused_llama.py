@@ -3,8 +3,9 @@
 Same weights and the same arithmetic as transformers' eager forward, with far fewer operations
 per layer: q/k/v and gate/up are each one matmul (the module weights become views into the
 concatenated tensors), weights are also kept in the layouts of the matmul kernels (32-column panels
-for float32 decode steps; in bf16, AMX tiles where the CPU has them and oneDNN's prepacked form:
-extra copies of the weights, the price of reading them at memory speed), and the element-wise work
+for float32 decode steps and oneDNN's prepacked form for larger float32 steps; in bf16, AMX tiles
+where the CPU has them and oneDNN's prepacked form: extra copies of the weights, the price of
+reading them at memory speed), and the element-wise work
 between matmuls runs in the C++ kernels of `fused_ops.cpp`: residual add + RMSNorm, rotary + KV
 store, SiLU(gate) * up. Per layer that is 9 calls instead of ~40.
 
@@ -69,7 +70,9 @@ class _Linear:
 
     float32: up to SMALL_M rows (decode steps) go to the C++ kernel over 32-column panels of W,
     which streams the weights under its arithmetic (measured 1.1-1.9x faster than BLAS at 1-128
-    rows on the model's shapes); more rows (prompt steps) to torch's GEMM.
+    rows on the model's shapes); more rows (prompt steps) to oneDNN with W prepacked once, rows
+    padded to a bucket (on an AMD EPYC 182-199 GFLOP/s at 64-256 rows where torch's MKL GEMM ran
+    107-142; as fast or a little faster than MKL on the Xeon), torch's GEMM where oneDNN is missing.
     bfloat16 on CPUs with AMX: conveyor's tile kernel (`amx_gemm.cpp`) up to AMX_MAX_M rows (1.1-2x
     oneDNN's rate there, a read of the weights at small M; in the engine 1.2-2.2x per call at
     416-512 rows, whole such steps 4-13% faster); above, oneDNN with the weights prepacked once (as
@@ -95,7 +98,7 @@ class _Linear:
         elif weight.dtype in (torch.float32, torch.bfloat16) and ops is not None and hasattr(ops, "small_gemm"):
             self.panels = pack_panels(weight)
             self.small_gemm = ops.small_gemm
-        if weight.dtype == torch.bfloat16 and _onednn_bf16():
+        if (weight.dtype == torch.bfloat16 and _onednn_bf16()) or (weight.dtype == torch.float32 and _onednn()):
             try:
                 packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
                 probe = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
@@ -120,6 +123,13 @@ class _Linear:
             y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
             return y if padded == m else y[:m]
         return F.linear(x, self.weight, self.bias)
+
+
+def _onednn() -> bool:
+    try:
+        return bool(torch.backends.mkldnn.is_available())
+    except (RuntimeError, AttributeError):
+        return False
 
 
 def _onednn_bf16() -> bool:

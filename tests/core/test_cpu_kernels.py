@@ -10,7 +10,8 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from conveyor.core.attention import PagedBatch
 from conveyor.core.cpu_kernels import cpu_kernels
-from conveyor.core.fused_llama import AMX_MAX_M, EXACT_M_ONEDNN, FusedLlama, _Linear, pack_amx, pack_panels, row_bucket
+from conveyor.core.fused_llama import (AMX_MAX_M, EXACT_M_ONEDNN, SMALL_M, FusedLlama, _Linear, pack_amx, pack_panels,
+                                      row_bucket)
 from conveyor.core.kv_cache import KVCache
 
 ops = cpu_kernels()
@@ -370,6 +371,24 @@ def test_bf16_linear_pads_rows_to_a_bucket_and_returns_only_the_real_rows(bias, 
         assert got.shape == (m, 96) and got.is_contiguous()
         want = F.linear(x.double(), w.double(), None if b is None else b.double())
         assert torch.allclose(got.double(), want, atol=3e-2 * 8, rtol=3e-2), m
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")
+@pytest.mark.parametrize("bias", [False, True])
+def test_float32_linear_takes_panels_up_to_small_m_then_prepacked_onednn(bias):
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(96, 64, generator=g)
+    b = torch.randn(96, generator=g) if bias else None
+    lin = _Linear(w, b, ops)
+    assert lin.panels is not None and lin.packed is not None
+    x = torch.randn(SMALL_M, 64, generator=g)
+    assert torch.equal(lin(x), ops.small_gemm(x, lin.panels, 96, b))  # decode steps: the panel kernel
+    for m in (SMALL_M + 1, 200, 600):  # larger steps: oneDNN, rows padded to a bucket, only the real ones back
+        x = torch.randn(m, 64, generator=g)
+        got = lin(x)
+        assert got.shape == (m, 96) and got.is_contiguous()
+        want = F.linear(x.double(), w.double(), None if b is None else b.double())
+        assert torch.allclose(got.double(), want, atol=1e-4, rtol=1e-4), m
 
 
 # -- the fused forward against transformers' own -----------------------------------------------------
