@@ -50,7 +50,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import time
 from pathlib import Path
 
@@ -60,29 +59,13 @@ HERE = Path(__file__).resolve().parent
 _ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")  # what decides which matmul kernels run here
 
 
-def cpu_model() -> str:
-    """The CPU's model name (/proc/cpuinfo), or platform.processor() elsewhere."""
-    try:
-        for line in open("/proc/cpuinfo", encoding="utf-8"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def cpu_signature() -> str:
     """Model name and the matmul-relevant instruction sets, e.g. "AMD EPYC (avx2 avx512f avx512_bf16)":
     two machines with the same signature run the same kernels; rates from another signature do not apply."""
-    flags: set[str] = set()
-    try:
-        for line in open("/proc/cpuinfo", encoding="utf-8"):
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        pass
-    return f"{cpu_model()} ({' '.join(f for f in _ISA_FLAGS if f in flags) or 'flags unknown'})"
+    from conveyor.core.cpu_kernels import cpu_identity
+
+    model, flags = cpu_identity()
+    return f"{model} ({' '.join(f for f in _ISA_FLAGS if f in flags) or 'flags unknown'})"
 
 
 def model_shapes(cfg: dict) -> tuple[list[tuple[int, int]], int]:

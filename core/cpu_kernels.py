@@ -57,9 +57,9 @@ def cpu_kernels():
     return _module
 
 
-def cpu_tag(cpuinfo: str | None = None) -> str:
-    """A short hash of what `-march=native` compiles for: the architecture, the CPU's model name and
-    its instruction-set flags (the first processor's, from /proc/cpuinfo where there is one)."""
+def cpu_identity(cpuinfo: str | None = None) -> tuple[str, list[str]]:
+    """(model name, sorted instruction-set flags) of the first processor in /proc/cpuinfo (or the
+    text given); platform.processor() and no flags where there is none."""
     if cpuinfo is None:
         try:
             with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
@@ -70,9 +70,15 @@ def cpu_tag(cpuinfo: str | None = None) -> str:
     for line in cpuinfo.splitlines():
         key, _, value = line.partition(":")
         fields.setdefault(key.strip(), value.strip())  # first processor's values
-    model = fields.get("model name") or platform.processor()
-    flags = " ".join(sorted((fields.get("flags") or fields.get("Features") or "").split()))  # x86 / arm64
-    return hashlib.sha256(f"{platform.machine()}|{model}|{flags}".encode()).hexdigest()[:12]
+    model = fields.get("model name") or platform.processor() or platform.machine()
+    return model, sorted((fields.get("flags") or fields.get("Features") or "").split())  # x86 / arm64
+
+
+def cpu_tag(cpuinfo: str | None = None) -> str:
+    """A short hash of what `-march=native` compiles for: the architecture, the CPU's model name and
+    its instruction-set flags."""
+    model, flags = cpu_identity(cpuinfo)
+    return hashlib.sha256(f"{platform.machine()}|{model}|{' '.join(flags)}".encode()).hexdigest()[:12]
 
 
 def _cflags() -> list[str]:
