@@ -134,7 +134,7 @@ def _onednn() -> bool:
 
 def _onednn_bf16() -> bool:
     try:
-        return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        return _onednn() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (RuntimeError, AttributeError):
         return False
 

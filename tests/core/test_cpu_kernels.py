@@ -9,7 +9,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from conveyor.core.attention import PagedBatch
-from conveyor.core.cpu_kernels import cpu_kernels
+from conveyor.core.cpu_kernels import cpu_identity, cpu_kernels
 from conveyor.core.fused_llama import (AMX_MAX_M, EXACT_M_ONEDNN, SMALL_M, FusedLlama, _Linear, pack_amx, pack_panels,
                                       row_bucket)
 from conveyor.core.kv_cache import KVCache
@@ -63,12 +63,12 @@ def test_paged_attention_prompt_rows_taken_together_equal_each_row_alone(dtype, 
     """A prompt chunk's rows (one request, consecutive positions) share their K/V reads in the
     kernel; each row's output must equal that row computed on its own, bit for bit (bf16 on a CPU with
     AMX or AVX512-BF16: runs are bf16 products with bf16 probabilities, single rows take the FMA path,
-    so only close), and the dense reference. Covers runs cut by the run length, by another request and by a gap in
-    positions."""
+    so only close), and the dense reference. Covers runs cut by the run length, by another request and
+    by a gap in positions."""
     g = torch.Generator().manual_seed(sum(heads))
     H, Hkv = heads
     D, bs = 64, 16
-    tiles = ops.paged_attention_bf16_prompts(dtype == torch.bfloat16, D, bs, H // Hkv)  # runs of 2+ rows
+    products = ops.paged_attention_bf16_prompts(dtype == torch.bfloat16, D, bs, H // Hkv)  # runs of 2+ rows
     num_blocks = 40
     k_cache = torch.randn(num_blocks, Hkv, D, bs, generator=g).to(dtype)
     v_cache = torch.randn(num_blocks * bs, Hkv, D, generator=g).to(dtype)
@@ -81,7 +81,7 @@ def test_paged_attention_prompt_rows_taken_together_equal_each_row_alone(dtype, 
     out = ops.paged_attention(q, *args, torch.tensor(rows_req), torch.tensor(rows_ctx), bs, D ** -0.5)
     for i, (r, c) in enumerate(zip(rows_req, rows_ctx)):
         alone = ops.paged_attention(q[i:i + 1], *args, torch.tensor([r]), torch.tensor([c]), bs, D ** -0.5)
-        if tiles:
+        if products:
             assert torch.allclose(out[i].float(), alone[0].float(), atol=2e-2, rtol=2e-2), (i, r, c)
         else:
             assert torch.equal(out[i], alone[0]), (i, r, c)
@@ -92,17 +92,9 @@ def test_paged_attention_prompt_rows_taken_together_equal_each_row_alone(dtype, 
         assert torch.allclose(out[i].double(), want, atol=tol, rtol=tol), (i, c)
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
-    except OSError:
-        return set()
-
-
 def test_bf16_prompt_products_cover_bf16_with_head_dim_64_and_block_16_only():
     """Prompt runs take bf16 products (AMX tiles, or AVX512-BF16 vectors) wherever the CPU has either."""
-    if ops.amx_gemm_available() or "avx512_bf16" in _cpu_flags():
+    if ops.amx_gemm_available() or "avx512_bf16" in cpu_identity()[1]:
         assert ops.bf16_products_available()
     assert ops.paged_attention_bf16_prompts(True, 64, 16, 3) == ops.bf16_products_available()
     assert ops.paged_attention_bf16_prompts(True, 64, 16, 16) == ops.bf16_products_available()
