@@ -6,23 +6,31 @@ the Llama-family forward (`fused_ops.cpp`), the sampler's greedy argmax and temp
 tiles (`amx_gemm.cpp`, compiled in only where the compiler targets AMX). The build needs a C++
 compiler and ninja; where either is missing, `cpu_kernels()` returns None: attention falls back to
 gathering K/V for torch's SDPA, the model runs its eager transformers forward and the sampler its
-torch ops (correct, slower).
-The build is tuned for the CPU it runs on (`-march=native`), so it is cached per CPU
-(`kernels/py311-<cpu tag>`): a cache directory shared between machines (a home directory on a
-cluster) never hands one CPU a build with another's instructions, which would die of SIGILL.
-Set CONVEYOR_NO_KERNELS=1 to force that fallback. The kernel sources include only the ATen headers
+torch ops (correct, slower). CPUs without AVX-512 run that fallback too (`kernels_pay_off`).
+The build is tuned for the CPU it runs on (`-march=native`), so it is cached per CPU, torch version
+and source (`kernels/py311-<build tag>`): a cache directory shared between machines (a home
+directory on a cluster) never hands one CPU a build with another's instructions, which would die of
+SIGILL. It is built once under a lock that a killed builder cannot leave behind (`kernel_build.py`),
+and later runs import the cached library directly.
+Set CONVEYOR_NO_KERNELS=1 to force that fallback, CONVEYOR_KERNEL_ARCH to build for a named -march
+instead of this CPU. The kernel sources include only the ATen headers
 they use, not torch/extension.h: the first build takes ~35 s on 2 cores instead of ~80.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import platform
 import sys
 import warnings
 from pathlib import Path
 
+from conveyor.core.kernel_build import cached_build
+
+_NAME = "conveyor_cpu_kernels"
+_CSRC = Path(__file__).parent / "csrc"
 _SOURCES = ("paged_attention.cpp", "fused_ops.cpp", "sampling.cpp", "small_gemm.cpp", "amx_gemm.cpp", "bindings.cpp")
 _module = None
 _tried = False
@@ -37,24 +45,61 @@ def cpu_kernels():
     _tried = True
     if os.environ.get("CONVEYOR_NO_KERNELS") == "1":
         return None
+    if not os.environ.get("CONVEYOR_KERNEL_ARCH") and not kernels_pay_off(cpu_identity()[1]):
+        return None
     try:
-        from torch.utils.cpp_extension import load
+        import torch  # noqa: F401 - the module links against torch's libraries
 
         from conveyor.core.model_loader import cache_dir
 
-        build_dir = cache_dir() / "kernels" / f"py{sys.version_info.major}{sys.version_info.minor}-{cpu_tag()}"
-        build_dir.mkdir(parents=True, exist_ok=True)
-        csrc = Path(__file__).parent / "csrc"
-        if not (build_dir / "conveyor_cpu_kernels.so").exists():
-            sys.stderr.write(f"conveyor: compiling the C++ CPU kernels once (about 30 s on 2 cores; cached in {build_dir})\n")
-        _module = load(name="conveyor_cpu_kernels", sources=[str(csrc / s) for s in _SOURCES],
-                       build_directory=str(build_dir), extra_cflags=_cflags(),
-                       extra_ldflags=["-fopenmp"], verbose=False)
+        folder = cache_dir() / "kernels" / f"py{sys.version_info.major}{sys.version_info.minor}-{build_tag()}"
+        built: list = []
+
+        def build(scratch: Path) -> Path:
+            from torch.utils.cpp_extension import load
+
+            sys.stderr.write(f"conveyor: compiling the C++ CPU kernels once (about 30 s on 2 cores; cached in {folder})\n")
+            built.append(load(name=_NAME, sources=[str(_CSRC / s) for s in _SOURCES], build_directory=str(scratch),
+                              extra_cflags=_cflags(), extra_ldflags=["-fopenmp"], verbose=False))
+            return scratch / f"{_NAME}.so"
+
+        library = cached_build(folder, f"{_NAME}.so", build)
+        _module = built[0] if built else _import_extension(library)
+        if not _module.wide_vectors():  # a named -march without AVX-512: torch is faster there
+            _module = None
     except Exception as e:  # noqa: BLE001 - any build failure means: use the fallback
         warnings.warn(f"conveyor: C++ CPU kernels unavailable ({str(e).splitlines()[0] if str(e) else e}); "
                       "using the slower torch fallback", stacklevel=2)
         _module = None
     return _module
+
+
+def kernels_pay_off(flags: list[str]) -> bool:
+    """Whether the kernels beat torch on a CPU with these /proc/cpuinfo flags: only with AVX-512F.
+    They are written for 16-float vectors (`vec16.h`); where registers are narrower (AVX2, Arm's
+    NEON) the compiler moves every vector through the stack, and an AVX2 build measured 4-40x
+    slower than torch per op (its panel matmul 11x at 1 row) and 3.7x slower on a whole run than
+    the torch fallback. Such CPUs run the fallback, and skip the build."""
+    return platform.machine().lower() in ("x86_64", "amd64") and "avx512f" in flags
+
+
+def _import_extension(library: Path):
+    spec = importlib.util.spec_from_file_location(_NAME, library)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def build_tag() -> str:
+    """What a build depends on, hashed: the CPU (`cpu_tag`), torch's version (its ABI), the compiler
+    flags and every file of `csrc/` (headers included). A change to any of them builds afresh."""
+    import torch
+
+    h = hashlib.sha256(f"{cpu_tag()}|{torch.__version__}|{' '.join(_cflags())}".encode())
+    for path in sorted(_CSRC.iterdir()):
+        if path.is_file():
+            h.update(path.name.encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:16]
 
 
 def cpu_identity(cpuinfo: str | None = None) -> tuple[str, list[str]]:
@@ -82,7 +127,9 @@ def cpu_tag(cpuinfo: str | None = None) -> str:
 
 
 def _cflags() -> list[str]:
-    flags = ["-O3", "-march=native", "-fopenmp"]
+    # CONVEYOR_KERNEL_ARCH: the -march to build for instead of this CPU (a CPU family shared by a
+    # cluster's nodes, or an older one's instructions on a newer CPU to check its code paths).
+    flags = ["-O3", f"-march={os.environ.get('CONVEYOR_KERNEL_ARCH') or 'native'}", "-fopenmp"]
     if platform.machine().lower() in ("x86_64", "amd64"):
         flags.append("-mprefer-vector-width=512")  # full-width AVX-512 where the CPU has it
     return flags

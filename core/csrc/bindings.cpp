@@ -16,7 +16,18 @@ at::Tensor small_gemm(at::Tensor x, at::Tensor packed, int64_t N, c10::optional<
 at::Tensor amx_gemm(at::Tensor x, at::Tensor packed, int64_t N, c10::optional<at::Tensor> bias);
 bool amx_gemm_available();
 
+// Whether the compiler had 16-float registers (AVX-512F) for the kernels' 16-lane vectors (vec16.h).
+// Narrower targets spill each vector through the stack: 4-40x slower than torch (an AVX2 build).
+static bool wide_vectors() {
+#ifdef __AVX512F__
+  return true;
+#else
+  return false;
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("wide_vectors", &wide_vectors, "whether this build has the 16-float registers its kernels are written for");
   m.def("paged_attention", &paged_attention, "paged attention over a block pool (CPU)");
   m.def("paged_attention_bf16_prompts", &paged_attention_bf16_prompts,
         "whether paged_attention runs prompt rows of this shape (bf16?, head_dim, block_size, query heads per KV head) "

@@ -21,3 +21,16 @@ def test_tag_follows_instruction_sets_not_only_the_model_name():
 def test_tag_without_cpuinfo_is_still_a_tag():
     tag = cpu_tag("")
     assert len(tag) == 12 and all(c in "0123456789abcdef" for c in tag)
+
+
+def test_kernels_are_used_only_with_avx512_registers(monkeypatch):
+    import platform
+
+    from conveyor.core.cpu_kernels import cpu_identity, kernels_pay_off
+
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    assert kernels_pay_off(cpu_identity(XEON)[1])
+    assert kernels_pay_off(cpu_identity(EPYC)[1])
+    assert not kernels_pay_off(cpu_identity(XEON.replace(" avx512f", ""))[1])  # AVX2 only: torch is faster
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    assert not kernels_pay_off(["fp", "asimd", "sve"])
