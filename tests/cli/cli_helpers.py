@@ -82,6 +82,8 @@ def run_child(*args, stdin: bytes | None = None, timeout: float = 600, cwd: Path
 class Child:
     """A `conveyor` child process whose stdout/stderr go to files (a full pipe would stall it)."""
 
+    live: list["Child"] = []  # killed after each test (conftest): a failed test leaves none running or frozen
+
     def __init__(self, args, log_dir: Path, name: str) -> None:
         self.out_path = log_dir / f"{name}.stdout"
         self.err_path = log_dir / f"{name}.stderr"
@@ -89,6 +91,15 @@ class Child:
             self.proc = subprocess.Popen([*CONVEYOR, *map(str, args)], stdout=out, stderr=err,
                                          stdin=subprocess.DEVNULL, env=child_env())
         self.started = time.monotonic()
+        Child.live.append(self)
+
+    @classmethod
+    def kill_all(cls) -> None:
+        for child in cls.live:
+            if child.is_alive():
+                child.proc.kill()  # SIGKILL ends a SIGSTOPped process too
+                child.proc.wait(30)
+        cls.live.clear()
 
     @property
     def pid(self) -> int:
@@ -99,6 +110,21 @@ class Child:
 
     def send(self, sig: int) -> None:
         self.proc.send_signal(sig)
+
+    def freeze(self) -> None:
+        """SIGSTOP, and return once the child has stopped (kill() returns before a child running on
+        another core stops: a read right after it could still race the child's next write)."""
+        self.proc.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while self.is_alive() and time.monotonic() < deadline:
+            try:
+                with open(f"/proc/{self.pid}/stat", encoding="ascii", errors="replace") as f:
+                    state = f.read().rpartition(")")[2].split()[0]
+            except (OSError, IndexError):
+                return  # no /proc here: the signal alone
+            if state in ("T", "t"):
+                return
+            time.sleep(0.001)
 
     def wait(self, timeout: float = 600) -> Result:
         code = self.proc.wait(timeout)

@@ -17,6 +17,14 @@ def _one_torch_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture(autouse=True)
+def _no_child_outlives_its_test():
+    from cli_helpers import Child
+
+    yield
+    Child.kill_all()
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     """A 2-layer random Llama (hidden 64) with the embedded SmolLM2 tokenizer and its chat template."""

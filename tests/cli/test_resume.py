@@ -106,9 +106,12 @@ def _freeze_when(child: Child, run_dir, ready, delay: float, what: str) -> tuple
     child.wait_until(lambda: ready(*journal_state(run_dir, strict=False)), what=what)
     time.sleep(delay)
     while True:
-        child.send(signal.SIGSTOP)
-        state = journal_state(run_dir)
-        if ready(*state):
+        child.freeze()
+        try:
+            state = journal_state(run_dir)
+        except sqlite3.OperationalError:  # frozen inside a WAL write that blocks readers: let it finish
+            state = None
+        if state is not None and ready(*state):
             return state
         child.send(signal.SIGCONT)
         child.wait_until(lambda: ready(*journal_state(run_dir, strict=False)), what=what)
