@@ -78,7 +78,7 @@ def kernels_pay_off(flags: list[str]) -> bool:
     """Whether the kernels beat torch on a CPU with these /proc/cpuinfo flags: only with AVX-512F.
     They are written for 16-float vectors (`vec16.h`); where registers are narrower (AVX2, Arm's
     NEON) the compiler moves every vector through the stack, and an AVX2 build measured 4-40x
-    slower than torch per op (its panel matmul 11x at 1 row) and 3.7x slower on a whole run than
+    slower than torch per op (its panel matmul 11x at 1 row) and 4.1x slower on a whole run than
     the torch fallback. Such CPUs run the fallback, and skip the build."""
     return platform.machine().lower() in ("x86_64", "amd64") and "avx512f" in flags
 
