@@ -10,7 +10,7 @@ torch ops (correct, slower). CPUs without AVX-512 run that fallback too (`kernel
 The build is tuned for the CPU it runs on (`-march=native`), so it is cached per CPU, torch version
 and source (`kernels/py311-<build tag>`): a cache directory shared between machines (a home
 directory on a cluster) never hands one CPU a build with another's instructions, which would die of
-SIGILL. It is built once under a lock that a killed builder cannot leave behind (`kernel_build.py`),
+SIGILL. It is built once under a lock that a killed builder cannot leave behind (`cache_build.py`),
 and later runs import the cached library directly.
 Set CONVEYOR_NO_KERNELS=1 to force that fallback, CONVEYOR_KERNEL_ARCH to build for a named -march
 instead of this CPU. The kernel sources include only the ATen headers
@@ -27,7 +27,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from conveyor.core.kernel_build import cached_build
+from conveyor.core.cache_build import cached_build
 
 _NAME = "conveyor_cpu_kernels"
 _CSRC = Path(__file__).parent / "csrc"

@@ -10,10 +10,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from conveyor.core.cache_build import cached_build
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -125,17 +126,14 @@ def ensure_embedded(name: str) -> Path:
     if (target / "config.json").exists():
         return target
     spec = EMBEDDED_MODELS[name]
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{name}-") as tmp:
-        gguf = _fetch_gguf(spec, Path(tmp))
-        out = Path(tmp) / "converted"
-        _convert_gguf(gguf, out)
-        try:
-            os.replace(out, target)  # atomic: a concurrent converter either wins or finds it done
-        except OSError:
-            if not (target / "config.json").exists():
-                raise
-    return target
+
+    def convert(scratch: Path) -> Path:
+        out = scratch / "converted"
+        _convert_gguf(_fetch_gguf(spec, scratch), out)
+        return out
+
+    # One converter at a time; one killed mid-way leaves no half folder, and its scratch is cleared.
+    return cached_build(target.parent, name, convert)
 
 
 def _fetch_gguf(spec: EmbeddedModel, tmp: Path) -> Path:

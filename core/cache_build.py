@@ -1,14 +1,16 @@
-"""A file built once into a shared cache directory, safe against concurrent and killed builders.
+"""Something built once into a shared cache, safe against concurrent and killed builders: the C++
+kernels' library (`cpu_kernels.py`) and the embedded model's converted folder (`model_loader.py`).
 
-`cached_build(folder, filename, build)` returns `folder/filename`, calling `build(scratch)` first
-when it is not there yet. The build runs in a scratch directory beside `folder` under an exclusive
-`flock` on `<folder>.lock`, and its result is moved into place with one atomic rename, so:
+`cached_build(folder, name, build)` returns `folder/name` (a file or a folder), calling
+`build(scratch)` first when it is not there yet. The build runs in a scratch directory beside
+`folder` under an exclusive `flock` on `<folder>.lock`, and its result is moved into place with one
+atomic rename, so:
 - two processes starting at once build it once; the second waits, then uses the first's result;
 - a builder killed mid-build (kill -9, a cron timeout, a second Ctrl-C) leaves no lock behind: the
   kernel drops a dead process's flock, and the next caller builds afresh, clearing the dead one's
   scratch directory. (torch's own `load()` guards its build directory with a lock *file*; one left
   by a killed process made every later load wait forever.)
-- the file is either whole or absent: a reader never loads a half-written one.
+- the result is either whole or absent: a reader never loads a half-written one.
 A caller that waits longer than `wait_s` for another builder gets a TimeoutError instead of
 hanging.
 """
@@ -30,10 +32,10 @@ except ImportError:  # pragma: no cover - not POSIX: builds are not serialized
     fcntl = None  # type: ignore[assignment]
 
 
-def cached_build(folder: Path, filename: str, build: Callable[[Path], Path], wait_s: float = 900.0) -> Path:
-    """`folder/filename`, built by `build(scratch_dir) -> path of the built file` if absent."""
+def cached_build(folder: Path, name: str, build: Callable[[Path], Path], wait_s: float = 900.0) -> Path:
+    """`folder/name`, built by `build(scratch_dir) -> path of the built file or folder` if absent."""
     folder = Path(folder)
-    target = folder / filename
+    target = folder / name
     if target.exists():
         return target
     folder.parent.mkdir(parents=True, exist_ok=True)

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from conveyor.core.kernel_build import cached_build, exclusive_lock
+from conveyor.core.cache_build import cached_build, exclusive_lock
 
 # A child builder: announces its scratch directory in `started`, then writes the file slowly.
 CHILD = textwrap.dedent("""
     import sys, time
     from pathlib import Path
-    from conveyor.core.kernel_build import cached_build
+    from conveyor.core.cache_build import cached_build
     folder, started, seconds = Path(sys.argv[1]), Path(sys.argv[2]), float(sys.argv[3])
     def build(scratch):
         (scratch / "part.o").write_text("half")
@@ -119,7 +119,7 @@ def test_waiting_gives_up_with_a_timeout_instead_of_hanging(tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import sys, time
         from pathlib import Path
-        from conveyor.core.kernel_build import exclusive_lock
+        from conveyor.core.cache_build import exclusive_lock
         with exclusive_lock(Path({str(lock)!r}), 5):
             print("held", flush=True)
             time.sleep(600)

@@ -1,0 +1,59 @@
+"""The embedded model's first-use conversion: one converter at a time, nothing half-converted left,
+the leftovers of a converter that was killed cleared (conversion faked: no torch, no download)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from conveyor.core import model_loader
+from conveyor.core.model_loader import DEFAULT_MODEL, ensure_embedded
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(tmp_path))
+    return tmp_path
+
+
+def _fake_conversion(monkeypatch, calls: list, fail: bool = False):
+    def fetch(spec, scratch: Path) -> Path:
+        gguf = scratch / "model.gguf"
+        gguf.write_bytes(b"GGUF")
+        return gguf
+
+    def convert(gguf: Path, out: Path) -> None:
+        calls.append(gguf)
+        out.mkdir()
+        (out / "model.safetensors").write_bytes(b"weights")
+        if fail:
+            raise RuntimeError("killed mid-conversion")
+        (out / "config.json").write_text("{}")
+
+    monkeypatch.setattr(model_loader, "_fetch_gguf", fetch)
+    monkeypatch.setattr(model_loader, "_convert_gguf", convert)
+
+
+def test_converts_once_into_place_and_clears_a_dead_converters_leftovers(cache, monkeypatch):
+    dead = cache / ".models.build-dead"  # the scratch folder of a converter that was killed
+    dead.mkdir(parents=True)
+    (dead / "model.gguf").write_bytes(b"half")
+    calls: list = []
+    _fake_conversion(monkeypatch, calls)
+    folder = ensure_embedded(DEFAULT_MODEL)
+    assert folder == cache / "models" / DEFAULT_MODEL
+    assert (folder / "config.json").exists() and (folder / "model.safetensors").exists()
+    assert not dead.exists()
+    assert ensure_embedded(DEFAULT_MODEL) == folder and len(calls) == 1
+    assert [p.name for p in cache.iterdir() if p.name.startswith(".")] == []
+
+
+def test_a_failed_conversion_leaves_no_model_folder(cache, monkeypatch):
+    calls: list = []
+    _fake_conversion(monkeypatch, calls, fail=True)
+    with pytest.raises(RuntimeError, match="killed mid-conversion"):
+        ensure_embedded(DEFAULT_MODEL)
+    assert not (cache / "models" / DEFAULT_MODEL).exists()
+    _fake_conversion(monkeypatch, calls)
+    assert (ensure_embedded(DEFAULT_MODEL) / "config.json").exists()
