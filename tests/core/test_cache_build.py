@@ -1,5 +1,6 @@
-"""The kernel cache's build-once protocol: concurrent builders build once, a builder killed mid-build
-leaves nothing that blocks the next one, and a reader never sees a half-written file (no torch)."""
+"""The cache's build-once protocol (kernels, model conversion): concurrent builders build once, a
+builder killed mid-build leaves nothing that blocks the next one, and a reader never sees a
+half-written result (no torch, but for the last test)."""
 
 from __future__ import annotations
 
