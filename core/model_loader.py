@@ -133,7 +133,11 @@ def ensure_embedded(name: str) -> Path:
         return out
 
     # One converter at a time; one killed mid-way leaves no half folder, and its scratch is cleared.
-    return cached_build(target.parent, name, convert)
+    folder = cached_build(target.parent, name, convert)
+    if not (folder / "config.json").exists():  # only a hand-edited cache gets here
+        raise ModelLoadError(f"the cached model folder {folder} has no config.json; delete that folder and "
+                             "run again to convert the model afresh")
+    return folder
 
 
 def _fetch_gguf(spec: EmbeddedModel, tmp: Path) -> Path:

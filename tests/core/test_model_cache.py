@@ -57,3 +57,12 @@ def test_a_failed_conversion_leaves_no_model_folder(cache, monkeypatch):
     assert not (cache / "models" / DEFAULT_MODEL).exists()
     _fake_conversion(monkeypatch, calls)
     assert (ensure_embedded(DEFAULT_MODEL) / "config.json").exists()
+
+
+def test_a_damaged_cached_folder_is_named_with_what_to_do(cache, monkeypatch):
+    from conveyor.core.model_loader import ModelLoadError
+
+    (cache / "models" / DEFAULT_MODEL).mkdir(parents=True)  # config.json deleted by hand
+    _fake_conversion(monkeypatch, [])
+    with pytest.raises(ModelLoadError, match="has no config.json; delete that folder"):
+        ensure_embedded(DEFAULT_MODEL)
