@@ -19,6 +19,7 @@ they use, not torch/extension.h: the first build takes ~35 s on 2 cores instead 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import os
@@ -45,7 +46,7 @@ def cpu_kernels():
     _tried = True
     if os.environ.get("CONVEYOR_NO_KERNELS") == "1":
         return None
-    if not os.environ.get("CONVEYOR_KERNEL_ARCH") and not kernels_pay_off(cpu_identity()[1]):
+    if kernel_arch() == "native" and not kernels_pay_off(cpu_identity()[1]):
         return None
     try:
         import torch  # noqa: F401 - the module links against torch's libraries
@@ -102,15 +103,20 @@ def build_tag() -> str:
     return h.hexdigest()[:16]
 
 
+@functools.lru_cache(maxsize=1)
+def _proc_cpuinfo() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
 def cpu_identity(cpuinfo: str | None = None) -> tuple[str, list[str]]:
     """(model name, sorted instruction-set flags) of the first processor in /proc/cpuinfo (or the
     text given); platform.processor() and no flags where there is none."""
     if cpuinfo is None:
-        try:
-            with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-                cpuinfo = f.read()
-        except OSError:
-            cpuinfo = ""
+        cpuinfo = _proc_cpuinfo()
     fields: dict[str, str] = {}
     for line in cpuinfo.splitlines():
         key, _, value = line.partition(":")
@@ -126,10 +132,15 @@ def cpu_tag(cpuinfo: str | None = None) -> str:
     return hashlib.sha256(f"{platform.machine()}|{model}|{' '.join(flags)}".encode()).hexdigest()[:12]
 
 
+def kernel_arch() -> str:
+    """The -march the kernels are built for: "native" (this CPU), or CONVEYOR_KERNEL_ARCH's (a CPU
+    family shared by a cluster's nodes, or an older one's instructions on a newer CPU to check its
+    code paths)."""
+    return os.environ.get("CONVEYOR_KERNEL_ARCH") or "native"
+
+
 def _cflags() -> list[str]:
-    # CONVEYOR_KERNEL_ARCH: the -march to build for instead of this CPU (a CPU family shared by a
-    # cluster's nodes, or an older one's instructions on a newer CPU to check its code paths).
-    flags = ["-O3", f"-march={os.environ.get('CONVEYOR_KERNEL_ARCH') or 'native'}", "-fopenmp"]
+    flags = ["-O3", f"-march={kernel_arch()}", "-fopenmp"]
     if platform.machine().lower() in ("x86_64", "amd64"):
         flags.append("-mprefer-vector-width=512")  # full-width AVX-512 where the CPU has it
     return flags

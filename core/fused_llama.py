@@ -5,9 +5,8 @@ per layer: q/k/v and gate/up are each one matmul (the module weights become view
 concatenated tensors), weights are also kept in the layouts of the matmul kernels (32-column panels
 for float32 decode steps and oneDNN's prepacked form for larger float32 steps; in bf16, AMX tiles
 where the CPU has them and oneDNN's prepacked form: extra copies of the weights, the price of
-reading them at memory speed), and the element-wise work
-between matmuls runs in the C++ kernels of `fused_ops.cpp`: residual add + RMSNorm, rotary + KV
-store, SiLU(gate) * up. Per layer that is 9 calls instead of ~40.
+reading them at memory speed), and the element-wise work between matmuls runs in the C++ kernels
+of `fused_ops.cpp`: residual add + RMSNorm, rotary + KV store, SiLU(gate) * up. Per layer that is 9 calls instead of ~40.
 
 `FusedLlama.build(model)` returns None for anything it does not cover (other architectures,
 biases in norms, sliding windows, non-SiLU MLPs, devices other than the CPU, missing kernels); the

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,13 +9,14 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from conveyor.core.attention import PagedBatch
-from conveyor.core.cpu_kernels import cpu_identity, cpu_kernels
+from conveyor.core.cpu_kernels import cpu_identity, cpu_kernels, kernel_arch
 from conveyor.core.fused_llama import (AMX_MAX_M, EXACT_M_ONEDNN, SMALL_M, FusedLlama, _Linear, pack_amx, pack_panels,
                                       row_bucket)
 from conveyor.core.kv_cache import KVCache
 
 ops = cpu_kernels()
-pytestmark = pytest.mark.skipif(ops is None, reason="no C++ kernels here (no compiler, or a CPU without AVX-512): the torch fallback is tested instead")
+pytestmark = pytest.mark.skipif(ops is None, reason="no C++ kernels here (no compiler, or a CPU without "
+                                                    "AVX-512): the torch fallback is tested instead")
 
 
 def _reference_attention(q, keys, values, scale):
@@ -97,8 +96,7 @@ def test_paged_attention_prompt_rows_taken_together_equal_each_row_alone(dtype, 
 def test_bf16_prompt_products_cover_bf16_with_head_dim_64_and_block_16_only():
     """Prompt runs take bf16 products (AMX tiles, or AVX512-BF16 vectors) wherever the CPU has either
     (and the build targets this CPU, not a named older one)."""
-    native = os.environ.get("CONVEYOR_KERNEL_ARCH", "native") in ("", "native")
-    if ops.amx_gemm_available() or (native and "avx512_bf16" in cpu_identity()[1]):
+    if ops.amx_gemm_available() or (kernel_arch() == "native" and "avx512_bf16" in cpu_identity()[1]):
         assert ops.bf16_products_available()
     assert ops.paged_attention_bf16_prompts(True, 64, 16, 3) == ops.bf16_products_available()
     assert ops.paged_attention_bf16_prompts(True, 64, 16, 16) == ops.bf16_products_available()

@@ -1,6 +1,8 @@
 """The kernel build cache is keyed by CPU: a build for one CPU's instructions is never loaded on another."""
 
-from conveyor.core.cpu_kernels import cpu_tag
+import platform
+
+from conveyor.core.cpu_kernels import cpu_identity, cpu_tag, kernels_pay_off
 
 XEON = "processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: Intel(R) Xeon(R) Platinum\nflags\t\t: fpu avx2 avx512f amx_tile\n" \
        "\nprocessor\t: 1\nmodel name\t: Intel(R) Xeon(R) Platinum\nflags\t\t: fpu avx2 avx512f amx_tile\n"
@@ -24,10 +26,6 @@ def test_tag_without_cpuinfo_is_still_a_tag():
 
 
 def test_kernels_are_used_only_with_avx512_registers(monkeypatch):
-    import platform
-
-    from conveyor.core.cpu_kernels import cpu_identity, kernels_pay_off
-
     monkeypatch.setattr(platform, "machine", lambda: "x86_64")
     assert kernels_pay_off(cpu_identity(XEON)[1])
     assert kernels_pay_off(cpu_identity(EPYC)[1])
