@@ -12,8 +12,8 @@ Measured, per dtype (float32, bfloat16), with --threads threads:
                     2*M*in*out over the shapes / best time of the set. Timed through every implementation
                     available here, and R(M) is the fastest: torch's `F.linear` (MKL / oneDNN), oneDNN with
                     the weights prepacked once (`mkldnn._reorder_linear_weight`), conveyor's panel kernel
-                    (`small_gemm`, M <= 256) and, in bf16 on CPUs with AMX, conveyor's tile kernel
-                    (`amx_gemm`). A ceiling must bound every engine, conveyor's kernels included: with
+                    (`panel_gemm`), in bf16 its pair kernel (`pair_gemm`, AVX512-BF16) and, on CPUs with AMX,
+                    its tile kernel (`amx_gemm`). A ceiling must bound every engine, conveyor's kernels included: with
                     torch's rate alone, conveyor's float32 decode steps ran above the "ceiling". Measured
                     at M = --ms (default 1, 8, 16, 32, 64, 256, 2048; 2048 is a prompt step of the default
                     token budget) and at the decode batch B. The weights (~135M params: 540 MB in fp32) do not
@@ -108,7 +108,7 @@ def time_best(fn, min_time: float, repeats: int) -> float:
     return best
 
 
-IMPLS = ("torch", "onednn", "panels", "amx")
+IMPLS = ("torch", "onednn", "panels", "pairs", "amx")
 
 
 def _linear_impl(torch, impl: str, dtype, m: int):
@@ -128,19 +128,23 @@ def _linear_impl(torch, impl: str, dtype, m: int):
             return None
         return ((lambda w: torch.ops.mkldnn._reorder_linear_weight(w, 64)),
                 (lambda x, pw: torch.ops.mkldnn._linear_pointwise(x, pw, None, "none", [], "")))
-    if impl in ("panels", "amx"):  # conveyor's own kernels, where built (and, for AMX, where the CPU has it)
+    if impl in ("panels", "pairs", "amx"):  # conveyor's own kernels, where built (and the CPU has the instructions)
         try:
             from conveyor.core.cpu_kernels import cpu_kernels
             from conveyor.core import fused_llama
         except ImportError:
             return None
         ops = cpu_kernels()
-        if impl == "panels":  # the decode-step kernel (weights in 32-column panels); small M only
-            if m > 256 or ops is None or not hasattr(ops, "small_gemm"):
+        if ops is None:
+            return None
+        if impl == "panels":  # float multiply-adds over weights in 32-column panels
+            pack, gemm = fused_llama.pack_panels, ops.panel_gemm
+        elif impl == "pairs":  # bf16 pair products (AVX512-BF16)
+            if dtype != torch.bfloat16 or not ops.pair_gemm_available():
                 return None
-            pack, gemm = fused_llama.pack_panels, ops.small_gemm
+            pack, gemm = fused_llama.pack_pairs, ops.pair_gemm
         else:  # the tile kernel, bf16 only (weights in tile layout)
-            if dtype != torch.bfloat16 or ops is None or not hasattr(ops, "amx_gemm") or not ops.amx_gemm_available():
+            if dtype != torch.bfloat16 or not ops.amx_gemm_available():
                 return None
             pack, gemm = fused_llama.pack_amx, ops.amx_gemm
         return (lambda w: (pack(w), w.shape[0])), (lambda x, pw: gemm(x, pw[0], pw[1], None))

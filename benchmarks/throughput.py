@@ -48,6 +48,9 @@ Engines:
               never end it), and each request counts only its own max_tokens tokens as useful output; the
               rest is padding waste, which is exactly what continuous batching removes. The total generated
               including that waste is reported as extra.generated_incl_padding_waste.
+  conveyor@REF  with --baseline REF: conveyor as of the git revision REF (a worktree of it in a temporary
+              folder, imported in place of this checkout), run exactly like `conveyor`: "before and after"
+              of a change in one run, alternated with the other engines.
   sequential  transformers `model.generate`, one request at a time, min_new_tokens = max_new_tokens =
               max_tokens, on the first --sequential-n (16) requests only: its tok/s is on that subset and is
               labelled so.
@@ -220,6 +223,9 @@ def run_one(engine: str, spec_path: Path, args, log_path: Path) -> dict:
         env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
         env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(args.kv_gib)))
         env.pop("PYTHONPATH", None)
+    elif engine.startswith("conveyor@"):  # conveyor as of another revision, imported from its worktree
+        cmd = [sys.executable, str(WORKER), "--engine", "conveyor", "--spec", str(spec_path)]
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(args.baseline_path), env.get("PYTHONPATH")) if p)
     else:
         cmd = [sys.executable, str(WORKER), "--engine", engine, "--spec", str(spec_path)]
     t0 = time.perf_counter()
@@ -241,6 +247,7 @@ def run_one(engine: str, spec_path: Path, args, log_path: Path) -> dict:
     for line in reversed(stdout.splitlines()):
         if line.startswith(RESULT_PREFIX):
             res = json.loads(line[len(RESULT_PREFIX):])
+            res["engine"] = engine  # conveyor@REF runs the worker's conveyor engine
             mib = 1024 * 1024
             res["peak_rss_mib"] = max(sampler.peak / mib, res.get("maxrss_self_mib", 0.0))  # summed over the tree
             res["peak_pss_mib"] = sampler.peak_pss / mib
@@ -250,6 +257,25 @@ def run_one(engine: str, spec_path: Path, args, log_path: Path) -> dict:
             return res
     tail = Path(log_path).read_text(encoding="utf-8", errors="replace").strip().splitlines()[-15:]
     return {"engine": engine, "error": f"exit {proc.returncode}, no result (log: {log_path})", "log_tail": tail}
+
+
+def baseline_package(ref: str, tmp: Path) -> Path:
+    """A folder to put first on PYTHONPATH so that `import conveyor` is conveyor as of git revision `ref`:
+    a worktree of it (detached, in `tmp`) and a `conveyor` package whose subpackages are its folders."""
+    tree = tmp / "baseline-tree"
+    subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "--force", str(tree), ref], check=True,
+                   capture_output=True, text=True)
+    package = tmp / "baseline" / "conveyor"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    for sub in ("core", "io", "cli"):
+        (package / sub).symlink_to(tree / sub, target_is_directory=True)
+    return package.parent
+
+
+def remove_baseline(tmp: Path) -> None:
+    subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tmp / "baseline-tree")],
+                   capture_output=True, text=True)
 
 
 def workload_stats(requests: list[dict]) -> dict:
@@ -458,6 +484,8 @@ def main() -> None:
     p.add_argument("--vllm-venv", type=Path, default=Path(os.environ.get("VLLM_VENV", HERE / ".venv-vllm")))
     p.add_argument("--vllm-eager", action="store_true", help="vLLM enforce_eager=True (no torch.compile)")
     p.add_argument("--timeout", type=int, default=7200, help="seconds per engine process")
+    p.add_argument("--baseline", default=None, metavar="REF",
+                   help="also run conveyor as of git revision REF, as engine conveyor@REF (before/after in one run)")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--roofline", type=Path, default=HERE / "roofline.json",
                    help="ceilings from benchmarks/roofline.py (used when the file exists)")
@@ -468,6 +496,8 @@ def main() -> None:
 
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     unknown = [e for e in engines if e not in ALL_ENGINES]
+    if args.baseline:
+        engines.insert(engines.index("conveyor") + 1 if "conveyor" in engines else 0, f"conveyor@{args.baseline}")
     if unknown:
         p.error(f"unknown engine(s) {unknown}; choose from {ALL_ENGINES}")
     if "vllm" in engines and vllm_command(args.vllm_venv, Path("x")) is None:
@@ -499,6 +529,7 @@ def main() -> None:
 
     runs: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="conveyor-bench-") as tmp:
+        args.baseline_path = baseline_package(args.baseline, Path(tmp)) if args.baseline else None
         spec_paths = {}
         for e in engines:
             reqs = requests[:args.sequential_n] if e == "sequential" else requests
@@ -528,6 +559,8 @@ def main() -> None:
                     print(f"  {e}: {res['output_tokens']} tokens in {res['wall_s']:.2f}s = {res['tok_s']:.1f} tok/s,"
                           f" load {res['load_s']:.1f}s, peak RSS {res['peak_rss_mib']:.0f} MiB{bad}",
                           file=sys.stderr, flush=True)
+        if args.baseline:
+            remove_baseline(Path(tmp))
 
     steady = steady_state_ceiling(roofline, folder, args.dtype, requests, args.max_num_seqs,
                                   args.max_num_batched_tokens)

@@ -2,17 +2,18 @@
 
 The model runs one flat batch [1, num_tokens] per step. For each layer this function writes the
 step's new K/V into the paged pool, then attends every query token to its own request's cached
-K/V with the right causal offset:
-- a fresh prefill chunk (nothing cached before it) attends within itself: one causal SDPA call;
-- every other row (decodes, later prefill chunks) goes to the C++ kernel, which reads K/V in place
-  from the pool; without the kernel, those rows gather K/V into padded tensors for SDPA instead.
+K/V with the right causal offset (`attend`, which the fused forward calls too):
+- with the C++ kernels, every row (fresh prompt, later chunk or decode) goes to the paged kernel,
+  which reads K/V in place from the pool with one arithmetic for all of them;
+- without them (the torch fallback), a fresh prefill chunk (nothing cached before it) attends within
+  itself in one causal SDPA call, and every other row gathers K/V into padded tensors for SDPA.
 Per-step index tensors come in `PagedBatch`, passed as a keyword argument through the unmodified
 model's forward.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -38,20 +39,38 @@ class GatheredRows:
 class PagedBatch:
     """Index tensors for one step, shared by every layer."""
 
-    keys: list[torch.Tensor]  # per layer [num_blocks, num_kv_heads, head_dim, block_size]
-    values: list[torch.Tensor]  # per layer [num_slots, num_kv_heads, head_dim]
+    keys: list[torch.Tensor]  # per layer, in the pool's layout (KVCache)
+    values: list[torch.Tensor]
     slot_mapping: torch.Tensor  # [num_tokens] where each new token's K/V goes
     slot_block: torch.Tensor  # [num_tokens] slot_mapping // block_size
     slot_offset: torch.Tensor  # [num_tokens] slot_mapping % block_size
     block_size: int
-    fresh_chunks: list[tuple[int, int]]  # [start, end) rows of prefill chunks with nothing cached
-    paged_rows: torch.Tensor | None  # rows attending through the pool; None = every row does
-    has_paged_rows: bool
-    tables: torch.Tensor | None  # [num_requests, max_blocks] block tables (kernel path)
-    token_req: torch.Tensor | None  # [num_paged_rows] index into tables
-    token_ctx: torch.Tensor | None  # [num_paged_rows] keys each row sees (its position + 1)
-    gathered: list[GatheredRows]  # used instead of the three above when the kernel is unavailable
-    kernel: object | None  # the compiled op, or None
+    kernel: object | None  # the compiled attention op (every row through it), or None: the torch fallback
+    store_kv: object | None  # the compiled K/V store (any pool layout), or None
+    tables: torch.Tensor | None = None  # kernel: [num_requests, max_blocks] block tables
+    token_req: torch.Tensor | None = None  # kernel: [num_tokens] index into tables
+    token_ctx: torch.Tensor | None = None  # kernel: [num_tokens] keys each row sees (its position + 1)
+    fresh_chunks: list[tuple[int, int]] = field(default_factory=list)  # fallback: [start, end) rows of prompt
+    # chunks with nothing cached, attending within themselves
+    gathered: list[GatheredRows] = field(default_factory=list)  # fallback: every other row
+
+
+def attend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+           batch: PagedBatch, scale: float) -> torch.Tensor:
+    """q [T, H, D] (rows may be apart), the step's own k_new / v_new [T, Hkv, D], already in the pool ->
+    attention output [T, H, D]: every row through the kernel, or without it the torch fallback (causal SDPA
+    within fresh prompt chunks, gathered K/V for the rest)."""
+    if batch.kernel is not None:
+        return batch.kernel(q, k_cache, v_cache, batch.tables, batch.token_req, batch.token_ctx, batch.block_size,
+                            scale)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    for g in batch.gathered:
+        out[g.rows] = gathered_attention(q[g.rows], k_cache, v_cache, g, batch.block_size, scale)
+    for start, end in batch.fresh_chunks:
+        qc, kc, vc = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (q, k_new, v_new))  # [1, heads, n, D]
+        o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=scale, enable_gqa=True)
+        out[start:end] = o[0].transpose(0, 1)
+    return out
 
 
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -63,34 +82,17 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     batch = conveyor_batch
     k_cache = batch.keys[module.layer_idx]
     v_cache = batch.values[module.layer_idx]
-    v_cache.index_copy_(0, batch.slot_mapping, value[0].transpose(0, 1).to(v_cache.dtype))  # [T, Hkv, D]
-    # keys: a [num_blocks, block_size, Hkv, D] view of the transposed blocks, indexed per token
-    k_cache.permute(0, 3, 1, 2).index_put_((batch.slot_block, batch.slot_offset),
-                                           key[0].transpose(0, 1).to(k_cache.dtype))
+    k_new = key[0].transpose(0, 1).to(k_cache.dtype)  # [T, Hkv, D]
+    v_new = value[0].transpose(0, 1).to(v_cache.dtype)
+    if batch.store_kv is not None:  # the kernels' store: whichever layout the pool has
+        batch.store_kv(k_new, v_new, batch.slot_mapping, k_cache, v_cache)
+    else:  # the plain layout, in torch
+        v_cache.index_copy_(0, batch.slot_mapping, v_new)
+        # keys: a [num_blocks, block_size, Hkv, D] view of the transposed blocks, indexed per token
+        k_cache.permute(0, 3, 1, 2).index_put_((batch.slot_block, batch.slot_offset), k_new)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-
-    q = query[0].transpose(0, 1)  # [T, H, D]
-    if batch.kernel is not None and batch.has_paged_rows and batch.paged_rows is None:  # all rows paged: one call
-        return _paged(q, k_cache, v_cache, batch, scale).unsqueeze(0), None
-    out = torch.empty_like(q)
-    if batch.kernel is not None and batch.has_paged_rows:
-        out[batch.paged_rows] = _paged(q[batch.paged_rows], k_cache, v_cache, batch, scale)
-    for g in batch.gathered:
-        out[g.rows] = gathered_attention(q[g.rows], k_cache, v_cache, g, batch.block_size, scale)
-    for start, end in batch.fresh_chunks:
-        qc = query[:, :, start:end]  # [1, H, n, D]
-        o = F.scaled_dot_product_attention(qc, key[:, :, start:end], value[:, :, start:end], is_causal=True,
-                                           scale=scale, enable_gqa=True)
-        out[start:end] = o[0].transpose(0, 1)
-    return out.unsqueeze(0), None
-
-
-def _paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: PagedBatch,
-           scale: float) -> torch.Tensor:
-    """q [n, H, D] -> [n, H, D], each row attending to its request's first token_ctx cached tokens."""
-    q_c = q.to(k_cache.dtype).contiguous()
-    return batch.kernel(q_c, k_cache, v_cache, batch.tables, batch.token_req, batch.token_ctx, batch.block_size,
-                        scale).to(q.dtype)
+    q = query[0].transpose(0, 1).to(k_cache.dtype)  # [T, H, D]
+    return attend(q, k_new, v_new, k_cache, v_cache, batch, scale).to(query.dtype).unsqueeze(0), None
 
 
 def gathered_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: GatheredRows,

@@ -2,8 +2,9 @@
 
 One extension module: paged attention (`paged_attention.cpp`), the fused element-wise ops of
 the Llama-family forward (`fused_ops.cpp`), the sampler's greedy argmax and temperature sampling
-(`sampling.cpp`), the panel matmul of decode steps (`small_gemm.cpp`) and the bf16 matmul on AMX
-tiles (`amx_gemm.cpp`, compiled in only where the compiler targets AMX). The build needs a C++
+(`sampling.cpp`), and the linears: float multiply-adds over weight panels (`panel_gemm.cpp`), bf16
+pair products (`pair_gemm.cpp`, compiled in where the compiler targets AVX512-BF16) and bf16 on AMX
+tiles (`amx_gemm.cpp`, where it targets AMX). The build needs a C++
 compiler and ninja; where either is missing, `cpu_kernels()` returns None: attention falls back to
 gathering K/V for torch's SDPA, the model runs its eager transformers forward and the sampler its
 torch ops (correct, slower). CPUs without AVX-512 run that fallback too (`kernels_pay_off`).
@@ -13,7 +14,7 @@ directory on a cluster) never hands one CPU a build with another's instructions,
 SIGILL. It is built once under a lock that a killed builder cannot leave behind (`cache_build.py`),
 and later runs import the cached library directly.
 Set CONVEYOR_NO_KERNELS=1 to force that fallback, CONVEYOR_KERNEL_ARCH to build for a named -march
-instead of this CPU. The kernel sources include only the ATen headers
+instead of this CPU, CONVEYOR_NO_AMX=1 to run the routes of CPUs without AMX tiles on one that has them. The kernel sources include only the ATen headers
 they use, not torch/extension.h: the first build takes ~35 s on 2 cores instead of ~80.
 """
 
@@ -32,14 +33,14 @@ from conveyor.core.cache_build import cached_build
 
 _NAME = "conveyor_cpu_kernels"
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ("paged_attention.cpp", "fused_ops.cpp", "sampling.cpp", "small_gemm.cpp", "amx_gemm.cpp", "bindings.cpp")
+_SOURCES = ("paged_attention.cpp", "fused_ops.cpp", "sampling.cpp", "panel_gemm.cpp", "pair_gemm.cpp", "amx_gemm.cpp", "bindings.cpp")
 _module = None
 _tried = False
 
 
 def cpu_kernels():
-    """The compiled module (paged_attention, rms_norm, rope_store, silu_mul, argmax_rows, sample_rows,
-    small_gemm, amx_gemm, amx_gemm_available), or None."""
+    """The compiled module (paged_attention, kv_pairs, rms_norm, rope_store, store_kv, silu_mul, argmax_rows,
+    sample_rows, panel_gemm, pair_gemm, pair_gemm_available, amx_gemm, amx_gemm_available), or None."""
     global _module, _tried
     if _tried:
         return _module
@@ -73,6 +74,17 @@ def cpu_kernels():
                       "using the slower torch fallback", stacklevel=2)
         _module = None
     return _module
+
+
+def kv_layout(dtype, head_dim: int, block_size: int, group: int) -> str:
+    """The KV pool layout the kernels read for this model shape: "pairs" where bf16 attention runs as bf16
+    products (AMX tiles or AVX512-BF16; head_dim 64, block size 16), else "plain"."""
+    import torch
+
+    ops = cpu_kernels()
+    if ops is not None and ops.kv_pairs(dtype == torch.bfloat16, head_dim, block_size, group):
+        return "pairs"
+    return "plain"
 
 
 def kernels_pay_off(flags: list[str]) -> bool:

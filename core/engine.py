@@ -77,8 +77,13 @@ class Engine:
         param = next(model.parameters())
         num_blocks = config.num_kv_blocks or KVCache.num_blocks_for_budget(
             config.kv_cache_memory, num_layers, num_kv_heads, head_dim, config.block_size, param.dtype)
+        layout = "plain"
+        if param.device.type == "cpu":
+            from conveyor.core.cpu_kernels import kv_layout
+
+            layout = kv_layout(param.dtype, head_dim, config.block_size, mc.num_attention_heads // num_kv_heads)
         self.kv_cache = KVCache(num_layers, num_kv_heads, head_dim, num_blocks, config.block_size,
-                                param.dtype, param.device)
+                                param.dtype, param.device, layout)
         self.eos_token_ids = eos_ids_of(model, tokenizer)
         attention.register()
         model.set_attn_implementation(attention.ATTN_IMPLEMENTATION)

@@ -2,11 +2,11 @@
 
 Same weights and the same arithmetic as transformers' eager forward, with far fewer operations
 per layer: q/k/v and gate/up are each one matmul (the module weights become views into the
-concatenated tensors), weights are also kept in the layouts of the matmul kernels (32-column panels
-for float32 decode steps and oneDNN's prepacked form for larger float32 steps; in bf16, AMX tiles
-where the CPU has them and oneDNN's prepacked form: extra copies of the weights, the price of
-reading them at memory speed), and the element-wise work between matmuls runs in the C++ kernels
-of `fused_ops.cpp`: residual add + RMSNorm, rotary + KV store, SiLU(gate) * up. Per layer that is 9 calls instead of ~40.
+concatenated tensors), each weight is also kept once in the layout of its matmul kernel (`_Linear`:
+32-column panels, bf16 pairs or AMX tiles), and the element-wise work between matmuls runs in the
+C++ kernels of `fused_ops.cpp`: residual add + RMSNorm, rotary + KV store, SiLU(gate) * up. Per layer
+that is 9 calls instead of ~40. Every one of them computes a row the same way whatever else is in the
+step (the exactness contract, `conveyor.core.exactness`).
 
 `FusedLlama.build(model)` returns None for anything it does not cover (other architectures,
 biases in norms, sliding windows, non-SiLU MLPs, devices other than the CPU, missing kernels); the
@@ -18,29 +18,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from conveyor.core.attention import PagedBatch, gathered_attention
+from conveyor.core.attention import PagedBatch, attend
 
 # Architectures whose decoder layer is exactly: RMSNorm -> q/k/v (optional bias) -> rotary ->
 # causal attention -> o_proj -> +residual -> RMSNorm -> SiLU-gated MLP -> +residual.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-
-
-SMALL_M = 128  # float32 linears with at most this many rows use conveyor's panel kernel (BLAS above)
-SMALL_M_BF16 = 8  # bfloat16 without AMX: the panel kernel up to this many rows, oneDNN above
-AMX_MAX_M = 1024  # bfloat16 with AMX: conveyor's tile kernel up to this many rows, oneDNN above
-EXACT_M_ONEDNN = 64  # oneDNN calls with more rows than this are padded to a row bucket (below)
-
-
-def row_bucket(m: int) -> int:
-    """Rows a oneDNN call is padded to: oneDNN builds (JIT-compiles) a kernel per distinct shape,
-    ~2-3 ms each on first use, and a step's row count is almost always new, so calls above
-    EXACT_M_ONEDNN rows are rounded up to a multiple of 16 (32 above 512 rows, 64 above 1024):
-    ~60 shapes per weight up to 2048 rows, each built once, for half a step of zero rows per call
-    on average (under 6% of the work above 128 rows, ~3% above 512)."""
-    if m <= EXACT_M_ONEDNN:
-        return m
-    step = 16 if m <= 512 else 32 if m <= 1024 else 64
-    return -(-m // step) * step
+ROPE_BLOCK = 4096  # positions per extension of the rotary tables
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
@@ -50,6 +33,15 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     wt = torch.zeros(k, panels * 32, dtype=weight.dtype)
     wt[:, :n] = weight.t()
     return wt.view(k, panels, 32).permute(1, 0, 2).contiguous()
+
+
+def pack_pairs(weight: torch.Tensor) -> torch.Tensor:
+    """W [N, K] (K even) -> [ceil(N / 32), K / 2, 32, 2]: for each panel of 32 output columns, for each pair
+    (k, k + 1), the columns' two weights side by side: the operand layout of AVX512-BF16's VDPBF16PS."""
+    n, k = weight.shape
+    if k % 2:
+        raise ValueError(f"pack_pairs: K={k} is odd")
+    return pack_panels(weight).view(-1, k // 2, 2, 32).transpose(2, 3).contiguous()
 
 
 def pack_amx(weight: torch.Tensor) -> torch.Tensor:
@@ -65,77 +57,31 @@ def pack_amx(weight: torch.Tensor) -> torch.Tensor:
 
 
 class _Linear:
-    """y = x @ W.T (+ b), by the fastest exact-enough route measured for the rows at hand.
+    """y = x @ W.T (+ b) by one kernel for every row count, chosen once from the dtype and the CPU.
 
-    float32: up to SMALL_M rows (decode steps) go to the C++ kernel over 32-column panels of W,
-    which streams the weights under its arithmetic (measured 1.1-1.9x faster than BLAS at 1-128
-    rows on the model's shapes); more rows (prompt steps) to oneDNN with W prepacked once, rows
-    padded to a bucket (on an AMD EPYC 182-199 GFLOP/s at 64-256 rows where torch's MKL GEMM ran
-    107-142; as fast or a little faster than MKL on the Xeon), torch's GEMM where oneDNN is missing.
-    bfloat16 on CPUs with AMX: conveyor's tile kernel (`amx_gemm.cpp`) up to AMX_MAX_M rows (1.1-2x
-    oneDNN's rate there, a read of the weights at small M; in the engine 1.2-2.2x per call at
-    416-512 rows, whole such steps 4-13% faster); above, oneDNN with the weights prepacked once (as
-    fast or faster there: 1.4x at 2048 rows on the model's layers alone, 1.0-1.5x per layer shape in
-    the engine), rows padded to a bucket (`row_bucket`). Without AMX: the panel kernel up to
-    SMALL_M_BF16 rows (a weight read: 10-25% faster than oneDNN's per-call overhead on small
-    layers), oneDNN above.
+    One kernel per layer, whatever M is, is the exactness contract for linears (see
+    `conveyor.core.exactness`): each kernel computes an output as one fixed chain over k, so a row's
+    result does not depend on the rows around it.
+    - float32 (and bf16/fp16 where neither below exists): `panel_gemm`, float multiply-adds over W in
+      32-column panels; a read of the weights at decode sizes, at or above oneDNN's rate on prompt steps.
+    - bfloat16 on CPUs with AMX tiles: `amx_gemm` (`amx_gemm.cpp`).
+    - bfloat16 on CPUs with AVX512-BF16 but no tiles: `pair_gemm`, bf16 pair products.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, ops) -> None:
         self.weight = weight
         self.bias = bias
         self.out_features = weight.shape[0]
-        self.packed = None
-        self.panels = None
-        self.small_gemm = None
-        self.amx = None
-        self.amx_gemm = None
-        if (weight.dtype == torch.bfloat16 and weight.shape[1] % 32 == 0 and ops is not None
-                and hasattr(ops, "amx_gemm") and ops.amx_gemm_available()):
-            self.amx = pack_amx(weight)
-            self.amx_gemm = ops.amx_gemm
-        elif weight.dtype in (torch.float32, torch.bfloat16) and ops is not None and hasattr(ops, "small_gemm"):
-            self.panels = pack_panels(weight)
-            self.small_gemm = ops.small_gemm
-        if (weight.dtype == torch.bfloat16 and _onednn_bf16()) or (weight.dtype == torch.float32 and _onednn()):
-            try:
-                packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
-                probe = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
-                got = torch.ops.mkldnn._linear_pointwise(probe, packed, bias, "none", [], "")
-                want = F.linear(probe, weight, bias)
-                if torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2):
-                    self.packed = packed
-            except (RuntimeError, AttributeError):
-                self.packed = None
+        k = weight.shape[1]
+        if weight.dtype == torch.bfloat16 and k % 32 == 0 and ops.amx_gemm_available():
+            self.packed, self.gemm = pack_amx(weight), ops.amx_gemm
+        elif weight.dtype == torch.bfloat16 and k % 2 == 0 and ops.pair_gemm_available():
+            self.packed, self.gemm = pack_pairs(weight), ops.pair_gemm
+        else:
+            self.packed, self.gemm = pack_panels(weight), ops.panel_gemm
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.amx is not None and (x.shape[0] <= AMX_MAX_M or self.packed is None):
-            return self.amx_gemm(x, self.amx, self.out_features, self.bias)
-        limit = SMALL_M if self.weight.dtype == torch.float32 else SMALL_M_BF16
-        if self.panels is not None and x.shape[0] <= limit:
-            return self.small_gemm(x, self.panels, self.out_features, self.bias)
-        if self.packed is not None:
-            m = x.shape[0]
-            padded = row_bucket(m)
-            if padded != m:  # zero rows below x; their outputs are dropped
-                x = torch.cat([x, x.new_zeros(padded - m, x.shape[1])])
-            y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-            return y if padded == m else y[:m]
-        return F.linear(x, self.weight, self.bias)
-
-
-def _onednn() -> bool:
-    try:
-        return bool(torch.backends.mkldnn.is_available())
-    except (RuntimeError, AttributeError):
-        return False
-
-
-def _onednn_bf16() -> bool:
-    try:
-        return _onednn() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (RuntimeError, AttributeError):
-        return False
+        return self.gemm(x, self.packed, self.out_features, self.bias)
 
 
 def _concat_as_views(modules: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -194,6 +140,8 @@ class FusedLlama:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.scale = inner.layers[0].self_attn.scaling
         self.logit_scale = getattr(cfg, "logits_scaling", None)
+        self.cos = self.embed.new_empty(0, self.head_dim)  # rotary tables, grown by _rotary_rows
+        self.sin = self.embed.new_empty(0, self.head_dim)
 
     @classmethod
     def build(cls, model: torch.nn.Module, ops) -> FusedLlama | None:
@@ -236,8 +184,7 @@ class FusedLlama:
         ops = self.ops
         H = self.num_heads
         h = F.embedding(input_ids, self.embed)  # [T, hidden]; the residual stream, updated in place
-        cos, sin = self.rotary(h, positions.unsqueeze(0))
-        cos, sin = cos[0].contiguous(), sin[0].contiguous()
+        cos, sin = self._rotary_rows(positions)
         delta = None
         for i, layer in enumerate(self.layers):
             x = ops.rms_norm(h, delta, layer.norm_in, layer.eps_in)  # h += delta (the last MLP's output)
@@ -250,30 +197,24 @@ class FusedLlama:
         x = ops.rms_norm(rows, delta.index_select(0, sample_rows), self.norm, self.norm_eps)
         return self.lm_head(x)
 
+    def _rotary_rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, head_dim] of each position, looked up in a table of every position so far: computed by
+        the model's own rotary module ROPE_BLOCK positions at a time, so a position's values never depend on
+        the step it comes in (torch's vectorized cos/sin would round a step's tail elements apart)."""
+        need = int(positions.max()) + 1
+        while self.cos.shape[0] < need:
+            start = self.cos.shape[0]
+            cos, sin = self.rotary(self.embed[:1], torch.arange(start, start + ROPE_BLOCK).unsqueeze(0))
+            self.cos = torch.cat([self.cos, cos[0]])
+            self.sin = torch.cat([self.sin, sin[0]])
+        return self.cos.index_select(0, positions), self.sin.index_select(0, positions)
+
     def _attention(self, qkv: torch.Tensor, batch: PagedBatch, layer: int) -> torch.Tensor:
-        """qkv [T, (H + 2 Hkv) D] (rotated) -> attention output [T, H D]."""
+        """qkv [T, (H + 2 Hkv) D] (rotated, K/V already in the pool) -> attention output [T, H D]; the kernel
+        reads q in place from qkv."""
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         T = qkv.shape[0]
         q = qkv[:, :H * D].view(T, H, D)
-        k_cache, v_cache = batch.keys[layer], batch.values[layer]
-        if batch.kernel is not None and batch.has_paged_rows and batch.paged_rows is None:  # all rows: one call
-            return self._paged(q, k_cache, v_cache, batch).view(T, H * D)
-        out = torch.empty(T, H, D, dtype=qkv.dtype)
-        if batch.kernel is not None and batch.has_paged_rows:
-            out[batch.paged_rows] = self._paged(q[batch.paged_rows], k_cache, v_cache, batch)
-        for g in batch.gathered:  # without the kernel: K/V gathered for SDPA
-            out[g.rows] = gathered_attention(q[g.rows], k_cache, v_cache, g, batch.block_size, self.scale)
-        for start, end in batch.fresh_chunks:
-            chunk = qkv[start:end]
-            n = end - start
-            qc = chunk[:, :H * D].view(n, H, D).transpose(0, 1)
-            kc = chunk[:, H * D:(H + Hkv) * D].view(n, Hkv, D).transpose(0, 1)
-            vc = chunk[:, (H + Hkv) * D:].view(n, Hkv, D).transpose(0, 1)
-            o = F.scaled_dot_product_attention(qc.unsqueeze(0), kc.unsqueeze(0), vc.unsqueeze(0), is_causal=True,
-                                               scale=self.scale, enable_gqa=True)
-            out[start:end] = o[0].transpose(0, 1)
-        return out.view(T, H * D)
-
-    def _paged(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
-        return batch.kernel(q, k_cache, v_cache, batch.tables, batch.token_req, batch.token_ctx,
-                            batch.block_size, self.scale)
+        k = qkv[:, H * D:(H + Hkv) * D].view(T, Hkv, D)
+        v = qkv[:, (H + Hkv) * D:].view(T, Hkv, D)
+        return attend(q, k, v, batch.keys[layer], batch.values[layer], batch, self.scale).reshape(T, H * D)

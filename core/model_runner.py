@@ -34,14 +34,9 @@ class ModelRunner:
         self.sampler = Sampler(eos_token_ids, argmax=None if ops is None else ops.argmax_rows,
                                sample_rows=None if ops is None else ops.sample_rows)
         self.kernel = None if ops is None else ops.paged_attention
-        # Prompts that start at position 0 take SDPA over their own K/V, except where the kernel runs
-        # them as bf16 products: 1.8-3.2x faster on AMX tiles, 2.8-3.7x with AVX512-BF16 vectors (one
-        # layer, 40-1000 tokens).
-        heads = getattr(model.config, "num_attention_heads", None) or 0
-        self.fresh_prompts_paged = bool(
-            ops is not None and heads > 0 and hasattr(ops, "paged_attention_bf16_prompts")
-            and ops.paged_attention_bf16_prompts(next(model.parameters()).dtype == torch.bfloat16, kv_cache.head_dim,
-                                                 kv_cache.block_size, heads // kv_cache.num_kv_heads))
+        self.store_kv = None if ops is None else ops.store_kv
+        if kv_cache.layout != "plain" and ops is None:
+            raise ValueError(f"a {kv_cache.layout!r} KV pool needs conveyor's CPU kernels, which are unavailable")
         # Llama-family models on the CPU run a fused forward; others the transformers forward.
         self.fused = FusedLlama.build(model, ops) if fused_forward else None
         self.timings: dict[str, float] | None = None  # seconds per phase, when profiling
@@ -107,45 +102,32 @@ class ModelRunner:
             slots.extend([table[p // bs] * bs + p % bs for p in pos])
             if e.sample:
                 sample_rows.append(row + e.num_tokens - 1)
-            if e.start_pos == 0 and e.num_tokens > 1 and not self.fresh_prompts_paged:
+            if e.start_pos == 0 and e.num_tokens > 1 and self.kernel is None:
                 fresh_chunks.append((row, row + e.num_tokens))
             else:
                 paged.append((row, e))
         dev = self.device
         slot_mapping = torch.tensor(slots, dtype=torch.long, device=dev)
-        batch = PagedBatch(
-            keys=self.kv_cache.keys,
-            values=self.kv_cache.values,
-            slot_mapping=slot_mapping,
-            slot_block=slot_mapping // bs,
-            slot_offset=slot_mapping % bs,
-            block_size=bs,
-            fresh_chunks=fresh_chunks,
-            paged_rows=None,
-            has_paged_rows=bool(paged),
-            tables=None, token_req=None, token_ctx=None,
-            gathered=[],
-            kernel=self.kernel,
-        )
-        if paged:
-            if self.kernel is not None:
-                self._kernel_tensors(batch, paged, all_rows=not fresh_chunks)
-            else:
-                batch.gathered = self._gathered_tensors(paged)
+        batch = PagedBatch(keys=self.kv_cache.keys, values=self.kv_cache.values, slot_mapping=slot_mapping,
+                           slot_block=slot_mapping // bs, slot_offset=slot_mapping % bs, block_size=bs,
+                           kernel=self.kernel, store_kv=self.store_kv, fresh_chunks=fresh_chunks)
+        if self.kernel is not None:
+            self._kernel_tensors(batch, paged)
+        elif paged:
+            batch.gathered = self._gathered_tensors(paged)
         return (torch.tensor(input_ids, dtype=torch.long, device=dev),
                 torch.tensor(positions, dtype=torch.long, device=dev),
                 batch,
                 torch.tensor(sample_rows, dtype=torch.long, device=dev))
 
-    def _kernel_tensors(self, batch: PagedBatch, paged: list[tuple[int, ScheduledRequest]], all_rows: bool) -> None:
-        rows: list[int] = []
+    def _kernel_tensors(self, batch: PagedBatch, paged: list[tuple[int, ScheduledRequest]]) -> None:
+        """The kernel's view of the step: every row, its request's block table and the keys it sees."""
         token_req: list[int] = []
         token_ctx: list[int] = []
         max_blocks = max(len(e.block_ids) for _, e in paged)
         tables = []
-        for r, (row, e) in enumerate(paged):
+        for r, (_, e) in enumerate(paged):
             n = e.num_tokens
-            rows.extend(range(row, row + n))
             token_req.extend([r] * n)
             token_ctx.extend(range(e.start_pos + 1, e.start_pos + n + 1))
             tables.append(list(e.block_ids) + [0] * (max_blocks - len(e.block_ids)))
@@ -153,7 +135,6 @@ class ModelRunner:
         batch.tables = torch.tensor(tables, dtype=torch.long, device=dev)  # [R, max_blocks]
         batch.token_req = torch.tensor(token_req, dtype=torch.long, device=dev)
         batch.token_ctx = torch.tensor(token_ctx, dtype=torch.long, device=dev)
-        batch.paged_rows = None if all_rows else torch.tensor(rows, dtype=torch.long, device=dev)
 
     def _gathered_tensors(self, paged: list[tuple[int, ScheduledRequest]]) -> list[GatheredRows]:
         """Fallback without the kernel: one padded gather for all decodes, one per continuing chunk."""

@@ -20,6 +20,7 @@
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 
 #include "amx_tiles.h"
@@ -132,9 +133,13 @@ void amx_gemm_impl(const c10::BFloat16* x, const c10::BFloat16* tail, const c10:
 
 }  // namespace
 
+// CONVEYOR_NO_AMX=1 (read once per process) runs the routes of CPUs without tiles instead: AVX512-BF16
+// pair products for bf16 linears and attention, so those routes can be checked on a CPU with AMX.
 bool amx_gemm_available() {
 #ifdef CONVEYOR_AMX
   static const bool ok = [] {
+    const char* off = std::getenv("CONVEYOR_NO_AMX");
+    if (off != nullptr && std::strcmp(off, "1") == 0) return false;
     constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
     return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
   }();

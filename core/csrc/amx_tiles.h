@@ -33,4 +33,18 @@ static inline void amx_tile_config() {
   }
   __asm__ volatile("ldtilecfg %0" : : "m"(cfg));
 }
+
+// The tiles of the products path of paged attention (paged_attention.cpp, attend_tiles): 0-3 of
+// 16 rows x 64 bytes (scores, q, K pair rows; then the P . V outputs), 4 of 16 rows x 32 bytes (the
+// probabilities of 16 vectors for one block of 16 keys), 5-7 of 8 rows x 64 bytes (a block's V pair
+// rows for 16 dims: 8 key pairs).
+static inline void amx_attention_tile_config() {
+  AmxTileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = t < 5 ? 16 : 8;
+  }
+  cfg.colsb[4] = 32;
+  __asm__ volatile("ldtilecfg %0" : : "m"(cfg));
+}
 #endif

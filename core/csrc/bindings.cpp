@@ -3,16 +3,18 @@
 
 at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor tables,
                            at::Tensor token_req, at::Tensor token_ctx, int64_t block_size, double scale);
-bool paged_attention_bf16_prompts(bool bf16, int64_t head_dim, int64_t block_size, int64_t group);
-bool bf16_products_available();
+bool kv_pairs(bool bf16, int64_t head_dim, int64_t block_size, int64_t group);
 at::Tensor rms_norm(at::Tensor h, c10::optional<at::Tensor> delta, at::Tensor w, double eps);
 void rope_store(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor slots, at::Tensor k_cache,
                 at::Tensor v_cache, int64_t num_heads);
+void store_kv(at::Tensor k, at::Tensor v, at::Tensor slots, at::Tensor k_cache, at::Tensor v_cache);
 at::Tensor silu_mul(at::Tensor gu);
 at::Tensor argmax_rows(at::Tensor x);
 at::Tensor sample_rows(at::Tensor logits, at::Tensor rows, at::Tensor temps, at::Tensor u, at::Tensor top_k,
                        at::Tensor top_p, at::Tensor min_p);
-at::Tensor small_gemm(at::Tensor x, at::Tensor packed, int64_t N, c10::optional<at::Tensor> bias);
+at::Tensor panel_gemm(at::Tensor x, at::Tensor packed, int64_t N, c10::optional<at::Tensor> bias);
+at::Tensor pair_gemm(at::Tensor x, at::Tensor packed, int64_t N, c10::optional<at::Tensor> bias);
+bool pair_gemm_available();
 at::Tensor amx_gemm(at::Tensor x, at::Tensor packed, int64_t N, c10::optional<at::Tensor> bias);
 bool amx_gemm_available();
 
@@ -29,15 +31,16 @@ static bool wide_vectors() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("wide_vectors", &wide_vectors, "whether this build has the 16-float registers its kernels are written for");
   m.def("paged_attention", &paged_attention, "paged attention over a block pool (CPU)");
-  m.def("paged_attention_bf16_prompts", &paged_attention_bf16_prompts,
-        "whether paged_attention runs prompt rows of this shape (bf16?, head_dim, block_size, query heads per KV head) "
-        "as bf16 products (AMX tiles or AVX512-BF16)");
-  m.def("bf16_products_available", &bf16_products_available,
-        "whether this build and CPU run bf16 prompt attention as products (AMX tiles or AVX512-BF16)");
+  m.def("kv_pairs", &kv_pairs,
+        "whether a KV pool of this shape (bf16?, head_dim, block_size, query heads per KV head) is laid out in "
+        "bf16 pairs and attended to with bf16 products (AMX tiles or AVX512-BF16)");
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally adding a residual delta in place first (CPU)");
   m.def("rope_store", &rope_store, "rotary embedding on q/k in place, then k/v stored into the paged pool (CPU)");
+  m.def("store_kv", &store_kv, "k, v [T, Hkv, D] stored into the paged pool at slots, in its layout (CPU)");
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up over [rows, 2I] (CPU)");
-  m.def("small_gemm", &small_gemm, "x @ W.T (+ bias) for few rows, W prepacked in 32-column panels (CPU)");
+  m.def("panel_gemm", &panel_gemm, "x @ W.T (+ bias) by float multiply-adds in k order, W prepacked in 32-column panels (CPU)");
+  m.def("pair_gemm", &pair_gemm, "x @ W.T (+ bias) in bf16 by AVX512-BF16 pair products, W prepacked by fused_llama.pack_pairs (CPU)");
+  m.def("pair_gemm_available", &pair_gemm_available, "whether pair_gemm is built in (AVX512-BF16)");
   m.def("amx_gemm", &amx_gemm, "x @ W.T (+ bias) in bf16 on AMX tiles, W prepacked by fused_llama.pack_amx (CPU)");
   m.def("amx_gemm_available", &amx_gemm_available, "whether amx_gemm can run here (AMX built in and permitted)");
   m.def("argmax_rows", &argmax_rows, "first index of each row's maximum, as torch.argmax(x, -1) (CPU)");

@@ -118,10 +118,61 @@ void rms_norm_rows(scalar_t* h, const scalar_t* delta, const scalar_t* w, scalar
   });
 }
 
+// The pool's geometry and layout (paged_attention.cpp): plain keys [blocks, Hkv, D, bs] and values
+// [blocks * bs, Hkv, D], or pairs: keys [blocks, Hkv, D / 2, bs, 2] and values [blocks, Hkv, bs / 2, D, 2].
+struct Pool {
+  int64_t Hkv, D, bs;
+  bool pairs;
+};
+
+Pool pool_of(const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the caches must be contiguous");
+  if (k_cache.dim() == 5) {
+    TORCH_CHECK(v_cache.dim() == 5 && k_cache.size(4) == 2 && v_cache.size(4) == 2, "pair caches must be 5-D");
+    return {k_cache.size(1), k_cache.size(2) * 2, k_cache.size(3), true};
+  }
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 3, "plain caches: keys [blocks, Hkv, D, bs], values [slots, Hkv, D]");
+  return {k_cache.size(1), k_cache.size(2), k_cache.size(3), false};
+}
+
+// One token's K and V (each [Hkv, D]) into the pool at `slot`.
+template <typename scalar_t>
+inline void store_kv_row(const scalar_t* k, const scalar_t* v, int64_t slot, scalar_t* k_cache, scalar_t* v_cache,
+                         const Pool& p) {
+  const int64_t Hkv = p.Hkv, D = p.D, bs = p.bs, block = slot / bs, off = slot % bs;
+  if (p.pairs) {
+    for (int64_t h = 0; h < Hkv; ++h) {
+      scalar_t* kb = k_cache + (block * Hkv + h) * D * bs + off * 2;  // [D / 2][bs][2]
+      for (int64_t d = 0; d < D; ++d) kb[(d / 2) * bs * 2 + d % 2] = k[h * D + d];
+      scalar_t* vb = v_cache + (block * Hkv + h) * D * bs + (off / 2) * D * 2 + off % 2;  // [bs / 2][D][2]
+      for (int64_t d = 0; d < D; ++d) vb[d * 2] = v[h * D + d];
+    }
+    return;
+  }
+  for (int64_t h = 0; h < Hkv; ++h) {
+    scalar_t* kb = k_cache + (block * Hkv + h) * D * bs + off;  // [D][bs]
+    for (int64_t d = 0; d < D; ++d) kb[d * bs] = k[h * D + d];
+  }
+  std::memcpy(v_cache + slot * Hkv * D, v, sizeof(scalar_t) * Hkv * D);
+}
+
+// Pair layout: a block whose first slot is written in this step starts with zero V (what an earlier
+// owner left there would otherwise enter the products path's sums of its last block, with weight 0,
+// where 0 x a stale inf or NaN is not 0). Before the rows are stored, as threads store in parallel.
+template <typename scalar_t>
+void clear_new_blocks(const int64_t* slots, int64_t T, scalar_t* v_cache, const Pool& p) {
+  if (!p.pairs) return;
+  for (int64_t t = 0; t < T; ++t)
+    if (slots[t] % p.bs == 0)
+      std::memset(v_cache + (slots[t] / p.bs) * p.Hkv * p.D * p.bs, 0, sizeof(scalar_t) * p.Hkv * p.D * p.bs);
+}
+
 template <typename scalar_t>
 void rope_store_rows(scalar_t* qkv, const scalar_t* cos, const scalar_t* sin, const int64_t* slots, scalar_t* k_cache,
-                     scalar_t* v_cache, int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t bs) {
+                     scalar_t* v_cache, int64_t T, int64_t H, const Pool& pool) {
+  const int64_t Hkv = pool.Hkv, D = pool.D;
   const int64_t width = (H + 2 * Hkv) * D, half = D / 2;
+  clear_new_blocks(slots, T, v_cache, pool);
   const bool vec = half % 16 == 0;
   at::parallel_for(0, T, grain(width), [&](int64_t begin, int64_t end) {
     std::vector<float> tmp(D);
@@ -149,14 +200,7 @@ void rope_store_rows(scalar_t* qkv, const scalar_t* cos, const scalar_t* sin, co
         }
         for (int64_t d = 0; d < D; ++d) x[d] = static_cast<scalar_t>(tmp[d]);
       }
-      const int64_t slot = slots[t], block = slot / bs, off = slot % bs;
-      const scalar_t* k = row + H * D;
-      const scalar_t* v = row + (H + Hkv) * D;
-      for (int64_t h = 0; h < Hkv; ++h) {
-        scalar_t* kb = k_cache + (block * Hkv + h) * D * bs + off;  // keys: [blocks, Hkv, D, bs]
-        for (int64_t d = 0; d < D; ++d) kb[d * bs] = k[h * D + d];
-      }
-      std::memcpy(v_cache + slot * Hkv * D, v, sizeof(scalar_t) * Hkv * D);  // values: [slots, Hkv, D]
+      store_kv_row(row + H * D, row + (H + Hkv) * D, slots[t], k_cache, v_cache, pool);
     }
   });
 }
@@ -249,18 +293,40 @@ at::Tensor rms_norm(at::Tensor h, c10::optional<at::Tensor> delta, at::Tensor w,
 void rope_store(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor slots, at::Tensor k_cache,
                 at::Tensor v_cache, int64_t num_heads) {
   check_rows(qkv, "qkv");
-  const int64_t T = qkv.size(0), Hkv = k_cache.size(1), D = k_cache.size(2), bs = k_cache.size(3);
-  TORCH_CHECK(qkv.size(1) == (num_heads + 2 * Hkv) * D && D % 2 == 0, "qkv width does not match the heads");
+  const Pool pool = pool_of(k_cache, v_cache);
+  const int64_t T = qkv.size(0), D = pool.D;
+  TORCH_CHECK(qkv.size(1) == (num_heads + 2 * pool.Hkv) * D && D % 2 == 0, "qkv width does not match the heads");
   TORCH_CHECK(cos.sizes() == sin.sizes() && cos.size(0) == T && cos.size(1) == D, "cos/sin must be [T, head_dim]");
   TORCH_CHECK(slots.size(0) == T && slots.scalar_type() == at::kLong, "slots must be [T] int64");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the caches must be contiguous");
   for (const auto* x : {&cos, &sin, &k_cache, &v_cache})
     TORCH_CHECK(x->scalar_type() == qkv.scalar_type(), "rope_store: all tensors must share the model's dtype");
   auto c = cos.contiguous(), s = sin.contiguous(), sl = slots.contiguous();
   AT_DISPATCH_V2(qkv.scalar_type(), "rope_store", AT_WRAP([&] {
     rope_store_rows<scalar_t>(qkv.data_ptr<scalar_t>(), c.data_ptr<scalar_t>(), s.data_ptr<scalar_t>(),
                               sl.data_ptr<int64_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), T,
-                              num_heads, Hkv, D, bs);
+                              num_heads, pool);
+  }), at::kFloat, at::kBFloat16, at::kHalf);
+}
+
+// k, v [T, Hkv, D] (already rotated) stored at slots, in the pool's layout: the KV write of the
+// transformers forward's attention (attention.py), where rope_store's rotary is the model's own.
+void store_kv(at::Tensor k, at::Tensor v, at::Tensor slots, at::Tensor k_cache, at::Tensor v_cache) {
+  const Pool pool = pool_of(k_cache, v_cache);
+  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.size(1) == pool.Hkv && k.size(2) == pool.D,
+              "store_kv: k and v must be [T, Hkv, D] of the pool");
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k_cache.scalar_type(),
+              "store_kv: k and v must be in the pool's dtype");
+  const int64_t T = k.size(0);
+  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == T && slots.scalar_type() == at::kLong, "slots must be [T] int64");
+  auto kc = k.contiguous(), vc = v.contiguous(), sl = slots.contiguous();
+  AT_DISPATCH_V2(k.scalar_type(), "store_kv", AT_WRAP([&] {
+    const int64_t* sp = sl.data_ptr<int64_t>();
+    scalar_t* kp = k_cache.data_ptr<scalar_t>();
+    scalar_t* vp = v_cache.data_ptr<scalar_t>();
+    clear_new_blocks(sp, T, vp, pool);
+    const int64_t width = pool.Hkv * pool.D;
+    for (int64_t t = 0; t < T; ++t)
+      store_kv_row(kc.data_ptr<scalar_t>() + t * width, vc.data_ptr<scalar_t>() + t * width, sp[t], kp, vp, pool);
   }), at::kFloat, at::kBFloat16, at::kHalf);
 }
 

@@ -1,9 +1,23 @@
-// Paged attention for the CPU: every query token attends to its own request's cached K/V,
-// read in place from the block pool (no gather copy). One task per (query token, KV head), or per
-// (run of consecutive prompt tokens of one request, KV head); the query heads sharing that KV head
-// (of every token in the run) are done together so each K/V row is read once for all of them.
-// Layouts: keys [num_blocks, Hkv, D, block_size] (transposed within a block, so q.k over a
-// block's keys is a vector loop without horizontal sums); values [slots, Hkv, D].
+// Paged attention for the CPU: every query token attends to its own request's cached K/V, read in
+// place from the block pool (no gather copy). One task per (query token, KV head), or per (run of
+// consecutive prompt tokens of one request, KV head); the query heads sharing that KV head (of every
+// token in the run) are done together, so each K/V row read serves all of them.
+//
+// Two layouts of the pool, one arithmetic each (KVCache, `kv_pairs` below):
+// - plain (float32, fp16, and bf16 where the CPU has no bf16 product for the shape): keys
+//   [blocks, Hkv, D, bs] (each block transposed, so q.k over a block's keys is a vector loop without
+//   horizontal sums), values [blocks * bs, Hkv, D]. The FMA path: q.k and P.V as fused multiply-adds on
+//   floats, in key order.
+// - pairs (bf16, head_dim 64, block size 16, on CPUs with AMX tiles or AVX512-BF16): keys
+//   [blocks, Hkv, D / 2, bs, 2] and values [blocks, Hkv, bs / 2, D, 2], bf16 pairs side by side as the
+//   bf16 product instructions read them (rope_store writes them so). The products path: q.k and P.V as
+//   products of bf16 pairs, on AMX tiles or with VDPBF16PS.
+//
+// Exactness: the path is a property of the pool, never of the rows. A query row takes the same
+// arithmetic whether it is a decode, a fresh prompt's row or a later chunk's, and whatever rows share
+// its task: a vector's scores are its own dot products; its softmax runs over its own keys only (a run's
+// later keys get weight exactly 0, and adding 0 x v changes no sum); every sum runs in key order. So a
+// row's output is the same alone and in any step (tests/core/test_exactness_kernels.py).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/Dispatch_v2.h>
@@ -12,8 +26,8 @@
 #include <c10/util/Half.h>
 #include <algorithm>
 #include <atomic>
-#include <type_traits>
 #include <cmath>
+#include <type_traits>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -111,8 +125,8 @@ static void attend_grouped(const float* __restrict__ qf, const scalar_t* __restr
       if (kb_next) prefetch_l2(kb_next + d * bs, 2 * bs);  // the same two rows, PF blocks ahead
       const v16f k0 = load16(kb + d * bs), k1 = load16(kb + (d + 1) * bs);
       for (int g = 0; g < G; ++g) {
-        even[g] += qf[g * D + d] * k0;
-        odd[g] += qf[g * D + d + 1] * k1;
+        even[g] = fma16(splat16(qf[g * D + d]), k0, even[g]);
+        odd[g] = fma16(splat16(qf[g * D + d + 1]), k1, odd[g]);
       }
     }
     for (int g = 0; g < G; ++g) {
@@ -141,7 +155,7 @@ static void attend_grouped(const float* __restrict__ qf, const scalar_t* __restr
       for (int i = 0; i < NV; ++i) v[i] = load16(vb + o * stride + 16 * i);
       for (int g = 0; g < G; ++g) {
         const float p = scores[g * sstride + b * bs + o];
-        for (int i = 0; i < NV; ++i) acc[g][i] += p * v[i];
+        for (int i = 0; i < NV; ++i) acc[g][i] = fma16(splat16(p), v[i], acc[g][i]);
       }
     }
   }
@@ -187,7 +201,7 @@ static void attend_generic(const float* __restrict__ qf, const scalar_t* __restr
     for (int64_t g = 0; g < G; ++g)
       for (int64_t o = 0; o < n; ++o) {
         float acc = 0.f;
-        for (int64_t d = 0; d < D; ++d) acc += qf[g * D + d] * load_f32(kb + d * bs, o);
+        for (int64_t d = 0; d < D; ++d) acc = std::fma(qf[g * D + d], load_f32(kb + d * bs, o), acc);
         scores[g * sstride + b * bs + o] = acc;
       }
   }
@@ -203,38 +217,30 @@ static void attend_generic(const float* __restrict__ qf, const scalar_t* __restr
         const float pj = sg[b * bs + o];
         const scalar_t* __restrict__ v = vb + o * Hkv * D;
 #pragma omp simd
-        for (int64_t d = 0; d < D; ++d) ag[d] += pj * load_f32(v, d);
+        for (int64_t d = 0; d < D; ++d) ag[d] = std::fma(pj, load_f32(v, d), ag[d]);
       }
     }
   }
 }
 
-constexpr int64_t AMX_QTILES = 4;  // query tiles (16 vectors each) per run: K/V interleaved once for all
+constexpr int64_t PAIR_QTILES = 4;  // query tiles (16 vectors each) per run of prompt rows
 
-// Prompt runs in bf16 as products of bf16 pairs (head_dim 64, block size 16): up to 64 query vectors
-// (R rows x G heads sharing one KV head) against the request's keys. The run's K blocks and V rows
-// are first interleaved into (pair, column, 2) rows, the layout of AMX's TDPBF16PS and of AVX512-BF16's
-// VDPBF16PS alike (one permute per 32 values), then shared by all the run's vectors. Scores: q . K^T
-// per block of 16 keys; exp(scale x (s - max)) in float, left unnormalized and rounded to bf16
-// (exp_to_probs); then P . V per 32 keys, each output divided by its weights' sum. Two products:
-// - AMX tiles (attend_amx): one layer, cold pool: 2 prompts x 300 tokens 1.9 -> 1.1 ms, 4 x 512
-//   10.2 -> 5.3 ms against the FMA path.
-// - AVX512-BF16 vectors where there are no tiles (attend_dpbf16; AMD Zen 4, for one): each
-//   VDPBF16PS does 32 multiply-adds where an FMA on widened floats does 16. One layer, cold pool,
-//   against the FMA path, ms: 2 prompts x 300 tokens 1.72-1.86 -> 1.00, 4 x 512 8.8-9.1 -> 5.3-5.5,
-//   1 x 1500 16.1-16.4 -> 9.5-9.7.
-// Keys past the context are zero in V's rows (their weight is zero; 0 x a stale NaN would not be).
-// Decode rows stay on the FMA path: 64 decodes on a cold pool took 0.60 ms per layer there against
-// 0.93-0.95 on the tiles, whose K/V interleave a single row cannot share.
+// The products path (pair layout: head_dim 64, block size 16). Up to 64 query vectors (R rows x G heads
+// sharing one KV head) against the request's keys, straight from the pool's pair rows: scores q . K^T per
+// block of 16 keys; exp(scale x (s - max)) in float, left unnormalized and rounded to bf16
+// (exp_to_probs); then P . V per block, each output divided by its weights' sum. A decode row is a run of
+// G vectors. Two products of the same pairs:
+// - AMX tiles (attend_tiles), where the CPU has them;
+// - AVX512-BF16 vectors (attend_dpbf16) elsewhere (AMD Zen 4, for one): each VDPBF16PS does 32
+//   multiply-adds where an FMA on widened floats does 16.
+// The two round differently (a pair's products are summed inside the tile unit), so a CPU always uses
+// the same one. V rows of a block past the keys written so far are zero (rope_store clears a block when
+// its first slot is written): their weight is zero, and 0 x a stale NaN would not be.
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__)
 #define CONVEYOR_BF16_PAIRS 1
 
-// [a0 b0 a1 b1 ... a15 b15]: two rows of 16 bf16 as one row of 16 (a, b) pairs.
-static inline __m512i pair_rows(__m256i a, __m256i b) {
-  const __m512i idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
-                                       39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-  return _mm512_permutex2var_epi16(_mm512_castsi256_si512(a), idx, _mm512_castsi256_si512(b));
-}
+constexpr int64_t PD = 64, PBS = 16;  // the pair layout's head_dim and block size
+constexpr int64_t PBLOCK = PD * PBS;  // bf16 values of one block and KV head, in K and in V
 
 // One query vector's softmax weights for P . V, in a single pass after the max: exp(scale * (s - max))
 // of its first n scores, rounded to bf16 into pr[0..n), zeros after them up to `width` (a multiple
@@ -263,39 +269,6 @@ static inline float exp_to_probs(const float* s, c10::BFloat16* pr, int64_t n, i
   return 1.f / _mm512_reduce_add_ps(sum);
 }
 
-// The run's K and V in pair rows. kt: per block of 16 keys, two groups (dims 0-31, 32-63) of 16 rows
-// (d, d + 1) x 16 keys; vt: per 32 keys, four groups (16 dims each) of 16 rows (key, key + 1) x 16 dims.
-static void interleave_kv(const c10::BFloat16* k_cache, const c10::BFloat16* v_cache, const int64_t* table,
-                          int64_t ctx, int64_t h, int64_t Hkv, c10::BFloat16* kt, c10::BFloat16* vt) {
-  constexpr int64_t D = 64, bs = 16;
-  const int64_t num_blocks = (ctx + bs - 1) / bs;
-  const int64_t stride = Hkv * D;
-  for (int64_t b = 0; b < std::min<int64_t>(PF, num_blocks); ++b) prefetch_l2(k_cache + (table[b] * Hkv + h) * D * bs, D * bs);
-  for (int64_t b = 0; b < num_blocks; ++b) {
-    const c10::BFloat16* kb = k_cache + (table[b] * Hkv + h) * D * bs;  // [64 d][16 keys]
-    if (b + PF < num_blocks) prefetch_l2(k_cache + (table[b + PF] * Hkv + h) * D * bs, D * bs);
-    for (int64_t kk = 0; kk < D / 2; ++kk) {
-      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kb + 2 * kk * bs));
-      const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kb + (2 * kk + 1) * bs));
-      _mm512_store_si512(kt + (b * 2 + kk / 16) * 512 + (kk % 16) * 32, pair_rows(a, c));
-    }
-  }
-  for (int64_t k0 = 0; k0 < ctx; k0 += 32) {
-    for (int64_t kk = 0; kk < 16; ++kk) {
-      const c10::BFloat16* row[2];
-      for (int i = 0; i < 2; ++i) {
-        const int64_t key = k0 + 2 * kk + i;
-        row[i] = key < ctx ? v_cache + (table[key / bs] * bs + key % bs) * stride + h * D : nullptr;
-      }
-      for (int64_t j = 0; j < 4; ++j) {
-        const __m256i a = row[0] ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[0] + 16 * j)) : _mm256_setzero_si256();
-        const __m256i c = row[1] ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[1] + 16 * j)) : _mm256_setzero_si256();
-        _mm512_store_si512(vt + ((k0 / 32) * 4 + j) * 512 + kk * 32, pair_rows(a, c));
-      }
-    }
-  }
-}
-
 // The 32 bits of a bf16 pair, broadcast to all 16 lanes.
 static inline __m512bh pair_bcast(const c10::BFloat16* p) {
   int32_t bits;
@@ -303,34 +276,36 @@ static inline __m512bh pair_bcast(const c10::BFloat16* p) {
   return reinterpret_cast<__m512bh>(_mm512_set1_epi32(bits));
 }
 
-// Scores of NQ query vectors (bf16 [NQ][64], rows 64 apart) against one block's K pair rows (kb: 32
-// rows of 16 keys x 2), unscaled, to scores + v * sstride.
+// Scores of NQ query vectors (bf16 [NQ][64], rows 64 apart) against one block's K pair rows (kb: the
+// pool's block, 32 rows of 16 keys x 2), unscaled, to scores + v * sstride.
 template <int NQ>
 static inline void block_scores(const c10::BFloat16* q, const c10::BFloat16* kb, float* scores, int64_t sstride) {
   __m512 acc[NQ];
   for (int v = 0; v < NQ; ++v) acc[v] = _mm512_setzero_ps();
   for (int64_t kk = 0; kk < 32; ++kk) {
-    const __m512bh k = reinterpret_cast<__m512bh>(_mm512_load_si512(kb + (kk / 16) * 512 + (kk % 16) * 32));
+    const __m512bh k = reinterpret_cast<__m512bh>(_mm512_loadu_si512(kb + kk * 32));
     for (int v = 0; v < NQ; ++v) acc[v] = _mm512_dpbf16_ps(acc[v], pair_bcast(q + v * 64 + 2 * kk), k);
   }
   for (int v = 0; v < NQ; ++v) _mm512_storeu_ps(scores + v * sstride, acc[v]);
 }
 
-// P . V for NQ vectors (probs: bf16 rows sstride apart, `chunks` x 32 keys) over the V pair rows,
-// times inv[v], to out_f + v * 64.
+// P . V for NQ vectors (probs: bf16 rows sstride apart) over the request's blocks of V pair rows (each
+// block [8 key pairs][64 dims][2]), times inv[v], to out_f + v * 64.
 template <int NQ>
-static inline void probs_values(const c10::BFloat16* probs, int64_t sstride, const c10::BFloat16* vt, int64_t chunks,
-                                const float* inv, float* out_f) {
+static inline void probs_values(const c10::BFloat16* probs, int64_t sstride, const c10::BFloat16* v_cache,
+                                const int64_t* table, int64_t num_blocks, int64_t h, int64_t Hkv, const float* inv,
+                                float* out_f) {
   __m512 acc[NQ][4];
   for (int v = 0; v < NQ; ++v)
     for (int j = 0; j < 4; ++j) acc[v][j] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < chunks; ++c) {
-    const c10::BFloat16* w = vt + c * 4 * 512;
-    for (int64_t kk = 0; kk < 16; ++kk) {
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const c10::BFloat16* vb = v_cache + (table[b] * Hkv + h) * PBLOCK;
+    if (b + PF < num_blocks) prefetch_l2(v_cache + (table[b + PF] * Hkv + h) * PBLOCK, PBLOCK);
+    for (int64_t kk = 0; kk < PBS / 2; ++kk) {
       __m512bh vr[4];
-      for (int j = 0; j < 4; ++j) vr[j] = reinterpret_cast<__m512bh>(_mm512_load_si512(w + j * 512 + kk * 32));
+      for (int j = 0; j < 4; ++j) vr[j] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(vb + kk * 2 * PD + j * 32));
       for (int v = 0; v < NQ; ++v) {
-        const __m512bh p = pair_bcast(probs + v * sstride + c * 32 + 2 * kk);
+        const __m512bh p = pair_bcast(probs + v * sstride + b * PBS + 2 * kk);
         for (int j = 0; j < 4; ++j) acc[v][j] = _mm512_dpbf16_ps(acc[v][j], p, vr[j]);
       }
     }
@@ -341,21 +316,20 @@ static inline void probs_values(const c10::BFloat16* probs, int64_t sstride, con
   }
 }
 
-// qv [vecs][64] bf16, lim[v] keys seen by vector v; out_f [vecs][64] float. kt / vt: room for the run's
-// pair rows (ceil(ctx / 16) x 2 KiB each, 64-byte aligned); scores / probs: 8 rows of ceil(ctx / 32) x 32.
+// qv [vecs][64] bf16, lim[v] keys seen by vector v; out_f [vecs][64] float; scores / probs: 8 rows of
+// sstride = ceil(ctx / 16) x 16.
 static void attend_dpbf16(const c10::BFloat16* qv, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache,
                           const int64_t* table, int64_t ctx, const int64_t* lim, int64_t vecs, int64_t h,
-                          int64_t Hkv, float scale, float* scores, c10::BFloat16* probs, c10::BFloat16* kt,
-                          c10::BFloat16* vt, float* out_f) {
+                          int64_t Hkv, float scale, float* scores, c10::BFloat16* probs, float* out_f) {
   constexpr int64_t QS = 8, PV = 4;  // vectors per pass: scores (8 accumulators), P . V (4 x 4)
-  const int64_t num_blocks = (ctx + 15) / 16, chunks = (ctx + 31) / 32, sstride = chunks * 32;
-  interleave_kv(k_cache, v_cache, table, ctx, h, Hkv, kt, vt);
+  const int64_t num_blocks = (ctx + PBS - 1) / PBS, sstride = num_blocks * PBS;
   for (int64_t v0 = 0; v0 < vecs; v0 += QS) {
     const int64_t nq = std::min(QS, vecs - v0);
     const c10::BFloat16* q = qv + v0 * 64;
     for (int64_t b = 0; b < num_blocks; ++b) {
-      const c10::BFloat16* kb = kt + b * 2 * 512;
-      float* sc = scores + b * 16;
+      const c10::BFloat16* kb = k_cache + (table[b] * Hkv + h) * PBLOCK;
+      if (b + PF < num_blocks) prefetch_l2(k_cache + (table[b + PF] * Hkv + h) * PBLOCK, PBLOCK);
+      float* sc = scores + b * PBS;
       switch (nq) {
         case 1: block_scores<1>(q, kb, sc, sstride); break;
         case 2: block_scores<2>(q, kb, sc, sstride); break;
@@ -367,6 +341,8 @@ static void attend_dpbf16(const c10::BFloat16* qv, const c10::BFloat16* k_cache,
         default: block_scores<8>(q, kb, sc, sstride); break;
       }
     }
+    for (int64_t b = 0; b < std::min<int64_t>(PF, num_blocks); ++b)  // during the softmax
+      prefetch_l2(v_cache + (table[b] * Hkv + h) * PBLOCK, PBLOCK);
     alignas(64) float inv[QS];
     for (int64_t v = 0; v < nq; ++v)
       inv[v] = exp_to_probs(scores + v * sstride, probs + v * sstride, lim[v0 + v], sstride, scale);
@@ -374,10 +350,10 @@ static void attend_dpbf16(const c10::BFloat16* qv, const c10::BFloat16* k_cache,
       const c10::BFloat16* pr = probs + p0 * sstride;
       float* o = out_f + (v0 + p0) * 64;
       switch (std::min(PV, nq - p0)) {
-        case 1: probs_values<1>(pr, sstride, vt, chunks, inv + p0, o); break;
-        case 2: probs_values<2>(pr, sstride, vt, chunks, inv + p0, o); break;
-        case 3: probs_values<3>(pr, sstride, vt, chunks, inv + p0, o); break;
-        default: probs_values<4>(pr, sstride, vt, chunks, inv + p0, o); break;
+        case 1: probs_values<1>(pr, sstride, v_cache, table, num_blocks, h, Hkv, inv + p0, o); break;
+        case 2: probs_values<2>(pr, sstride, v_cache, table, num_blocks, h, Hkv, inv + p0, o); break;
+        case 3: probs_values<3>(pr, sstride, v_cache, table, num_blocks, h, Hkv, inv + p0, o); break;
+        default: probs_values<4>(pr, sstride, v_cache, table, num_blocks, h, Hkv, inv + p0, o); break;
       }
     }
   }
@@ -385,106 +361,105 @@ static void attend_dpbf16(const c10::BFloat16* qv, const c10::BFloat16* k_cache,
 #endif  // AVX512-BF16
 
 #ifdef CONVEYOR_AMX
-// qv [vecs rounded up to 16][64] bf16, lim[v] keys seen by vector v; out_f [same][64] float.
-// kt: room for the run's K tiles (ceil(ctx / 16) x 1 KiB x 2), vt: its V tiles (ceil(ctx / 32) x 4 KiB).
-static void attend_amx(const c10::BFloat16* qv, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache,
-                       const int64_t* table, int64_t ctx, const int64_t* lim, int64_t vecs, int64_t h, int64_t Hkv,
-                       float scale, float* scores, c10::BFloat16* probs, c10::BFloat16* kt, c10::BFloat16* vt,
-                       float* out_f) {
-  constexpr int64_t D = 64, bs = 16;
-  const int64_t num_blocks = (ctx + bs - 1) / bs, chunks = (ctx + 31) / 32;
-  const int64_t sstride = chunks * 32;  // scores / probs row per vector, 32-key chunks
-  interleave_kv(k_cache, v_cache, table, ctx, h, Hkv, kt, vt);
+// qv [vecs rounded up to 16][64] bf16, lim[v] keys seen by vector v; out_f [same][64] float; scores
+// (float) and probs (bf16): 16 rows of sstride = ceil(ctx / 16) x 16. Tiles (amx_attention_tile_config):
+// scores: q dims 0-31 in tile 1, 32-63 in tile 2, a block's K pair rows in tile 3 (dims 0-31, then
+// 32-63), the 16 x 16 scores in tile 0; P . V: a block's probabilities (16 vectors x 16 keys) in tile 4,
+// its V pair rows (8 key pairs x 16 dims) in tiles 5-7, the 16 x 64 outputs in tiles 0-3.
+static void attend_tiles(const c10::BFloat16* qv, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache,
+                         const int64_t* table, int64_t ctx, const int64_t* lim, int64_t vecs, int64_t h, int64_t Hkv,
+                         float scale, float* scores, c10::BFloat16* probs, float* out_f) {
+  const int64_t num_blocks = (ctx + PBS - 1) / PBS, sstride = num_blocks * PBS;
+  const auto kblock = [&](int64_t b) { return k_cache + (table[b] * Hkv + h) * PBLOCK; };
+  const auto vblock = [&](int64_t b) { return v_cache + (table[b] * Hkv + h) * PBLOCK; };
   for (int64_t v0 = 0; v0 < vecs; v0 += 16) {  // one tile of 16 query vectors at a time
-    _tile_loadd(4, qv + v0 * D, D * 2);       // q, dims 0-31
-    _tile_loadd(5, qv + v0 * D + 32, D * 2);  // q, dims 32-63
+    _tile_loadd(1, qv + v0 * PD, PD * 2);
+    _tile_loadd(2, qv + v0 * PD + 32, PD * 2);
+    for (int64_t b = 0; b < std::min<int64_t>(PF, num_blocks); ++b) prefetch_l2(kblock(b), PBLOCK);
     for (int64_t b = 0; b < num_blocks; ++b) {
-      _tile_loadd(6, kt + b * 2 * 512, 64);
-      _tile_loadd(7, kt + (b * 2 + 1) * 512, 64);
+      if (b + PF < num_blocks) prefetch_l2(kblock(b + PF), PBLOCK);
+      const c10::BFloat16* kb = kblock(b);
       _tile_zero(0);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_dpbf16ps(0, 5, 7);
-      _tile_stored(0, scores + b * bs, sstride * 4);
+      _tile_loadd(3, kb, 64);
+      _tile_dpbf16ps(0, 1, 3);
+      _tile_loadd(3, kb + 512, 64);
+      _tile_dpbf16ps(0, 2, 3);
+      _tile_stored(0, scores + b * PBS, sstride * 4);
     }
+    for (int64_t b = 0; b < std::min<int64_t>(PF, num_blocks); ++b) prefetch_l2(vblock(b), PBLOCK);  // during the softmax
     const int64_t live = std::min<int64_t>(16, vecs - v0);  // rows past them give outputs nobody reads
     alignas(64) float inv[16];
-    for (int64_t v = 0; v < live; ++v) inv[v] = exp_to_probs(scores + v * sstride, probs + v * sstride,
-                                                             lim[v0 + v], sstride, scale);
+    for (int64_t v = 0; v < live; ++v)
+      inv[v] = exp_to_probs(scores + v * sstride, probs + v * sstride, lim[v0 + v], sstride, scale);
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
-    for (int64_t c = 0; c < chunks; ++c) {
-      const c10::BFloat16* w = vt + c * 4 * 512;
-      _tile_loadd(4, probs + c * 32, sstride * 2);
-      _tile_loadd(6, w, 64);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_loadd(7, w + 512, 64);
-      _tile_dpbf16ps(1, 4, 7);
-      _tile_loadd(6, w + 1024, 64);
-      _tile_dpbf16ps(2, 4, 6);
-      _tile_loadd(7, w + 1536, 64);
-      _tile_dpbf16ps(3, 4, 7);
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      if (b + PF < num_blocks) prefetch_l2(vblock(b + PF), PBLOCK);
+      const c10::BFloat16* vb = vblock(b);
+      _tile_loadd(4, probs + b * PBS, sstride * 2);
+      _tile_loadd(5, vb, PD * 4);
+      _tile_loadd(6, vb + 32, PD * 4);
+      _tile_loadd(7, vb + 64, PD * 4);
+      _tile_dpbf16ps(0, 4, 5);
+      _tile_dpbf16ps(1, 4, 6);
+      _tile_dpbf16ps(2, 4, 7);
+      _tile_loadd(5, vb + 96, PD * 4);
+      _tile_dpbf16ps(3, 4, 5);
     }
-    float* o = out_f + v0 * D;
-    _tile_stored(0, o, D * 4);
-    _tile_stored(1, o + 16, D * 4);
-    _tile_stored(2, o + 32, D * 4);
-    _tile_stored(3, o + 48, D * 4);
+    float* o = out_f + v0 * PD;
+    _tile_stored(0, o, PD * 4);
+    _tile_stored(1, o + 16, PD * 4);
+    _tile_stored(2, o + 32, PD * 4);
+    _tile_stored(3, o + 48, PD * 4);
     for (int64_t v = 0; v < live; ++v) {  // the weights were left unnormalized: divide by their sum here
       const __m512 f = _mm512_set1_ps(inv[v]);
-      for (int64_t d = 0; d < D; d += 16)
-        _mm512_storeu_ps(o + v * D + d, _mm512_mul_ps(_mm512_loadu_ps(o + v * D + d), f));
+      for (int64_t d = 0; d < PD; d += 16)
+        _mm512_storeu_ps(o + v * PD + d, _mm512_mul_ps(_mm512_loadu_ps(o + v * PD + d), f));
     }
   }
 }
 #endif  // CONVEYOR_AMX
 
-// Which product prompt runs of this shape take: tiles (AMX, permitted here), bf16 pair vectors
-// (AVX512-BF16 without usable tiles) or none (the FMA path on floats).
-enum class PromptPath { kFma, kPairs, kTiles };
+// The arithmetic of a pool of this shape: bf16 products (AMX tiles where permitted, else AVX512-BF16
+// vectors) on the pair layout, or the FMA path on the plain one.
+enum class PoolPath { kFma, kPairs, kTiles };
 
-static PromptPath prompt_path(bool bf16, int64_t head_dim, int64_t block_size, int64_t group) {
-  if (!(bf16 && block_size == 16 && head_dim == 64 && group <= 16)) return PromptPath::kFma;
+static PoolPath pool_path(bool bf16, int64_t head_dim, int64_t block_size, int64_t group) {
+  if (!(bf16 && block_size == 16 && head_dim == 64 && group <= 16)) return PoolPath::kFma;
 #ifdef CONVEYOR_AMX
-  if (amx_gemm_available()) return PromptPath::kTiles;
+  if (amx_gemm_available()) return PoolPath::kTiles;
 #endif
 #ifdef CONVEYOR_BF16_PAIRS
-  return PromptPath::kPairs;
+  return PoolPath::kPairs;
 #endif
-  return PromptPath::kFma;
+  return PoolPath::kFma;
 }
 
-// Whether prompt runs of this shape are bf16 products (tiles or pair vectors, above). The runner
-// then also sends prompts that start at position 0 here rather than to SDPA, which both outrun.
-// One answer for the kernel and its callers.
-bool paged_attention_bf16_prompts(bool bf16, int64_t head_dim, int64_t block_size, int64_t group) {
-  return prompt_path(bf16, head_dim, block_size, group) != PromptPath::kFma;
+// Whether a pool of this shape is laid out in bf16 pairs (and attended to with bf16 products). One
+// answer for the kernel, rope_store / store_kv and KVCache.
+bool kv_pairs(bool bf16, int64_t head_dim, int64_t block_size, int64_t group) {
+  return pool_path(bf16, head_dim, block_size, group) != PoolPath::kFma;
 }
-
-// Whether this build and CPU have a bf16 product for prompt runs at all (AMX tiles or AVX512-BF16).
-bool bf16_products_available() { return paged_attention_bf16_prompts(true, 64, 16, 1); }
 
 template <typename scalar_t>
 static void paged_attention_kernel(const scalar_t* q,        // [T, H, D], rows q_stride apart
-                                   const scalar_t* k_cache,  // [num_blocks, Hkv, D, block_size]
-                                   const scalar_t* v_cache,  // [num_blocks * block_size, Hkv, D]
+                                   const scalar_t* k_cache,  // plain or pairs (above)
+                                   const scalar_t* v_cache,
                                    const int64_t* tables,    // [R, max_blocks]
                                    const int64_t* token_req, // [T]
                                    const int64_t* token_ctx, // [T] keys visible to the token
                                    scalar_t* out,            // [T, H, D]
                                    int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t max_blocks,
-                                   int64_t bs, float scale, int64_t q_stride) {
+                                   int64_t bs, float scale, int64_t q_stride, bool pairs) {
   const int64_t G = H / Hkv;
   const bool fast = bs == 16 && (D == 32 || D == 64 || D == 128);
   // Rows of one request at consecutive positions (a prompt chunk) are taken R at a time, so each
   // K/V row read serves R x G query vectors instead of G: a row sees one key more than the row
-  // before it, and scores past a vector's own keys are masked. On the FMA path each row's result is
-  // the same as computed alone (the same sums in the same order; masked keys add exact zeros); bf16
-  // runs as bf16 products differ from a lone row by the rounding of their probabilities to bf16.
-  const PromptPath path = prompt_path(std::is_same_v<scalar_t, c10::BFloat16>, D, bs, G);
-  const bool products = path != PromptPath::kFma;
-  const int64_t R = products ? 16 * AMX_QTILES / G : fast ? std::max<int64_t>(1, 8 / G) : 1;  // up to 64 query vectors
+  // before it, and scores past a vector's own keys are masked.
+  const PoolPath path = pairs ? pool_path(true, D, bs, G) : PoolPath::kFma;
+  const int64_t R = pairs ? 16 * PAIR_QTILES / G : fast ? std::max<int64_t>(1, 8 / G) : 1;  // up to 64 query vectors
   std::vector<int64_t> group_start;  // row groups: [group_start[i], group_start[i + 1])
   for (int64_t t = 0; t < T; ++t) {
     const bool joins = t > 0 && t - group_start.back() < R && token_req[t] == token_req[t - 1] &&
@@ -538,7 +513,7 @@ static void paged_attention_kernel(const scalar_t* q,        // [T, H, D], rows 
 #endif
 #ifdef CONVEYOR_BF16_PAIRS
     std::vector<float> run_scores;
-    std::vector<c10::BFloat16> run_probs, run_kt, run_vt, run_q(16 * AMX_QTILES * 64);
+    std::vector<c10::BFloat16> run_probs, run_q(16 * PAIR_QTILES * PD);
 #endif
     for (int64_t c = next_chunk++; c < chunks; c = next_chunk++)
     for (int64_t task = bounds[c]; task < bounds[c + 1]; ++task) {
@@ -546,44 +521,38 @@ static void paged_attention_kernel(const scalar_t* q,        // [T, H, D], rows 
       const int64_t t0 = group_start[i], rows = group_start[i + 1] - t0, vecs = rows * G;
       const int64_t ctx = token_ctx[t0 + rows - 1];  // the last row sees the most keys
       const int64_t* table = tables + token_req[t0] * max_blocks;
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t g = 0; g < G; ++g) lims[r * G + g] = token_ctx[t0 + r];
 #ifdef CONVEYOR_BF16_PAIRS
       if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-        if (products && rows > 1) {  // prompt runs as bf16 products; single rows (decodes) stream K/V faster below
-          const int64_t sstride = (ctx + 31) / 32 * 32;
+        if (path != PoolPath::kFma) {
+          const int64_t sstride = (ctx + PBS - 1) / PBS * PBS;
           if (static_cast<int64_t>(run_scores.size()) < 16 * sstride) {
             run_scores.resize(16 * sstride);
             run_probs.resize(16 * sstride);
-            run_kt.resize(2 * sstride * 32 + 64);  // 64-byte aligned below
-            run_vt.resize(2 * sstride * 32 + 64);
           }
-          const auto aligned = [](c10::BFloat16* p) {
-            return reinterpret_cast<c10::BFloat16*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t(63));
-          };
-          std::fill(run_q.begin() + vecs * 64, run_q.begin() + (vecs + 15) / 16 * 16 * 64,  // the last tile's pad
+          std::fill(run_q.begin() + vecs * PD, run_q.begin() + (vecs + 15) / 16 * 16 * PD,  // the last tile's pad
                     c10::BFloat16(0.f));
           for (int64_t r = 0; r < rows; ++r)
-            for (int64_t g = 0; g < G; ++g) {
-              lims[r * G + g] = token_ctx[t0 + r];
-              std::memcpy(run_q.data() + (r * G + g) * 64, q + (t0 + r) * q_stride + (h * G + g) * D, 64 * sizeof(scalar_t));
-            }
+            for (int64_t g = 0; g < G; ++g)
+              std::memcpy(run_q.data() + (r * G + g) * PD, q + (t0 + r) * q_stride + (h * G + g) * D, PD * sizeof(scalar_t));
 #ifdef CONVEYOR_AMX
-          if (path == PromptPath::kTiles) {
+          if (path == PoolPath::kTiles) {
             if (!tiles) {
-              amx_tile_config();
+              amx_attention_tile_config();
               tiles = true;
             }
-            attend_amx(run_q.data(), k_cache, v_cache, table, ctx, lims.data(), vecs, h, Hkv, scale, run_scores.data(),
-                       run_probs.data(), aligned(run_kt.data()), aligned(run_vt.data()), out_f.data());
+            attend_tiles(run_q.data(), k_cache, v_cache, table, ctx, lims.data(), vecs, h, Hkv, scale,
+                         run_scores.data(), run_probs.data(), out_f.data());
           } else
 #endif
           {
             attend_dpbf16(run_q.data(), k_cache, v_cache, table, ctx, lims.data(), vecs, h, Hkv, scale,
-                          run_scores.data(), run_probs.data(), aligned(run_kt.data()), aligned(run_vt.data()),
-                          out_f.data());
+                          run_scores.data(), run_probs.data(), out_f.data());
           }
           for (int64_t r = 0; r < rows; ++r)
             for (int64_t g = 0; g < G; ++g)
-              for (int64_t d = 0; d < 64; d += 16)  // rounded to nearest even, as static_cast rounds
+              for (int64_t d = 0; d < PD; d += 16)  // rounded to nearest even, as static_cast rounds
                 _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + ((t0 + r) * H + h * G + g) * D + d),
                                     reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(out_f.data() + (r * G + g) * D + d))));
           continue;
@@ -593,11 +562,9 @@ static void paged_attention_kernel(const scalar_t* q,        // [T, H, D], rows 
       if (static_cast<int64_t>(scores.size()) < std::min<int64_t>(vecs, 8) * (ctx + 16))
         scores.resize(std::min<int64_t>(vecs, 8) * (ctx + 16));
       for (int64_t r = 0; r < rows; ++r)
-        for (int64_t g = 0; g < G; ++g) {  // query vector r * G + g: row t0 + r, head h * G + g
-          lims[r * G + g] = token_ctx[t0 + r];
+        for (int64_t g = 0; g < G; ++g)  // query vector r * G + g: row t0 + r, head h * G + g
           for (int64_t d = 0; d < D; ++d)
             qf[(r * G + g) * D + d] = static_cast<float>(q[(t0 + r) * q_stride + (h * G + g) * D + d]) * scale;
-        }
       if (fast && D == 64) {
         attend_dispatch<4>(qf.data(), k_cache, v_cache, table, ctx, lims.data(), h, vecs, Hkv, scores.data(),
                            out_f.data());
@@ -624,7 +591,10 @@ static void paged_attention_kernel(const scalar_t* q,        // [T, H, D], rows 
 at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor tables,
                            at::Tensor token_req, at::Tensor token_ctx, int64_t block_size, double scale) {
   TORCH_CHECK(q.dim() == 3, "q must be [T, H, D]");
-  TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 3, "k_cache must be [blocks, Hkv, D, bs], v_cache [slots, Hkv, D]");
+  const bool pairs = k_cache.dim() == 5;
+  TORCH_CHECK(pairs ? v_cache.dim() == 5 : k_cache.dim() == 4 && v_cache.dim() == 3,
+              "the caches must be plain (keys [blocks, Hkv, D, bs], values [slots, Hkv, D]) or pairs (keys "
+              "[blocks, Hkv, D/2, bs, 2], values [blocks, Hkv, bs/2, D, 2])");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
               "q and the caches must share a dtype");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the caches must be contiguous");
@@ -634,14 +604,21 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
   token_ctx = token_ctx.contiguous();
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_cache.size(1);
   TORCH_CHECK(H % Hkv == 0, "query heads must be a multiple of KV heads");
-  TORCH_CHECK(k_cache.size(3) == block_size && k_cache.size(2) == D, "k_cache shape does not match block_size/D");
+  if (pairs) {
+    TORCH_CHECK(k_cache.size(2) * 2 == D && k_cache.size(3) == block_size && v_cache.size(2) * 2 == block_size &&
+                    v_cache.size(3) == D, "the pair caches' shape does not match block_size/D");
+    TORCH_CHECK(kv_pairs(q.scalar_type() == at::kBFloat16, D, block_size, H / Hkv),
+                "a pair-layout pool needs bf16 and head_dim 64, block size 16 on a CPU with AMX or AVX512-BF16");
+  } else {
+    TORCH_CHECK(k_cache.size(3) == block_size && k_cache.size(2) == D, "k_cache shape does not match block_size/D");
+  }
   auto out = at::empty({T, H, D}, q.options());
   AT_DISPATCH_V2(q.scalar_type(), "paged_attention", AT_WRAP([&] {
     paged_attention_kernel<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
                                      v_cache.data_ptr<scalar_t>(), tables.data_ptr<int64_t>(),
                                      token_req.data_ptr<int64_t>(), token_ctx.data_ptr<int64_t>(),
                                      out.data_ptr<scalar_t>(), T, H, Hkv, D, tables.size(1), block_size,
-                                     static_cast<float>(scale), q.stride(0));
+                                     static_cast<float>(scale), q.stride(0), pairs);
   }), at::kFloat, at::kBFloat16, at::kHalf);
   return out;
 }

@@ -37,6 +37,30 @@ static inline v16f load16(const scalar_t* __restrict__ p) {
 }
 
 
+// a * b + c rounded once (a fused multiply-add) in every lane, on every target: the exact kernels
+// spell their multiply-adds with it, never leaving the choice between one rounding and two to the
+// compiler's contraction of `c += a * b`.
+static inline v16f fma16(v16f a, v16f b, v16f c) {
+#ifdef __AVX512F__
+  return reinterpret_cast<v16f>(_mm512_fmadd_ps(reinterpret_cast<__m512>(a), reinterpret_cast<__m512>(b),
+                                                reinterpret_cast<__m512>(c)));
+#else
+  for (int i = 0; i < 16; ++i) c[i] = __builtin_fmaf(a[i], b[i], c[i]);
+  return c;
+#endif
+}
+
+// x in all 16 lanes (`v16f{} + x` would be an addition: 0 + x is not x when x is -0).
+static inline v16f splat16(float x) {
+#ifdef __AVX512F__
+  return reinterpret_cast<v16f>(_mm512_set1_ps(x));
+#else
+  v16f v;
+  for (int i = 0; i < 16; ++i) v[i] = x;
+  return v;
+#endif
+}
+
 // exp(x) on 16 lanes, within a few ulp: Cephes' range reduction and polynomial in plain vector
 // arithmetic (a scalar libm call per element is what it replaces). Inputs are clamped to
 // [-87.3, 87.3]: exp(-87.3) ~ 1e-38 stands for 0, exp(87.3) ~ 1e38 for overflow.

@@ -7,6 +7,7 @@ can no longer run without the engine.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -180,29 +181,29 @@ def test_runner_logits_match_the_model_across_prefills_chunks_decodes_and_shared
         assert torch.allclose(row, _last_logits(ref_model, tokens), atol=1e-4)
 
 
-def test_bf16_prompts_from_position_zero_go_through_the_kernel_where_it_has_bf16_products():
-    """bf16 on CPUs with AMX or AVX512-BF16: prompts with nothing cached take the kernel's bf16 products,
-    not SDPA (faster there); their logits stay close to transformers' own bf16 forward."""
+def test_bf16_pools_are_bf16_pairs_where_the_cpu_has_bf16_products_and_every_row_takes_the_kernel():
+    """bf16 on CPUs with AMX or AVX512-BF16: the engine's pool is in the pair layout and every row, prompts
+    from position 0 included, goes through the kernel's bf16 products; logits stay close to transformers'
+    own bf16 forward."""
     from conveyor.core.cpu_kernels import cpu_kernels
 
     ops = cpu_kernels()
-    if not (ops and ops.bf16_products_available()):
-        pytest.skip("no AMX or AVX512-BF16 here: such prompts take SDPA")
+    if not (ops and ops.kv_pairs(True, 64, 16, 2)):
+        pytest.skip("no AMX or AVX512-BF16 here: bf16 pools stay plain")
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
                       initializer_range=0.1, bos_token_id=None, eos_token_id=None, pad_token_id=None)
     ref = LlamaForCausalLM(cfg).eval().to(torch.bfloat16)
     ref.set_attn_implementation("sdpa")
-    model = LlamaForCausalLM(cfg).eval().to(torch.bfloat16)
+    model = LlamaForCausalLM(copy.deepcopy(cfg)).eval().to(torch.bfloat16)  # its own config: the engine changes it
     model.load_state_dict(ref.state_dict())
-    kv = KVCache(2, 1, 64, num_blocks=32, block_size=16, dtype=torch.bfloat16, device=torch.device("cpu"))
-    runner = ModelRunner(model, kv, eos_token_ids=())
-    assert runner.fresh_prompts_paged and runner.fused is not None
-    small_blocks = KVCache(2, 1, 64, num_blocks=32, block_size=8, dtype=torch.bfloat16, device=torch.device("cpu"))
-    assert not ModelRunner(model, small_blocks, eos_token_ids=()).fresh_prompts_paged  # no product path for them
+    engine = Engine(model, CharTokenizer(), EngineConfig(num_kv_blocks=32))
+    assert engine.kv_cache.layout == "pairs" and engine.runner.fused is not None
+    assert Engine(model, CharTokenizer(), EngineConfig(num_kv_blocks=32, block_size=8)).kv_cache.layout == "plain"
+    runner = engine.runner
     _, _, batch, _ = runner._prepare([_entry("a", [1, 2, 3], 0, [4])])
-    assert batch.fresh_chunks == [] and batch.has_paged_rows
+    assert batch.fresh_chunks == [] and batch.token_ctx.tolist() == [1, 2, 3]
     capture = _CapturingSampler()
     runner.sampler = capture
     g = torch.Generator().manual_seed(3)

@@ -1,0 +1,120 @@
+// y [M, N] = x [M, K] @ W.T (+ bias) with float multiply-adds, for every row count M.
+//
+// Exactness: every output is one chain of fused multiply-adds over k in order, starting from zero,
+// plus the bias at the end: y[m, n] = round(fma(x[m, K-1], w[n, K-1], ... fma(x[m, 0], w[n, 0], 0)) + b[n]).
+// Nothing else enters it: not the other rows (rows are blocked, never mixed), not the thread count
+// (threads split the output columns, never K), not M (no shape-dependent routes). So a row's result is
+// the same alone, in a step of 2048 rows, or anywhere in between.
+//
+// W is prepacked in panels of 32 columns, [ceil(N / 32)][K][32] (fused_llama.pack_panels), each panel
+// one contiguous run read front to back. The micro-kernel keeps a block of up to 14 rows x 32 columns
+// in 28 vector registers and broadcasts x from the rows themselves (no packing of x). Rows are taken in
+// chunks that stay in L2 while every panel of the thread passes over them; within a chunk a panel is
+// read from memory by its first row block and from L2 by the others, while the first block also
+// prefetches the next panel. Float32, bf16 and fp16 weights (the latter two widened to float as loaded).
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/Dispatch_v2.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <algorithm>
+#include <cstring>
+
+#include "vec16.h"
+
+namespace {
+
+constexpr int64_t PW = 32;          // panel width: two vectors
+constexpr int MR = 14;              // rows per micro-kernel block: 28 accumulators
+constexpr int64_t CHUNK_BYTES = 1 << 19;  // rows of x per chunk: about this many bytes of them
+
+// Rows [0, R) x the panel's 32 columns: acc[r] = sum over k in order of x[r][k] * w[k][.] (fused).
+// `next`, when set, is the next panel: its k-th row of weights is prefetched into L2 at step k.
+template <int R, typename scalar_t>
+inline void block(const float* __restrict__ x, int64_t ldx, const scalar_t* __restrict__ panel, int64_t K,
+                  const char* next, float* __restrict__ out) {
+  constexpr int64_t row_bytes = PW * sizeof(scalar_t);
+  v16f a0[R], a1[R];
+  for (int r = 0; r < R; ++r) a0[r] = a1[r] = v16f{};
+  for (int64_t k = 0; k < K; ++k) {
+    if (next != nullptr) prefetch_l2(next + k * row_bytes, row_bytes);
+    const v16f w0 = load16(panel + k * PW), w1 = load16(panel + k * PW + 16);
+#pragma GCC unroll 14
+    for (int r = 0; r < R; ++r) {
+      const v16f xv = splat16(x[r * ldx + k]);
+      a0[r] = fma16(xv, w0, a0[r]);
+      a1[r] = fma16(xv, w1, a1[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    std::memcpy(out + r * PW, &a0[r], sizeof(v16f));
+    std::memcpy(out + r * PW + 16, &a1[r], sizeof(v16f));
+  }
+}
+
+template <typename scalar_t>
+void block_rows(int rows, const float* x, int64_t ldx, const scalar_t* panel, int64_t K, const char* next,
+                float* out) {
+  switch (rows) {
+#define CONVEYOR_ROWS(n) case n: block<n>(x, ldx, panel, K, next, out); break;
+    CONVEYOR_ROWS(1) CONVEYOR_ROWS(2) CONVEYOR_ROWS(3) CONVEYOR_ROWS(4) CONVEYOR_ROWS(5) CONVEYOR_ROWS(6)
+    CONVEYOR_ROWS(7) CONVEYOR_ROWS(8) CONVEYOR_ROWS(9) CONVEYOR_ROWS(10) CONVEYOR_ROWS(11) CONVEYOR_ROWS(12)
+    CONVEYOR_ROWS(13)
+#undef CONVEYOR_ROWS
+    default: block<MR>(x, ldx, panel, K, next, out); break;
+  }
+}
+
+template <typename scalar_t>
+void panel_gemm_impl(const float* xf, const scalar_t* packed, const scalar_t* bias, scalar_t* y, int64_t M,
+                     int64_t N, int64_t K) {
+  const int64_t num_panels = (N + PW - 1) / PW;
+  const int64_t chunk = std::max<int64_t>(MR, CHUNK_BYTES / (K * 4) / MR * MR);
+  at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float out[MR * PW];
+    for (int64_t c0 = 0; c0 < M; c0 += chunk) {
+      const int64_t c1 = std::min(M, c0 + chunk);
+      for (int64_t p = begin; p < end; ++p) {
+        const scalar_t* panel = packed + p * K * PW;
+        const char* next = p + 1 < end ? reinterpret_cast<const char*>(panel + K * PW) : nullptr;
+        const int64_t col = p * PW, width = std::min(PW, N - col);
+        for (int64_t m0 = c0; m0 < c1; m0 += MR) {
+          const int rows = static_cast<int>(std::min<int64_t>(MR, c1 - m0));
+          block_rows<scalar_t>(rows, xf + m0 * K, K, panel, K, m0 == c0 ? next : nullptr, out);
+          for (int r = 0; r < rows; ++r) {
+            scalar_t* dst = y + (m0 + r) * N + col;
+            const float* src = out + r * PW;
+            for (int64_t j = 0; j < width; ++j)
+              dst[j] = static_cast<scalar_t>(bias != nullptr ? src[j] + static_cast<float>(bias[col + j]) : src[j]);
+          }
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// x [M, K], packed [ceil(N / 32), K, 32] (see fused_llama.pack_panels), bias [N] or None -> [M, N].
+at::Tensor panel_gemm(at::Tensor x, at::Tensor packed, int64_t N, c10::optional<at::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && packed.dim() == 3 && packed.size(2) == PW && x.size(1) == packed.size(1),
+              "panel_gemm: x [M, K] with packed [N/32, K, 32]");
+  TORCH_CHECK(packed.size(0) == (N + PW - 1) / PW, "panel_gemm: packed panels do not match N");
+  TORCH_CHECK(x.scalar_type() == packed.scalar_type() && packed.is_contiguous(),
+              "panel_gemm: packed must be contiguous, in x's dtype");
+  const int64_t M = x.size(0), K = x.size(1);
+  auto xf = x.to(at::kFloat).contiguous();
+  auto y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+  c10::optional<at::Tensor> b;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N && bias->scalar_type() == x.scalar_type(), "panel_gemm: bias must be [N]");
+    b = bias->contiguous();
+  }
+  AT_DISPATCH_V2(x.scalar_type(), "panel_gemm", AT_WRAP([&] {
+    panel_gemm_impl<scalar_t>(xf.data_ptr<float>(), packed.data_ptr<scalar_t>(),
+                              b.has_value() ? b->data_ptr<scalar_t>() : nullptr, y.data_ptr<scalar_t>(), M, N, K);
+  }), at::kFloat, at::kBFloat16, at::kHalf);
+  return y;
+}

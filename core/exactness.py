@@ -1,0 +1,35 @@
+"""The exactness contract, which every route of the engine's forward pass meets or declines. Pure Python.
+
+A record's output is a function of its prompt, its parameters and its seed only: the same alone, among
+any other records, with its prompt chunked at any token budget, with its prefix served from the cache,
+after any number of preemptions, and across a resume. Greedy or sampled, in every default dtype.
+
+What a route must do for that, in every operation on the path (linears at every row count, attention,
+norms, rotary, the LM head, the sampler):
+
+1. Each row's result is the same bits whatever else is in the step. A reduction runs in one fixed order
+   per row (for a linear, one chain over k; for attention, its own keys in key order), which depends
+   neither on the number of rows, nor on the thread count, nor on where the row sits in the step. No
+   route is chosen by the step's row count; work is split between threads by output, never by a
+   reduction.
+2. A query row takes one arithmetic whether it comes in a fresh prompt, a later chunk or a decode: the
+   attention path is a property of the KV pool (its layout), never of the rows.
+3. Position-dependent inputs are functions of the position only (the rotary table is computed once per
+   position, not per step).
+4. Sampling draws from (seed, output index) and the row's own logits only (`sampler.uniform_for`).
+
+Routes, and whether they meet it (`ROUTES`): the C++ CPU kernels in float32 and bfloat16 do, tested
+bitwise in tests/core/test_exactness_kernels.py (each kernel, random row counts) and
+tests/core/test_exactness_engine.py (real records through the engine in every configuration). A route
+that does not meet it says so where it is chosen (`inexact_reason`) and is never a default.
+"""
+
+from __future__ import annotations
+
+# route -> why it does not meet the contract; routes not listed meet it.
+INEXACT_ROUTES: dict[str, str] = {}
+
+
+def inexact_reason(route: str) -> str | None:
+    """Why `route` does not meet the contract, or None where it does."""
+    return INEXACT_ROUTES.get(route)
