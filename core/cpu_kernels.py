@@ -76,6 +76,13 @@ def cpu_kernels():
     return _module
 
 
+def native_bf16() -> bool:
+    """Whether bfloat16 runs on bf16 instructions here: conveyor's kernels are built and use AMX tiles or
+    AVX512-BF16 pair products (elsewhere bf16 is widened to float at every step: no faster than float32)."""
+    ops = cpu_kernels()
+    return ops is not None and bool(ops.amx_gemm_available() or ops.pair_gemm_available())
+
+
 def kv_layout(dtype, head_dim: int, block_size: int, group: int) -> str:
     """The KV pool layout the kernels read for this model shape: "pairs" where bf16 attention runs as bf16
     products (AMX tiles or AVX512-BF16; head_dim 64, block size 16), else "plain"."""

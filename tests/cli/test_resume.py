@@ -19,6 +19,8 @@ import pytest
 from cli_helpers import (Child, assert_same_rows, journal_state, num_committed, read_rows, run_in_process,
                          tiny_args, write_jsonl)
 
+from conveyor.core.cpu_kernels import native_bf16
+
 TOPICS = ["the moon", "bread", "rivers", "chess", "bees", "volcanoes", "libraries", "trains", "owls", "glass",
           "tea", "bridges", "maps", "snow", "violins", "deserts"]
 # Per-record max_tokens from 6 to 16: with 4 requests running, they finish one by one, so every
@@ -131,13 +133,16 @@ REAL = ["--max-num-seqs", "4", "--max-tokens", "16"]
 
 @pytest.mark.slow
 def test_kill_9_greedy_resumes_to_the_same_output(tmp_path):
-    _kill_resume_and_compare(tmp_path, 11, [*REAL, "--temperature", "0", "--checkpoint-every", "1"], probe_lock=True)
+    _kill_resume_and_compare(tmp_path, 11, [*REAL, "--dtype", "float32", "--temperature", "0", "--checkpoint-every",
+                                            "1"], probe_lock=True)
 
 
 @pytest.mark.slow
-def test_kill_9_seeded_sampling_resumes_to_the_same_output(tmp_path):
-    _kill_resume_and_compare(tmp_path, 12, [*REAL, "--temperature", "0.8", "--seed", "1234", "--checkpoint-every",
-                                            "2"], probe_lock=False)
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.skipif(
+    not native_bf16(), reason="this CPU has no native bf16 (AMX or AVX512-BF16)"))])
+def test_kill_9_seeded_sampling_resumes_to_the_same_output(tmp_path, dtype):
+    _kill_resume_and_compare(tmp_path, 12, [*REAL, "--dtype", dtype, "--temperature", "0.8", "--top-p", "0.95",
+                                            "--seed", "1234", "--checkpoint-every", "2"], probe_lock=False)
 
 
 # -- stopping on purpose (tiny model) ----------------------------------------------------------------
