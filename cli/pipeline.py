@@ -8,6 +8,7 @@ appears atomically. A stop request (signal, --max-runtime) commits what finished
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -91,6 +92,20 @@ def sampling_defaults(cfg: RunConfig) -> SamplingParams:
         raise UsageError(f"--{field_name.replace('_', '-')}: {e}") from None
 
 
+def _with_resolved_dtype(cfg: RunConfig) -> RunConfig:
+    """`--dtype auto` made concrete for this machine before the manifest records it, so that a run resumed
+    where auto means another dtype (another CPU, a GPU) is refused as drift instead of mixing two arithmetics."""
+    if cfg.dtype != "auto":
+        return cfg
+    from conveyor.core.model_loader import ModelLoadError, auto_dtype, resolve_device
+
+    try:
+        device = resolve_device(cfg.device)
+    except ModelLoadError as e:
+        raise UsageError(str(e)) from None
+    return dataclasses.replace(cfg, dtype=auto_dtype(device))
+
+
 def _manifest(cfg: RunConfig, output_format: str) -> Manifest:
     return Manifest(input_fingerprint=fingerprint(cfg.input), input_path=cfg.input, model=cfg.model,
                     generation_config=cfg.generation_config(), tool_version=TOOL_VERSION,
@@ -125,7 +140,7 @@ class Pipeline:
     # -- setup (usage errors surface here, before any model work) -------------------------------
 
     def prepare(self) -> None:
-        cfg = self.cfg
+        self.cfg = cfg = _with_resolved_dtype(self.cfg)
         try:
             self.output_format = infer_output_format(cfg.output, cfg.output_format)
         except ValueError as e:

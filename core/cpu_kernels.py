@@ -36,18 +36,21 @@ _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = ("paged_attention.cpp", "fused_ops.cpp", "sampling.cpp", "panel_gemm.cpp", "pair_gemm.cpp", "amx_gemm.cpp", "bindings.cpp")
 _module = None
 _tried = False
+_why_not: str | None = None  # why cpu_kernels() is None, once it is
 
 
 def cpu_kernels():
     """The compiled module (paged_attention, kv_pairs, rms_norm, rope_store, store_kv, silu_mul, argmax_rows,
     sample_rows, panel_gemm, pair_gemm, pair_gemm_available, amx_gemm, amx_gemm_available), or None."""
-    global _module, _tried
+    global _module, _tried, _why_not
     if _tried:
         return _module
     _tried = True
     if os.environ.get("CONVEYOR_NO_KERNELS") == "1":
+        _why_not = "CONVEYOR_NO_KERNELS=1 is set"
         return None
     if kernel_arch() == "native" and not kernels_pay_off(cpu_identity()[1]):
+        _why_not = "this CPU has no AVX-512, where they would be slower than torch"
         return None
     try:
         import torch  # noqa: F401 - the module links against torch's libraries
@@ -69,11 +72,18 @@ def cpu_kernels():
         _module = built[0] if built else _import_extension(library)
         if not _module.wide_vectors():  # a named -march without AVX-512: torch is faster there
             _module = None
+            _why_not = f"CONVEYOR_KERNEL_ARCH={kernel_arch()} has no AVX-512"
     except Exception as e:  # noqa: BLE001 - any build failure means: use the fallback
-        warnings.warn(f"conveyor: C++ CPU kernels unavailable ({str(e).splitlines()[0] if str(e) else e}); "
-                      "using the slower torch fallback", stacklevel=2)
+        _why_not = f"their build failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+        warnings.warn(f"conveyor: C++ CPU kernels unavailable ({_why_not}); using the slower torch fallback",
+                      stacklevel=2)
         _module = None
     return _module
+
+
+def kernels_missing_reason() -> str | None:
+    """Why `cpu_kernels()` is None here (None while it is not)."""
+    return None if cpu_kernels() is not None else _why_not
 
 
 def native_bf16() -> bool:

@@ -5,18 +5,35 @@ Receives a built model and plain plan data; never a path, a record or a Request.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Collection
 
 import torch
 
 from conveyor.core.attention import ATTN_IMPLEMENTATION, GatheredRows, PagedBatch
-from conveyor.core.cpu_kernels import cpu_kernels
+from conveyor.core.cpu_kernels import cpu_kernels, kernels_missing_reason
+from conveyor.core.exactness import inexact_reason
 from conveyor.core.fused_llama import FusedLlama
 from conveyor.core.kv_cache import KVCache
 from conveyor.core.malloc_tuning import keep_freed_memory
 from conveyor.core.sampler import Sampler
 from conveyor.core.schedule_types import RunnerOutput, ScheduledRequest, SchedulerOutput
+
+
+_warned_inexact = False
+
+
+def _warn_inexact(device: torch.device) -> None:
+    """One line on stderr, once per process, where the engine takes the torch route, which does not meet the
+    exactness contract."""
+    global _warned_inexact
+    if _warned_inexact:
+        return
+    _warned_inexact = True
+    where = "on this GPU" if device.type != "cpu" else f"here ({kernels_missing_reason()})"
+    sys.stderr.write(f"conveyor: without conveyor's C++ kernels {where}, results are not batch-invariant: "
+                     f"{inexact_reason('torch')}\n")
 
 
 class ModelRunner:
@@ -33,6 +50,8 @@ class ModelRunner:
             keep_freed_memory()
         self.sampler = Sampler(eos_token_ids, argmax=None if ops is None else ops.argmax_rows,
                                sample_rows=None if ops is None else ops.sample_rows)
+        if ops is None:
+            _warn_inexact(self.device)
         self.kernel = None if ops is None else ops.paged_attention
         self.store_kv = None if ops is None else ops.store_kv
         if kv_cache.layout != "plain" and ops is None:

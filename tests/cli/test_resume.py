@@ -246,6 +246,27 @@ def test_drift_is_refused_naming_what_changed_and_restart_starts_over(tiny_model
     assert [r["id"] for r in rows] == [f"f{i}" for i in range(6)] and all(r["status"] == "ok" for r in rows)
 
 
+def test_dtype_auto_is_recorded_as_the_dtype_it_chose_here(tiny_model, tmp_path):
+    """auto is bf16 where the CPU has native bf16, float32 elsewhere; the manifest keeps what it chose, so the
+    same run resumed where auto means the other dtype is refused instead of mixing two arithmetics."""
+    import torch
+
+    from conveyor.core.model_loader import auto_dtype
+
+    chosen = auto_dtype(torch.device("cpu"))
+    assert chosen == ("bfloat16" if native_bf16() else "float32")
+    source = write_jsonl(tmp_path / "in.jsonl", FEW)
+    output = tmp_path / "out.jsonl"
+    base = ["run", source, "-o", output, *tiny_args(tiny_model), "--max-tokens", "3", "-q"]
+    assert run_in_process(*base).code == 0
+    manifest = json.loads((tmp_path / "out.jsonl.conveyor" / "manifest.json").read_text())
+    assert manifest["generation_config"]["dtype"] == chosen
+    same = run_in_process(*base, "--dtype", chosen)
+    assert same.code == 0, same.err
+    other = run_in_process(*base, "--dtype", "float32" if chosen == "bfloat16" else "bfloat16")
+    assert other.code == 2 and "dtype" in other.err
+
+
 def test_status_without_a_run_is_a_usage_error(tmp_path):
     result = run_in_process("status", tmp_path / "never.parquet")
     assert result.code == 2 and "no run directory" in result.err
