@@ -141,11 +141,24 @@ inline void store_kv_row(const scalar_t* k, const scalar_t* v, int64_t slot, sca
                          const Pool& p) {
   const int64_t Hkv = p.Hkv, D = p.D, bs = p.bs, block = slot / bs, off = slot % bs;
   if (p.pairs) {
+    static_assert(sizeof(scalar_t) == 2 || std::is_same_v<scalar_t, float>, "pairs of 16-bit values");
     for (int64_t h = 0; h < Hkv; ++h) {
-      scalar_t* kb = k_cache + (block * Hkv + h) * D * bs + off * 2;  // [D / 2][bs][2]
-      for (int64_t d = 0; d < D; ++d) kb[(d / 2) * bs * 2 + d % 2] = k[h * D + d];
-      scalar_t* vb = v_cache + (block * Hkv + h) * D * bs + (off / 2) * D * 2 + off % 2;  // [bs / 2][D][2]
-      for (int64_t d = 0; d < D; ++d) vb[d * 2] = v[h * D + d];
+      scalar_t* kb = k_cache + (block * Hkv + h) * D * bs + off * 2;  // [D / 2][bs][2]: a (d, d + 1) pair a row
+      for (int64_t d = 0; d < D; d += 2) std::memcpy(kb + (d / 2) * bs * 2, k + h * D + d, 2 * sizeof(scalar_t));
+      scalar_t* vb = v_cache + (block * Hkv + h) * D * bs + (off / 2) * D * 2;  // [bs / 2][D][2]: this key's half
+      const scalar_t* vh = v + h * D;
+      int64_t d = 0;
+#ifdef __AVX512BW__
+      if constexpr (sizeof(scalar_t) == 2) {  // 16 dims at a time: widen to 32-bit lanes, store one half of each
+        const __mmask32 half = off % 2 ? __mmask32(0xAAAAAAAA) : __mmask32(0x55555555);
+        for (; d + 16 <= D; d += 16) {
+          __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vh + d)));
+          if (off % 2) wide = _mm512_slli_epi32(wide, 16);
+          _mm512_mask_storeu_epi16(vb + d * 2, half, wide);
+        }
+      }
+#endif
+      for (; d < D; ++d) vb[d * 2 + off % 2] = vh[d];
     }
     return;
   }
