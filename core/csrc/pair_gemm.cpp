@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "row_blocks.h"
 #include "vec16.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__)
@@ -57,18 +58,6 @@ inline void block(const c10::BFloat16* __restrict__ x, int64_t ldx, const c10::B
   }
 }
 
-void block_rows(int rows, const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* panel, int64_t pairs,
-                const char* next, float* out) {
-  switch (rows) {
-#define CONVEYOR_ROWS(n) case n: block<n>(x, ldx, panel, pairs, next, out); break;
-    CONVEYOR_ROWS(1) CONVEYOR_ROWS(2) CONVEYOR_ROWS(3) CONVEYOR_ROWS(4) CONVEYOR_ROWS(5) CONVEYOR_ROWS(6)
-    CONVEYOR_ROWS(7) CONVEYOR_ROWS(8) CONVEYOR_ROWS(9) CONVEYOR_ROWS(10) CONVEYOR_ROWS(11) CONVEYOR_ROWS(12)
-    CONVEYOR_ROWS(13)
-#undef CONVEYOR_ROWS
-    default: block<MR>(x, ldx, panel, pairs, next, out); break;
-  }
-}
-
 void pair_gemm_impl(const c10::BFloat16* x, const c10::BFloat16* packed, const c10::BFloat16* bias,
                     c10::BFloat16* y, int64_t M, int64_t N, int64_t K) {
   const int64_t num_panels = (N + PW - 1) / PW, pairs = K / 2;
@@ -86,7 +75,8 @@ void pair_gemm_impl(const c10::BFloat16* x, const c10::BFloat16* packed, const c
         for (int64_t j = 0; j < PW; ++j) b[j] = bias != nullptr && j < width ? static_cast<float>(bias[col + j]) : 0.f;
         for (int64_t m0 = c0; m0 < c1; m0 += MR) {
           const int rows = static_cast<int>(std::min<int64_t>(MR, c1 - m0));
-          block_rows(rows, x + m0 * K, K, panel, pairs, m0 == c0 ? next : nullptr, out);
+          const char* pf = m0 == c0 ? next : nullptr;
+          with_rows<MR>(rows, [&](auto R) { block<R.value>(x + m0 * K, K, panel, pairs, pf, out); });
           for (int r = 0; r < rows; ++r) {
             const __m512 lo = _mm512_add_ps(_mm512_loadu_ps(out + r * PW), _mm512_load_ps(b));
             const __m512 hi = _mm512_add_ps(_mm512_loadu_ps(out + r * PW + 16), _mm512_load_ps(b + 16));

@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "row_blocks.h"
 #include "vec16.h"
 
 namespace {
@@ -54,19 +55,6 @@ inline void block(const float* __restrict__ x, int64_t ldx, const scalar_t* __re
 }
 
 template <typename scalar_t>
-void block_rows(int rows, const float* x, int64_t ldx, const scalar_t* panel, int64_t K, const char* next,
-                float* out) {
-  switch (rows) {
-#define CONVEYOR_ROWS(n) case n: block<n>(x, ldx, panel, K, next, out); break;
-    CONVEYOR_ROWS(1) CONVEYOR_ROWS(2) CONVEYOR_ROWS(3) CONVEYOR_ROWS(4) CONVEYOR_ROWS(5) CONVEYOR_ROWS(6)
-    CONVEYOR_ROWS(7) CONVEYOR_ROWS(8) CONVEYOR_ROWS(9) CONVEYOR_ROWS(10) CONVEYOR_ROWS(11) CONVEYOR_ROWS(12)
-    CONVEYOR_ROWS(13)
-#undef CONVEYOR_ROWS
-    default: block<MR>(x, ldx, panel, K, next, out); break;
-  }
-}
-
-template <typename scalar_t>
 void panel_gemm_impl(const float* xf, const scalar_t* packed, const scalar_t* bias, scalar_t* y, int64_t M,
                      int64_t N, int64_t K) {
   const int64_t num_panels = (N + PW - 1) / PW;
@@ -81,7 +69,8 @@ void panel_gemm_impl(const float* xf, const scalar_t* packed, const scalar_t* bi
         const int64_t col = p * PW, width = std::min(PW, N - col);
         for (int64_t m0 = c0; m0 < c1; m0 += MR) {
           const int rows = static_cast<int>(std::min<int64_t>(MR, c1 - m0));
-          block_rows<scalar_t>(rows, xf + m0 * K, K, panel, K, m0 == c0 ? next : nullptr, out);
+          const char* pf = m0 == c0 ? next : nullptr;
+          with_rows<MR>(rows, [&](auto R) { block<R.value>(xf + m0 * K, K, panel, K, pf, out); });
           for (int r = 0; r < rows; ++r) {
             scalar_t* dst = y + (m0 + r) * N + col;
             const float* src = out + r * PW;
