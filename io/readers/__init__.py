@@ -8,14 +8,15 @@ import os
 from pathlib import Path
 
 from conveyor.io.errors import InputError
-from conveyor.io.readers.fingerprint import fingerprint
+from conveyor.io.readers.fingerprint import fingerprint, fingerprints_content
 from conveyor.io.readers.hf_datasets import DatasetsFolderReader, HubDatasetReader, is_datasets_folder
 from conveyor.io.readers.json_array import JsonArrayReader
 from conveyor.io.readers.jsonl import JsonlReader
-from conveyor.io.readers.record import FORMATS, RawRecord, Reader, is_stream
+from conveyor.io.readers.record import DEFAULT_MAX_RECORD_BYTES, FORMATS, RawRecord, Reader, is_stream
 from conveyor.io.readers.tabular import CsvReader, ParquetReader
 
-__all__ = ["FORMATS", "InputError", "RawRecord", "Reader", "fingerprint", "open_reader"]
+__all__ = ["DEFAULT_MAX_RECORD_BYTES", "FORMATS", "InputError", "RawRecord", "Reader", "fingerprint", "fingerprints_content",
+           "open_reader"]
 
 _EXTENSIONS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".gz": "jsonl", ".json": "json",
                ".parquet": "parquet", ".pq": "parquet", ".csv": "csv"}
@@ -23,12 +24,15 @@ _STDIN_FORMATS = ("jsonl", "json")
 _GZIP_MAGIC = b"\x1f\x8b"
 
 
-def open_reader(source: str, input_format: str | None = None, split: str | None = None) -> Reader:
+def open_reader(source: str, input_format: str | None = None, split: str | None = None,
+                max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> Reader:
     """The reader for `source`: a path, "-" for stdin (JSONL), a datasets folder or a hub dataset name.
 
     input_format (jsonl, json, parquet, csv, datasets) overrides the extension; `split` selects a
-    datasets split, and with a name that is not a local path means a hub dataset.
+    datasets split, and with a name that is not a local path means a hub dataset. A record bigger than
+    `max_record_bytes` becomes an error row (JSONL and JSON arrays: before it is parsed).
     """
+    cap = max_record_bytes
     fmt = input_format.lower() if input_format else None
     if fmt is not None and fmt not in FORMATS:
         raise InputError(source, None, f"unknown input format {input_format!r}; use --input-format with "
@@ -37,15 +41,16 @@ def open_reader(source: str, input_format: str | None = None, split: str | None 
         fmt = fmt or "jsonl"
         if fmt not in _STDIN_FORMATS:
             raise InputError(source, None, f"{fmt} cannot be read from stdin; pass a file path, or pipe JSONL")
-        return JsonlReader(source, is_gzip=False) if fmt == "jsonl" else JsonArrayReader(source)
+        return JsonlReader(source, is_gzip=False, max_record_bytes=cap) if fmt == "jsonl" else \
+            JsonArrayReader(source, cap)
     path = Path(source)
     if not path.exists():
         if fmt == "datasets" or split is not None:
-            return HubDatasetReader(source, split)
+            return HubDatasetReader(source, split, cap)
         raise InputError(source, None, "no such file; check the path")
     if path.is_dir():
         if fmt == "datasets" or (fmt is None and is_datasets_folder(path)):
-            return DatasetsFolderReader(source, split)
+            return DatasetsFolderReader(source, split, cap)
         raise InputError(source, None, "is a folder but not one written by datasets' save_to_disk "
                                        "(no dataset_info.json or state.json); pass a file")
     fmt = fmt or _format_from_name(source)
@@ -55,17 +60,17 @@ def open_reader(source: str, input_format: str | None = None, split: str | None 
         raise InputError(source, None, "cannot be read (permission denied); check its permissions")
     if fmt == "jsonl":
         if is_stream(source):  # a pipe: sniffing would eat its first bytes
-            return JsonlReader(source, is_gzip=source.lower().endswith(".gz"))
+            return JsonlReader(source, is_gzip=source.lower().endswith(".gz"), max_record_bytes=cap)
         with open(path, "rb") as f:
             is_gzip = f.read(2) == _GZIP_MAGIC
-        return JsonlReader(source, is_gzip=is_gzip)
+        return JsonlReader(source, is_gzip=is_gzip, max_record_bytes=cap)
     if fmt == "json":
-        return JsonArrayReader(source)
+        return JsonArrayReader(source, cap)
     if fmt == "parquet":
-        return ParquetReader(source)
+        return ParquetReader(source, cap)
     if fmt == "csv":
-        return CsvReader(source)
-    return DatasetsFolderReader(source, split)
+        return CsvReader(source, cap)
+    return DatasetsFolderReader(source, split, cap)
 
 
 def _format_from_name(source: str) -> str:

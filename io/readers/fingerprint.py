@@ -27,6 +27,12 @@ def fingerprint(source: str) -> str:
         raise InputError(source, None, f"cannot be read ({e.strerror or e}); check its permissions") from e
 
 
+def fingerprints_content(digest: str) -> bool:
+    """Whether a fingerprint is a hash of the input's content (a file's "sha256:...", a datasets folder's bare
+    hex), so that an unchanged fingerprint means unchanged records; "stdin", "stream:..." and "hub:..." are not."""
+    return digest.startswith("sha256:") or (len(digest) == 64 and all(c in "0123456789abcdef" for c in digest))
+
+
 def _file_digest(path: Path) -> str:
     """The whole content (about 1 s per GB): a copied or touched but identical file is no drift,
     and an edit anywhere, even one that keeps size and mtime, is."""

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Iterator
 
 from conveyor.io.errors import InputError
-from conveyor.io.readers.record import RawRecord, Reader, first_line
+from conveyor.io.readers.record import DEFAULT_MAX_RECORD_BYTES, RawRecord, Reader, first_line, table_row
 
 MARKER_FILES = ("dataset_info.json", "state.json", "dataset_dict.json")
 
@@ -23,10 +23,11 @@ class DatasetsFolderReader(Reader):
 
     format = "datasets"
 
-    def __init__(self, source: str, split: str | None) -> None:
+    def __init__(self, source: str, split: str | None, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> None:
         import datasets
 
         self.source = source
+        self.max_record_bytes = max_record_bytes
         try:
             loaded = datasets.load_from_disk(source)
         except Exception as e:  # datasets raises many types for a bad folder
@@ -50,7 +51,7 @@ class DatasetsFolderReader(Reader):
         num_rows = len(self.dataset)
         rows = self.dataset.select(range(start_index, num_rows)) if start_index else self.dataset
         for index, row in enumerate(rows, start_index):
-            yield RawRecord(index, None, row, None)
+            yield table_row(self, row, index, None)
 
     def count(self) -> int | None:
         return len(self.dataset)
@@ -61,10 +62,11 @@ class HubDatasetReader(Reader):
 
     format = "datasets"
 
-    def __init__(self, name: str, split: str | None) -> None:
+    def __init__(self, name: str, split: str | None, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> None:
         import datasets
 
         self.source = name
+        self.max_record_bytes = max_record_bytes
         self.split = split or "train"
         try:
             self.dataset = datasets.load_dataset(name, split=self.split, streaming=True)
@@ -78,7 +80,7 @@ class HubDatasetReader(Reader):
         index = start_index
         try:
             for row in rows:
-                yield RawRecord(index, None, row, None)
+                yield table_row(self, row, index, None)
                 index += 1
         except (OSError, ConnectionError, ValueError) as e:
             raise InputError(self.source, None, f"streaming stopped at record {index} ({first_line(e)}); "

@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import contextlib
 import gzip
+import hashlib
 import re
 import sys
 import zlib
 from typing import BinaryIO, Iterator
 
 from conveyor.io.errors import InputError
-from conveyor.io.readers.record import BOM, RawRecord, Reader, StrictDecoder, is_stream
+from conveyor.io.readers.record import (BOM, DEFAULT_MAX_RECORD_BYTES, RawRecord, Reader, StrictDecoder, digest_of,
+                                        is_stream, oversized)
 
 CHUNK = 1 << 20  # count() reads this much at a time
 _BUFFER = 1 << 16
@@ -29,10 +31,11 @@ class JsonlReader(Reader):
 
     format = "jsonl"
 
-    def __init__(self, source: str, is_gzip: bool) -> None:
+    def __init__(self, source: str, is_gzip: bool, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> None:
         self.source = source
         self.is_gzip = is_gzip
         self.is_stream = is_stream(source)
+        self.max_record_bytes = max_record_bytes
 
     @contextlib.contextmanager
     def _open(self) -> Iterator[BinaryIO]:
@@ -53,14 +56,21 @@ class JsonlReader(Reader):
         line = 0
         with self._open() as f:
             try:
-                for raw in f:
+                for raw, size, big_digest in _lines(f, self.max_record_bytes):
                     line += 1
+                    if raw is None:  # over the size limit: an error row, never parsed
+                        if index >= start_index:
+                            yield RawRecord(index, line, None, oversized(f"line {line}", size, self.max_record_bytes),
+                                            big_digest if self.with_digests else None)
+                        index += 1
+                        continue
                     if line == 1 and raw.startswith(BOM):
                         raw = raw[len(BOM):]
                     if not raw or raw.isspace():
                         continue
                     if index >= start_index:  # earlier lines are only counted, never parsed
-                        yield decoder.line_record(raw, index, line)
+                        digest = digest_of(raw.rstrip(b"\r\n")) if self.with_digests else None
+                        yield decoder.line_record(raw, index, line, digest)
                     index += 1
             except _READ_ERRORS as e:
                 raise InputError(self.source, line + 1, f"could not read the file ({e}); "
@@ -84,6 +94,26 @@ class JsonlReader(Reader):
                 raise InputError(self.source, None, f"could not read the file ({e}); "
                                                     "check that it is complete and not corrupt") from e
         return num_records + is_pending
+
+
+def _lines(f: BinaryIO, limit: int) -> Iterator[tuple[bytes | None, int, str | None]]:
+    """(line, its size in bytes, None) for each line of `f`; a line longer than `limit` is never held
+    whole: (None, its size, the digest of its bytes), read past in chunks."""
+    while True:
+        raw = f.readline(limit + 1)
+        if not raw:
+            return
+        if len(raw) <= limit or raw.endswith(b"\n"):
+            yield raw, len(raw), None
+            continue
+        size, h = len(raw), hashlib.sha256(raw)
+        while not raw.endswith(b"\n"):
+            raw = f.readline(CHUNK)
+            if not raw:
+                break
+            size += len(raw)
+            h.update(raw)
+        yield None, size, h.hexdigest()[:32]
 
 
 def _count_chunk(chunk: bytes, num_records: int, is_pending: bool) -> tuple[int, bool]:

@@ -5,14 +5,19 @@ Pure Python: no conveyor.core, no torch.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, Iterator
 
 BOM = b"\xef\xbb\xbf"
 FORMATS = ("jsonl", "json", "parquet", "csv", "datasets")
+DEFAULT_MAX_RECORD_BYTES = 4 << 20  # a record bigger than this is an error row, never parsed
+# A JSON \u escape of a UTF-16 surrogate: only where one appears can a decoded string hold a lone one.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,13 +28,20 @@ class RawRecord:
     line: int | None  # 1-based line in the file (JSONL, CSV); None for JSON arrays, Parquet, datasets
     record: dict | None  # the parsed object, or None when it could not be parsed
     error: str | None  # why it cannot be used, starting with its location ("line 7: ...")
+    digest: str | None = None  # a hash of the record as read, where the reader was asked for them
 
 
 class Reader:
-    """Streams RawRecords from one input; iterating again reopens the source (stdin: once only)."""
+    """Streams RawRecords from one input; iterating again reopens the source (stdin: once only).
+
+    `max_record_bytes`: a record bigger than this becomes an error row before it is parsed.
+    `with_digests`: give each record a `digest` of its raw form (for inputs that have no fingerprint,
+    such as stdin, a resumed run compares its records one by one against the journal's)."""
 
     source: str
     format: str
+    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
+    with_digests: bool = False
 
     def __iter__(self) -> Iterator[RawRecord]:
         return self.iter_from(0)
@@ -71,11 +83,82 @@ def first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
-def to_record(value: Any, index: int, line: int | None, where: str) -> RawRecord:
+def to_record(value: Any, index: int, line: int | None, where: str, digest: str | None = None) -> RawRecord:
+    if not isinstance(value, dict):
+        return RawRecord(index, line, None, f"{where}: expected a JSON object, got {describe(value)}; "
+                                            'write each record as {"prompt": ...} or {"messages": [...]}', digest)
+    bad = lone_surrogate(value)
+    if bad is not None:
+        return RawRecord(index, line, None, f"{where}: {bad}", digest)
+    return RawRecord(index, line, value, None, digest)
+
+
+def table_row(reader: Reader, row: dict, index: int, line: int | None) -> RawRecord:
+    """A row of a table-like input (Parquet, CSV, datasets): an error row when it is bigger than the reader's
+    max_record_bytes (counting its strings' characters), with its digest where the reader wants them."""
+    where = f"line {line}" if line is not None else f"record {index}"
+    digest = None
+    if reader.with_digests:
+        digest = digest_of(json.dumps(row, sort_keys=True, default=str, ensure_ascii=False)
+                           .encode("utf-8", "surrogatepass"))
+    size = _size(row)
+    if size > reader.max_record_bytes:
+        return RawRecord(index, line, None, oversized(where, size, reader.max_record_bytes), digest)
+    return RawRecord(index, line, row, None, digest)
+
+
+def _size(value: Any) -> int:
+    if isinstance(value, (str, bytes)):
+        return len(value)
     if isinstance(value, dict):
-        return RawRecord(index, line, value, None)
-    return RawRecord(index, line, None, f"{where}: expected a JSON object, got {describe(value)}; "
-                                       'write each record as {"prompt": ...} or {"messages": [...]}')
+        return sum(_size(k) + _size(v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return sum(_size(v) for v in value)
+    return 8
+
+
+def digest_of(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:32]
+
+
+def oversized(where: str, size: int, limit: int) -> str:
+    return (f"{where}: the record is {size:,} bytes, over the {limit:,} of --max-record-bytes; shorten it "
+            "or raise --max-record-bytes")
+
+
+def lone_surrogate(value: Any, path: str = "") -> str | None:
+    """Where `value` (a decoded JSON value) holds a string with a lone UTF-16 surrogate, which no text
+    encoding can write: "field 'a.b[2]' holds ..." or None. JSON allows such escapes (\\ud800); they are
+    not text, and would fail in the tokenizer, the seed or the journal."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            code = ord(value[e.start])
+            where = f"field '{path}'" if path else "a field name"
+            return (f"{where} holds a lone UTF-16 surrogate (\\u{code:04x} at character {e.start}), which is "
+                    "not text; fix or remove it")
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if isinstance(key, str):
+                bad = lone_surrogate(key, "")
+                if bad is not None:
+                    return bad.replace("a field name", f"a field name in '{path or '(the record)'}'")
+            bad = lone_surrogate(item, f"{path}.{key}" if path else str(key))
+            if bad is not None:
+                return bad
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            bad = lone_surrogate(item, f"{path}[{i}]")
+            if bad is not None:
+                return bad
+    return None
+
+
+def may_hold_surrogates(raw: bytes) -> bool:
+    """Whether JSON text `raw` escapes a surrogate anywhere (decoded strings can hold lone ones only then)."""
+    return _SURROGATE_ESCAPE.search(raw) is not None
 
 
 class StrictDecoder:
@@ -103,25 +186,27 @@ class StrictDecoder:
         self.non_finite = None
         return self._decoder.raw_decode(text, pos)
 
-    def line_record(self, raw: bytes, index: int, line: int) -> RawRecord:
+    def line_record(self, raw: bytes, index: int, line: int, digest: str | None = None) -> RawRecord:
         """One JSONL line (BOM already removed) -> a record, or an error naming the line."""
         where = f"line {line}"
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as e:
             return RawRecord(index, line, None, f"{where}: not valid UTF-8 ({e.reason} at byte {e.start + 1}); "
-                                                "save the file as UTF-8")
+                                                "save the file as UTF-8", digest)
         self.non_finite = None
         try:
             value = self._decoder.decode(text)
         except json.JSONDecodeError as e:
             return RawRecord(index, line, None, f"{where}: invalid JSON ({e.msg} at column {e.colno}); "
-                                                "each line must hold one complete JSON object")
+                                                "each line must hold one complete JSON object", digest)
         except RecursionError:
-            return RawRecord(index, line, None, f"{where}: JSON nested too deeply; flatten the record")
+            return RawRecord(index, line, None, f"{where}: JSON nested too deeply; flatten the record", digest)
         except ValueError as e:  # e.g. an integer longer than Python's digit limit
-            return RawRecord(index, line, None, f"{where}: invalid JSON ({e})")
+            return RawRecord(index, line, None, f"{where}: invalid JSON ({e})", digest)
         if self.non_finite is not None:
             return RawRecord(index, line, None, f"{where}: non-finite number ({self.non_finite}); "
-                                                "use null or a finite number")
-        return to_record(value, index, line, where)
+                                                "use null or a finite number", digest)
+        if isinstance(value, dict) and not may_hold_surrogates(raw):
+            return RawRecord(index, line, value, None, digest)  # the common case: nothing to walk
+        return to_record(value, index, line, where, digest)

@@ -10,7 +10,8 @@ import sys
 from typing import Iterator
 
 from conveyor.io.errors import InputError
-from conveyor.io.readers.record import RawRecord, Reader, first_line, is_stream
+from conveyor.io.readers.record import (DEFAULT_MAX_RECORD_BYTES, RawRecord, Reader, first_line, is_stream,
+                                        table_row)
 
 BATCH_ROWS = 1024
 
@@ -18,8 +19,9 @@ BATCH_ROWS = 1024
 class ParquetReader(Reader):
     format = "parquet"
 
-    def __init__(self, source: str) -> None:
+    def __init__(self, source: str, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> None:
         self.source = source
+        self.max_record_bytes = max_record_bytes
         pf = self._open()
         self.num_rows = pf.metadata.num_rows
         self.group_rows = [pf.metadata.row_group(i).num_rows for i in range(pf.num_row_groups)]
@@ -56,7 +58,7 @@ class ParquetReader(Reader):
                     num_skip -= dropped
                     index += dropped
                 for row in batch.to_pylist():
-                    yield RawRecord(index, None, row, None)
+                    yield table_row(self, row, index, None)
                     index += 1
         except (pa.ArrowException, OSError) as e:
             raise InputError(self.source, None, f"could not read row {index} ({first_line(e)}); "
@@ -74,9 +76,10 @@ class CsvReader(Reader):
 
     format = "csv"
 
-    def __init__(self, source: str) -> None:
+    def __init__(self, source: str, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> None:
         self.source = source
         self.is_stream = is_stream(source)
+        self.max_record_bytes = max_record_bytes
         # Prompts can be long; the default 128 KiB cell limit would turn them into parse failures.
         csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
 
@@ -110,6 +113,17 @@ class CsvReader(Reader):
                 yield self._record(index, line, header, cells)
             index += 1
 
+    def _record(self, index: int, line: int, header: list[str], cells: list[str]) -> RawRecord:
+        if not _is_utf8(cells):
+            return RawRecord(index, line, None, f"line {line}: not valid UTF-8; save the file as UTF-8")
+        if len(cells) > len(header):
+            return RawRecord(index, line, None, f"line {line}: the row has {len(cells)} fields but the header "
+                                                f"has {len(header)}; quote cells that contain commas")
+        record = dict(zip(header, cells))
+        for name in header[len(cells):]:
+            record[name] = None  # a short row: the missing trailing cells are null
+        return table_row(self, record, index, line)
+
     def _check_header(self, line: int, cells: list[str]) -> list[str]:
         if not _is_utf8(cells):
             raise InputError(self.source, line, "the header is not valid UTF-8; save the file as UTF-8")
@@ -119,18 +133,6 @@ class CsvReader(Reader):
                 raise InputError(self.source, line, f"column {name!r} appears twice in the header; rename one")
             seen.add(name)
         return cells
-
-    @staticmethod
-    def _record(index: int, line: int, header: list[str], cells: list[str]) -> RawRecord:
-        if not _is_utf8(cells):
-            return RawRecord(index, line, None, f"line {line}: not valid UTF-8; save the file as UTF-8")
-        if len(cells) > len(header):
-            return RawRecord(index, line, None, f"line {line}: the row has {len(cells)} fields but the header "
-                                                f"has {len(header)}; quote cells that contain commas")
-        record = dict(zip(header, cells))
-        for name in header[len(cells):]:
-            record[name] = None  # a short row: the missing trailing cells are null
-        return RawRecord(index, line, record, None)
 
     def count(self) -> int | None:
         """Rows after the header, found by parsing (quoted cells may hold newlines)."""

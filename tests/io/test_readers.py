@@ -82,9 +82,9 @@ def test_jsonl_iter_from_skips_without_parsing(tmp_path, monkeypatch):
     calls = []
     real = StrictDecoder.line_record
 
-    def spy(self, raw, index, line):
+    def spy(self, raw, index, line, digest=None):
         calls.append(index)
-        return real(self, raw, index, line)
+        return real(self, raw, index, line, digest)
 
     monkeypatch.setattr(StrictDecoder, "line_record", spy)
     got = list(open_reader(str(path)).iter_from(3))
@@ -199,9 +199,9 @@ def test_json_array_elements_cut_by_small_chunks(tmp_path, monkeypatch):
 @pytest.mark.parametrize("text, line, message", [
     ('{"a": 1}', None, "expected a JSON array of objects, but it starts with '{'"),
     ("", None, "the file is empty"),
-    ('[\n{"a": 1},\n{"b": tru}\n]', 3, "invalid JSON (Expecting value)"),
-    ('[\n{"a": 1}\n{"b": 2}]', 3, "expected ',' or ']' after an element"),
     ('[\n{"a": 1},\n', 3, "the array ends early (missing ']')"),
+    ('[\n{"a": 1},\n{"b": [1, 2}\n', 3, "the array ends early (missing ']')"),
+    ('[\n{"a": 1},,\n{"b": 2}]', 2, "an element is missing before this ','"),
     ('[{"a": 1}] [', 1, "extra data after the array"),
 ])
 def test_json_array_fatal_errors(tmp_path, text, line, message):
@@ -385,3 +385,84 @@ def test_fingerprint_tracks_content_not_mtime(tmp_path):
     same_content = fingerprint(str(path))
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # touched or copied again: same bytes
     assert fingerprint(str(path)) == same_content
+
+
+# -- what a hostile input holds: bad elements, oversized records, lone surrogates, digests -----------
+
+def test_json_array_bad_elements_become_error_rows_and_the_rest_is_read(tmp_path):
+    path = tmp_path / "in.json"
+    path.write_text('[{"prompt": "a ] , } \\" [ {"},\n {"b": tru},\n {"prompt": "c"},\n {"x": 1} {"y": 2},\n'
+                    ' "str", {"p": [1, {"q": "]"}]}, 1e999]', encoding="utf-8")
+    got = list(open_reader(str(path)))
+    assert [r.index for r in got] == list(range(7))
+    assert got[0].record == {"prompt": 'a ] , } " [ {'} and got[2].record == {"prompt": "c"}
+    assert "record 1 (line 2): invalid JSON" in got[1].error
+    assert "record 3 (line 4): invalid JSON (extra data" in got[3].error
+    assert "expected a JSON object, got a string" in got[4].error
+    assert got[5].record == {"p": [1, {"q": "]"}]}
+    assert "non-finite number" in got[6].error
+    assert open_reader(str(path)).count() == 7
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "json"])
+def test_a_record_over_the_size_limit_is_an_error_row_and_the_next_is_read(tmp_path, monkeypatch, fmt):
+    import conveyor.io.readers.json_array as json_array
+    import conveyor.io.readers.jsonl as jsonl
+
+    monkeypatch.setattr(json_array, "CHUNK", 64)  # the big element spans many refills
+    monkeypatch.setattr(jsonl, "CHUNK", 64)
+    records = [{"prompt": "small"}, {"prompt": "x" * 5000, "tail": ["]", "}"]}, {"prompt": "after"}]
+    path = tmp_path / f"in.{fmt}"
+    if fmt == "jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    else:
+        path.write_text(json.dumps(records), encoding="utf-8")
+    got = list(open_reader(str(path), max_record_bytes=1000))
+    assert got[0].record == {"prompt": "small"} and got[2].record == {"prompt": "after"}
+    assert got[1].record is None and "over the 1,000 of --max-record-bytes" in got[1].error
+    assert "5,0" in got[1].error  # its size, counted while reading past it
+    assert list(open_reader(str(path), max_record_bytes=100_000))[1].record == records[1]
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "json"])
+def test_lone_surrogates_are_error_rows_naming_the_field_and_pairs_are_text(tmp_path, fmt):
+    lines = ['{"id": "a", "prompt": "The sky is"}', '{"id": "b", "prompt": "Hello \\ud800 world"}',
+             '{"id": "\\udfff", "prompt": "x"}', '{"prompt": "x", "meta": {"k": ["ok", "\\ud83d"]}}',
+             '{"prompt": "smile \\ud83d\\ude00"}', '{"\\udc00key": 1, "prompt": "x"}']
+    path = tmp_path / f"in.{fmt}"
+    path.write_text("\n".join(lines) + "\n" if fmt == "jsonl" else "[" + ",\n".join(lines) + "]", encoding="utf-8")
+    got = list(open_reader(str(path)))
+    assert got[0].record is not None and got[4].record == {"prompt": "smile \U0001F600"}
+    assert "field 'prompt' holds a lone UTF-16 surrogate (\\ud800" in got[1].error
+    assert "field 'id' holds a lone UTF-16 surrogate (\\udfff" in got[2].error
+    assert "field 'meta.k[1]'" in got[3].error
+    assert "a field name" in got[5].error
+    assert all(r.error.startswith(("line", "record")) for r in got if r.error)
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "json", "csv", "parquet"])
+def test_digests_name_a_record_by_its_content(tmp_path, fmt):
+    def write_input(path, records, fmt):
+        if fmt == "jsonl":
+            path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+        elif fmt == "json":
+            path.write_text(json.dumps(records), encoding="utf-8")
+        elif fmt == "csv":
+            path.write_text("prompt\n" + "".join(r["prompt"] + "\n" for r in records), encoding="utf-8")
+        else:
+            pq.write_table(pa.Table.from_pylist(records), path)
+        return path
+
+    a = [{"prompt": "one"}, {"prompt": "two"}, {"prompt": "three"}]
+    b = [{"prompt": "one"}, {"prompt": "TWO"}, {"prompt": "three"}]
+
+    def digests(records, name):
+        reader = open_reader(str(write_input(tmp_path / f"{name}.{fmt}", records, fmt)))
+        reader.with_digests = True
+        return [r.digest for r in reader]
+
+    da, db = digests(a, "a"), digests(b, "b")
+    assert all(da) and len(set(da)) == 3
+    assert da[0] == db[0] and da[1] != db[1] and da[2] == db[2]
+    reader = open_reader(str(tmp_path / f"a.{fmt}"))
+    assert all(r.digest is None for r in reader)  # only where asked for
