@@ -1,7 +1,7 @@
 """Output writers: Parquet, JSONL and OpenAI-batch files, streamed row by row in input order.
 
-The file appears by atomic rename after an fsync; on any error the temp file is removed and the
-error propagates unchanged (ENOSPC included). pyarrow is imported only when a schema is needed.
+The file appears by atomic rename after an fsync (`conveyor.io.atomic`); on any error the temp file is
+removed and the error propagates unchanged (ENOSPC included). pyarrow is imported only when a schema is needed.
 """
 
 from __future__ import annotations
@@ -10,7 +10,9 @@ import contextlib
 import json
 import os
 import time
-from typing import IO, Any, Iterable, Iterator
+from typing import IO, Any, Iterable
+
+from conveyor.io.atomic import atomic_file
 
 # Rows may carry the request kind ("chat" or "completion") under this key, for openai-batch output.
 KIND_KEY = "__conveyor_kind"
@@ -65,47 +67,12 @@ def write_output(rows: Iterable[dict], path: str, output_format: str, keep_field
     keep_fields = tuple(keep_fields)
     check_keep_fields(keep_fields)
     if output_format == "parquet":
-        with _atomic_file(path, "wb") as f:
+        with atomic_file(path, "wb") as f:
             return _write_parquet(rows, f, keep_fields, row_group_size)
-    with _atomic_file(path, "w") as f:
+    with atomic_file(path, "w") as f:
         if output_format == "jsonl":
             return _write_jsonl(rows, f, OUTPUT_COLUMNS + keep_fields)
         return _write_openai_batch(rows, f, model_name)
-
-
-@contextlib.contextmanager
-def _atomic_file(path: str, mode: str) -> Iterator[IO]:
-    """A temp file beside `path` (.<name>.tmp-<pid>); renamed onto `path` only if the body succeeds."""
-    target = os.path.abspath(path)
-    directory, name = os.path.split(target)
-    tmp = os.path.join(directory, f".{name}.tmp-{os.getpid()}")
-    text_args = {"encoding": "utf-8", "newline": "\n"} if "b" not in mode else {}
-    f = open(tmp, mode, **text_args)
-    try:
-        yield f
-        f.flush()
-        os.fsync(f.fileno())
-        f.close()
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            f.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(tmp)
-        raise
-    _fsync_dir(directory)
-
-
-def _fsync_dir(directory: str) -> None:
-    """Make the rename durable; some platforms cannot open a directory, and then there is nothing to do."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _write_jsonl(rows: Iterable[dict], f: IO[str], columns: tuple[str, ...]) -> int:

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conveyor.io import writers
+from conveyor.io import atomic, writers
 from conveyor.io.writers import KIND_KEY, OUTPUT_COLUMNS, base_schema, infer_output_format, write_output
 
 
@@ -172,7 +172,8 @@ def test_replaces_an_existing_file_atomically(tmp_path, monkeypatch):
         assert path.read_text() == "old\n"  # the target is untouched until the rename
         real_replace(src, dst)
 
-    monkeypatch.setattr(writers.os, "replace", spy)
+    monkeypatch.setattr(atomic.os, "replace", spy)
     write_output(iter([ok_row(0)]), str(path), "jsonl")
-    assert replaced == [(f".out.jsonl.tmp-{os.getpid()}", "out.jsonl")]
+    assert len(replaced) == 1 and replaced[0][1] == "out.jsonl"
+    assert replaced[0][0].startswith(".out.jsonl.tmp-") and replaced[0][0] != f".out.jsonl.tmp-{os.getpid()}"
     assert json.loads(path.read_text())["id"] == "r0"
