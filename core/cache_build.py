@@ -13,6 +13,11 @@ atomic rename, so:
 - the result is either whole or absent: a reader never loads a half-written one.
 A caller that waits longer than `wait_s` for another builder gets a TimeoutError instead of
 hanging.
+
+A cached result is used only when it, its folder and that folder's parent are owned by the current user
+and writable by no one else (`untrusted`): a library planted in a shared cache would otherwise run as
+whoever loads it. Otherwise it is built afresh into a private folder for this process, with one line
+saying why. Folders are created 0700.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import stat
 import sys
 import tempfile
 import time
@@ -36,23 +42,75 @@ def cached_build(folder: Path, name: str, build: Callable[[Path], Path], wait_s:
     """`folder/name`, built by `build(scratch_dir) -> path of the built file or folder` if absent."""
     folder = Path(folder)
     target = folder / name
-    if target.exists():
+    problem = untrusted(target) if target.exists() else None
+    if problem is None and target.exists():
         return target
-    folder.parent.mkdir(parents=True, exist_ok=True)
+    if problem is not None:
+        private = Path(tempfile.mkdtemp(prefix="conveyor-private-"))
+        sys.stderr.write(f"conveyor: not using {target}: {problem}; building a private copy in {private} instead\n")
+        return _build(private / folder.name, name, build, wait_s)
+    return _build(folder, name, build, wait_s)
+
+
+def _build(folder: Path, name: str, build: Callable[[Path], Path], wait_s: float) -> Path:
+    target = folder / name
+    _private_dirs(folder.parent)
     with exclusive_lock(folder.parent / f"{folder.name}.lock", wait_s,
                         waiting=f"conveyor: waiting for another process to finish building {target}\n"):
-        if target.exists():  # built by the process we waited for
+        if target.exists() and untrusted(target) is None:  # built by the process we waited for
             return target
         for leftover in folder.parent.glob(f".{folder.name}.build-*"):  # of builders that died
             shutil.rmtree(leftover, ignore_errors=True)
         scratch = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.build-"))
         try:
             built = Path(build(scratch))
-            folder.mkdir(exist_ok=True)
+            folder.mkdir(mode=0o700, exist_ok=True)
             os.replace(built, target)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
     return target
+
+
+def untrusted(target: Path) -> str | None:
+    """Why `target` (a file, or a folder and the files directly in it) must not be loaded, or None.
+
+    Each of them must be owned by this user and writable by no one else. Its folder and that folder's
+    parent must be owned by this user too; where they are but others may write them (a umask of 002),
+    their group and other write bits are cleared first: others could only have renamed or deleted entries
+    there, and any file they put in would not be this user's, which the check of the files catches."""
+    if not hasattr(os, "getuid"):  # pragma: no cover - not POSIX
+        return None
+    uid = os.getuid()
+    folders = [target.parent.parent, target.parent]
+    files = [target, *(sorted(target.iterdir()) if target.is_dir() and not target.is_symlink() else [])]
+    for path in folders + files:
+        try:
+            st = path.lstat() if path in files or path == target.parent else path.stat()
+        except OSError as e:
+            return f"{path} cannot be inspected ({e.strerror or e})"
+        if stat.S_ISLNK(st.st_mode):
+            return f"{path} is a symbolic link"
+        if st.st_uid != uid:
+            return f"{path} belongs to another user (uid {st.st_uid})"
+        loose = st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+        if loose and path in folders:
+            try:
+                os.chmod(path, stat.S_IMODE(st.st_mode) & ~loose)
+            except OSError as e:
+                return f"{path} is writable by other users and cannot be changed ({e.strerror or e})"
+        elif loose:
+            return f"{path} is writable by other users (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
+def _private_dirs(path: Path) -> None:
+    """mkdir -p with each folder it creates 0700."""
+    missing = []
+    while not path.exists():
+        missing.append(path)
+        path = path.parent
+    for folder in reversed(missing):
+        folder.mkdir(mode=0o700, exist_ok=True)
 
 
 @contextlib.contextmanager
@@ -63,7 +121,7 @@ def exclusive_lock(path: Path, wait_s: float, waiting: str = "") -> Iterator[Non
     if fcntl is None:  # pragma: no cover
         yield
         return
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         deadline = time.monotonic() + wait_s
         told = False

@@ -135,8 +135,6 @@ def _resolve(model: str) -> tuple[str, str | None]:
 def ensure_embedded(name: str) -> Path:
     """The cached safetensors folder of an embedded model, converting it on first use."""
     target = embedded_model_dir(name)
-    if (target / "config.json").exists():
-        return target
     spec = EMBEDDED_MODELS[name]
 
     def convert(scratch: Path) -> Path:

@@ -4,6 +4,7 @@ half-written result (no torch, but for the last test)."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -158,3 +159,42 @@ def test_a_fresh_process_loads_the_cached_kernels_past_a_stale_torch_lock_file()
     assert child.returncode == 0, child.stderr
     assert child.stdout.split() == [_NAME, "True"]
     assert "compiling" not in child.stderr
+
+
+def _writer(text: str):
+    def build(scratch: Path) -> Path:
+        out = scratch / "lib.so"
+        out.write_text(text)
+        return out
+    return build
+
+
+def test_a_cached_file_others_may_write_is_not_loaded_but_built_privately(tmp_path, capfd):
+    folder = tmp_path / "kernels" / "tag"
+    assert cached_build(folder, "lib.so", _writer("ours")).read_text() == "ours"
+    assert (folder.stat().st_mode & 0o777) == 0o700 and (folder.parent.stat().st_mode & 0o777) == 0o700
+    planted = folder / "lib.so"
+    planted.write_text("planted")
+    planted.chmod(0o777)
+    got = cached_build(folder, "lib.so", _writer("rebuilt"))
+    assert got != planted and got.read_text() == "rebuilt"
+    assert "is writable by other users" in capfd.readouterr().err
+    assert (got.parent.parent.stat().st_mode & 0o077) == 0  # the private copy's folder is 0700
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="only root can give a file away")
+def test_a_cached_file_of_another_user_is_not_loaded(tmp_path, capfd):
+    folder = tmp_path / "kernels" / "tag"
+    planted = cached_build(folder, "lib.so", _writer("ours"))
+    os.chown(planted, 65534, 65534)
+    got = cached_build(folder, "lib.so", _writer("rebuilt"))
+    assert got != planted and got.read_text() == "rebuilt"
+    assert "belongs to another user" in capfd.readouterr().err
+
+
+def test_a_loose_folder_of_our_own_is_tightened_and_its_files_still_used(tmp_path):
+    folder = tmp_path / "models" / "m"
+    built = cached_build(folder, "lib.so", _writer("ours"))
+    folder.chmod(0o775)  # a umask of 002
+    assert cached_build(folder, "lib.so", _writer("rebuilt")) == built and built.read_text() == "ours"
+    assert (folder.stat().st_mode & 0o022) == 0
