@@ -16,7 +16,7 @@ def validate(flags: dict, config_path: str | None, show_errors: int) -> int:
     from conveyor.io.request_builder import BuildOptions, BuiltRequest, RequestBuilder
 
     cfg = build_config(flags, config_path)
-    reader = open_reader(cfg.input, cfg.input_format, cfg.split)
+    reader = open_reader(cfg.input, cfg.input_format, cfg.split, cfg.max_record_bytes)
     _quiet_libraries()
     tokenizer, max_model_len = load_tokenizer(cfg.model)
     builder = RequestBuilder(tokenizer, BuildOptions(
@@ -34,7 +34,7 @@ def validate(flags: dict, config_path: str | None, show_errors: int) -> int:
         records += 1
         built = builder.build(raw)
         if isinstance(built, BuiltRequest):
-            if seen.setdefault(built.id, built.index) != built.index:
+            if built.id_given and seen.setdefault(built.id, built.index) != built.index:
                 num_errors += 1
                 if len(errors) < show_errors:
                     errors.append(f"{record_location(raw)}: duplicate id {built.id!r}")

@@ -24,6 +24,7 @@ MAX_TOKENS_ALIASES = ("max_tokens", "max_completion_tokens", "max_new_tokens")
 class BuildOptions:
     sampling: SamplingParams  # the command's defaults; their seed is replaced per record
     seed: int = 0  # the run seed; a record's effective seed is derive_seed(seed, id) unless it sets one
+    # (a record without an id: index_seed(seed, index))
     system_prompt: str | None = None  # prepended to chat records that have no system message
     prompt_field: str = "prompt"
     messages_field: str = "messages"
@@ -38,11 +39,13 @@ class BuildOptions:
 @dataclass(frozen=True)
 class BuiltRequest:
     index: int  # 0-based input position
-    id: str
+    id: str  # the record's id, or its index as a string where it has none
     kind: str  # "chat" or "completion"
     prompt_token_ids: list[int]
     sampling: SamplingParams  # sampling.seed is the effective seed, always set
     kept: dict  # keep_fields -> the record's values (None where missing)
+    id_given: bool = True  # False: the id is the index; it is not checked against other records' ids
+    digest: str | None = None  # the input record's digest, where the reader gave one
 
     def to_generation_request(self) -> GenerationRequest:
         return GenerationRequest(req_id=str(self.index), prompt_token_ids=self.prompt_token_ids,
@@ -57,11 +60,19 @@ class ErrorRow:
     kept: dict
     seed: int | None  # the effective seed when it could be worked out
     prompt_tokens: int | None = None  # known when the error came after tokenizing
+    digest: str | None = None  # the input record's digest, where the reader gave one
 
 
 def derive_seed(run_seed: int, record_id: str) -> int:
     """A record's seed from the run seed and its id: the same in every process, 0 <= s < 2**63."""
     digest = hashlib.sha256(f"{run_seed}\x00{record_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
+
+
+def index_seed(run_seed: int, index: int) -> int:
+    """The seed of a record without an id, from the run seed and its input index; hashed apart from
+    derive_seed's ids (\x01, not \x00), so it never equals the seed of a record whose id is that number."""
+    digest = hashlib.sha256(f"{run_seed}\x01{index}".encode()).digest()
     return int.from_bytes(digest[:8], "big") >> 1
 
 
@@ -84,35 +95,39 @@ class RequestBuilder:
         if raw.record is None:
             kept = dict.fromkeys(self.options.keep_fields)
             return ErrorRow(raw.index, str(raw.index), raw.error or f"{where}: the record could not be read",
-                            kept, None)
+                            kept, None, digest=raw.digest)
         record = raw.record
         kept = {name: record.get(name) for name in self.options.keep_fields}
         try:
-            record_id = self._record_id(record, raw.index)
+            record_id = self._record_id(record)
         except _Reject as e:
-            return ErrorRow(raw.index, str(raw.index), f"{where}: {e}", kept, None)
+            return ErrorRow(raw.index, str(raw.index), f"{where}: {e}", kept, None, digest=raw.digest)
+        id_given = record_id is not None
+        if record_id is None:
+            record_id = str(raw.index)
         seed = num_tokens = None
         try:
-            if self.is_duplicate is not None and self.is_duplicate(record_id):
+            if id_given and self.is_duplicate is not None and self.is_duplicate(record_id):
                 raise _Reject(f"duplicate id {record_id!r} (first seen earlier in the input); make ids unique "
                               "or use --id-field")
             fields, prefix = self._request_fields(record)
-            seed = self._seed(fields, prefix, record_id)
+            seed = self._seed(fields, prefix, record_id if id_given else None, raw.index)
             sampling = self._sampling(fields, prefix, seed)
             kind, token_ids = self._tokenize(fields, prefix)
             num_tokens = len(token_ids)
             self._check_length(num_tokens, sampling.max_tokens)
         except _Reject as e:
-            return ErrorRow(raw.index, record_id, f"{where}: {e}", kept, seed, num_tokens)
-        return BuiltRequest(raw.index, record_id, kind, token_ids, sampling, kept)
+            return ErrorRow(raw.index, record_id, f"{where}: {e}", kept, seed, num_tokens, raw.digest)
+        return BuiltRequest(raw.index, record_id, kind, token_ids, sampling, kept, id_given, raw.digest)
 
-    def _record_id(self, record: dict, index: int) -> str:
+    def _record_id(self, record: dict) -> str | None:
+        """The record's own id, or None where it has none."""
         name = self.options.id_field
         value = record.get(name)
         if value is None:
             value, name = record.get("custom_id"), "custom_id"
         if value is None:
-            return str(index)
+            return None
         if isinstance(value, str) and value:
             return value
         if isinstance(value, int) and not isinstance(value, bool):
@@ -134,10 +149,11 @@ class RequestBuilder:
             raise _Reject(f"body.n = {body['n']!r} is not supported; send one request line per completion")
         return body, "body."
 
-    def _seed(self, fields: dict, prefix: str, record_id: str) -> int:
+    def _seed(self, fields: dict, prefix: str, record_id: str | None, index: int) -> int:
         value = fields.get("seed")
         if value is None:
-            return derive_seed(self.options.seed, record_id)
+            return derive_seed(self.options.seed, record_id) if record_id is not None else index_seed(
+                self.options.seed, index)
         seed = _as_int(prefix + "seed", value)
         if not -2**63 <= seed < 2**63:
             raise _Reject(f"{prefix}seed must fit in 64 bits (-2**63 <= seed < 2**63), got {seed}")
