@@ -34,6 +34,7 @@ def validate_command(
     input_format: str = typer.Option(None, help="jsonl, json, parquet, csv or datasets."),
     split: str = typer.Option(None, help="Split of a hub dataset."),
     limit: int = typer.Option(None, help="Only the first N records."),
+    max_record_bytes: str = typer.Option(None, help="A record bigger than this (e.g. 4MiB) is an error. [default: 4MiB]"),
     show_errors: int = typer.Option(10, help="How many error messages to print."),
 ) -> int:
     """Parse, template and tokenize every record without running the model; exit 0 or 3."""
@@ -41,7 +42,8 @@ def validate_command(
 
     return validate(dict(input=input, output="-", model=model, max_tokens=max_tokens, system_prompt=system_prompt,
                          prompt_field=prompt_field, messages_field=messages_field, id_field=id_field,
-                         input_format=input_format, split=split, limit=limit), config, show_errors)
+                         input_format=input_format, split=split, limit=limit, max_record_bytes=max_record_bytes),
+                    config, show_errors)
 
 
 @app.command("status")

@@ -43,6 +43,7 @@ class RunConfig:
     max_num_batched_tokens: int = 2048
     num_kv_blocks: int | None = None
     kv_cache_memory: str = "2GiB"
+    max_record_bytes: int = 4 << 20  # a bigger record is an error row, never parsed
     block_size: int = 16
     limit: int | None = None
     on_error: str = "record"
@@ -130,6 +131,12 @@ def build_config(flags: dict[str, Any], config_path: str | None) -> RunConfig:
             values[key] = _as_str_tuple(key, values[key])
     if "max_runtime" in values and values["max_runtime"] is not None:
         values["max_runtime"] = parse_duration(values["max_runtime"])
+    _check_strings(values)
+    for key in ("kv_cache_memory", "max_record_bytes"):
+        if key in values:
+            values[key] = _checked_size(key, values[key])
+    if "device" in values:
+        _check_device(values["device"])
     for key, choices in _CHOICES.items():
         if key in values and values[key] not in choices:
             allowed = ", ".join(c for c in choices if c)
@@ -150,6 +157,40 @@ def _as_str_tuple(key: str, value: Any) -> tuple[str, ...]:
     else:
         raise UsageError(f"{option_name(key)}: expected a string or a list of strings, got {value!r}")
     return tuple(items)
+
+
+_STR_KEYS = {"input", "output", "model", "dtype", "device", "system_prompt", "prompt_field", "messages_field",
+             "id_field", "input_format", "output_format", "split", "on_error", "summary_json", "run_dir"}
+
+
+def _check_strings(values: dict[str, Any]) -> None:
+    for key in _STR_KEYS:
+        value = values.get(key)
+        if value is not None and not isinstance(value, str):
+            raise UsageError(f"{option_name(key)}: expected a string, got {value!r}")
+
+
+def _checked_size(key: str, value: Any) -> Any:
+    """--kv-cache-memory / --max-record-bytes: a size like 2GiB, 512MiB or a number of bytes."""
+    from conveyor.core.config import parse_memory
+
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise UsageError(f"{option_name(key)}: expected a size such as 2GiB or 512MiB, got {value!r}")
+    try:
+        size = parse_memory(value)
+    except ValueError:
+        size = 0
+    if size <= 0:
+        raise UsageError(f"{option_name(key)}: cannot read {value!r}; write a positive size like 2GiB, 512MiB or a "
+                         "number of bytes")
+    return size if key == "max_record_bytes" else value
+
+
+def _check_device(device: str) -> None:
+    import re
+
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
+        raise UsageError(f"--device: {device!r} is not one of auto, cpu, cuda or cuda:N")
 
 
 _INT_KEYS = {"max_tokens", "top_k", "seed", "min_tokens", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks",

@@ -55,6 +55,9 @@ OutputFormatOpt = Annotated[Optional[str], typer.Option(help="parquet, jsonl or 
                                                              "(default: from the extension).", rich_help_panel=DATA)]
 SplitOpt = Annotated[Optional[str], typer.Option(help="Split of a hub dataset.", rich_help_panel=DATA)]
 LimitOpt = Annotated[Optional[int], typer.Option(help="Only the first N records.", rich_help_panel=DATA)]
+MaxRecordBytesOpt = Annotated[Optional[str], typer.Option(help="A record bigger than this (e.g. 4MiB) is an error "
+                                                               "row, never parsed. [default: 4MiB]",
+                                                          rich_help_panel=DATA)]
 OnErrorOpt = Annotated[Optional[str], typer.Option(help="Bad records: record (error row), skip (no row) or fail "
                                                         "(stop). [default: record]", rich_help_panel=DATA)]
 MaxNumSeqsOpt = Annotated[Optional[int], typer.Option(help="Requests running at once. [default: 64]",

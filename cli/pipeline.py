@@ -9,9 +9,11 @@ appears atomically. A stop request (signal, --max-runtime) commits what finished
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from conveyor.cli.config import RunConfig
@@ -20,9 +22,10 @@ from conveyor.cli.run_info import write_run_info
 from conveyor.cli.stop_signals import StopController
 from conveyor.core import RequestOutput, SamplingParams
 from conveyor.io.journal import Journal
-from conveyor.io.readers import RawRecord, fingerprint, open_reader
+from conveyor.io.readers import InputError, RawRecord, fingerprint, fingerprints_content, open_reader
+from conveyor.io.paths import check_run_paths
 from conveyor.io.request_builder import BuildOptions, BuiltRequest, ErrorRow, RequestBuilder
-from conveyor.io.run_dir import Manifest, RunDir
+from conveyor.io.run_dir import STATE_FILES, Manifest, RunDir
 from conveyor.io.writers import KIND_KEY, check_keep_fields, infer_output_format, write_output
 
 TOOL_VERSION = "0.1.0"
@@ -92,18 +95,29 @@ def sampling_defaults(cfg: RunConfig) -> SamplingParams:
         raise UsageError(f"--{field_name.replace('_', '-')}: {e}") from None
 
 
-def _with_resolved_dtype(cfg: RunConfig) -> RunConfig:
-    """`--dtype auto` made concrete for this machine before the manifest records it, so that a run resumed
-    where auto means another dtype (another CPU, a GPU) is refused as drift instead of mixing two arithmetics."""
-    if cfg.dtype != "auto":
-        return cfg
+def _with_resolved_device(cfg: RunConfig) -> RunConfig:
+    """The device checked (a usage error, before any model work, where it is not available) and `--dtype
+    auto` made concrete for it before the manifest records it, so that a run resumed where auto means
+    another dtype (another CPU, a GPU) is refused instead of mixing two arithmetics."""
     from conveyor.core.model_loader import ModelLoadError, auto_dtype, resolve_device
 
     try:
         device = resolve_device(cfg.device)
     except ModelLoadError as e:
         raise UsageError(str(e)) from None
-    return dataclasses.replace(cfg, dtype=auto_dtype(device))
+    return cfg if cfg.dtype != "auto" else dataclasses.replace(cfg, dtype=auto_dtype(device))
+
+
+def check_summary_path(path: str | None) -> None:
+    """--summary-json must name a file in a folder that exists: checked before the run, not after it."""
+    if path is None:
+        return
+    target = Path(path)
+    if target.is_dir():
+        raise UsageError(f"--summary-json {path}: is a folder; name a file")
+    if not target.absolute().parent.is_dir():
+        raise UsageError(f"--summary-json {path}: the folder {target.absolute().parent} does not exist; create it "
+                         "or choose another path")
 
 
 def _manifest(cfg: RunConfig, output_format: str) -> Manifest:
@@ -136,11 +150,12 @@ class Pipeline:
         self.stopper = StopController(cfg.max_runtime)
         self.output_format = ""
         self.in_flight: dict[str, BuiltRequest] = {}
+        self.note: str | None = None  # said once the run directory is open (a run that started over)
 
     # -- setup (usage errors surface here, before any model work) -------------------------------
 
     def prepare(self) -> None:
-        self.cfg = cfg = _with_resolved_dtype(self.cfg)
+        self.cfg = cfg = _with_resolved_device(self.cfg)
         try:
             self.output_format = infer_output_format(cfg.output, cfg.output_format)
         except ValueError as e:
@@ -150,17 +165,19 @@ class Pipeline:
         except ValueError as e:
             raise UsageError(str(e)) from None
         self.defaults = sampling_defaults(cfg)
-        self.reader = open_reader(cfg.input, cfg.input_format, cfg.split)
-        self.run_dir = RunDir(cfg.run_dir or RunDir.default_for(cfg.output))
+        run_dir = cfg.run_dir or RunDir.default_for(cfg.output)
+        check_run_paths(cfg.input, cfg.output, run_dir, STATE_FILES)
+        check_summary_path(cfg.summary_json)
+        self.reader = open_reader(cfg.input, cfg.input_format, cfg.split, cfg.max_record_bytes)
+        self.run_dir = RunDir(run_dir)
         self.run_dir.acquire_lock()
         manifest = _manifest(cfg, self.output_format)
         if cfg.restart:
             self.run_dir.reset()
-        if self.run_dir.load_manifest() is None:
-            self.run_dir.write_manifest(manifest)
-        else:
-            self.run_dir.check_drift(manifest)
-        self.journal = Journal(self.run_dir.journal_path)
+        self.journal, self.note = self.run_dir.open_journal(manifest)
+        # Without a fingerprint of the input's content (stdin, a pipe, a hub dataset), a resumed run checks
+        # its records one by one against the digests the journal keeps of the records it answered.
+        self.reader.with_digests = not fingerprints_content(manifest.input_fingerprint)
         self.totals.resumed_from = self.journal.num_committed()
         self.totals.done = self.totals.resumed_from
         self.totals.errors = self.journal.num_errors()
@@ -169,6 +186,10 @@ class Pipeline:
         if count is not None and cfg.limit is not None:
             count = min(count, cfg.limit)
         self.totals.total = count
+        self.records = self._pending_records()
+        if self.reader.with_digests and self.totals.resumed_from:  # read the answered prefix now, before the
+            first = next(self.records, None)  # model loads: a different input is refused at once
+            self.records = itertools.chain([first] if first is not None else [], self.records)
         write_run_info(self.run_dir.path, count)
 
     def load_engine(self) -> None:
@@ -195,6 +216,9 @@ class Pipeline:
 
     def _pending_records(self) -> Iterator[RawRecord]:
         """Records without a committed row, from the first gap on; stops at --limit."""
+        if self.reader.with_digests:
+            yield from self._pending_records_checked()
+            return
         start = self.journal.contiguous_prefix()
         committed = self.journal.committed_indices_from(start)
         next_committed = next(committed, None)
@@ -207,18 +231,42 @@ class Pipeline:
                 continue
             yield raw
 
+    def _pending_records_checked(self) -> Iterator[RawRecord]:
+        """The same for an input without a fingerprint (stdin, a pipe, a hub dataset): read from its start,
+        and every record the journal already answered must be the record it answered (by digest)."""
+        committed = self.journal.committed_digests_from(0)
+        answered = next(committed, None)
+        for raw in self.reader.iter_from(0):
+            if self.cfg.limit is not None and raw.index >= self.cfg.limit:
+                return
+            while answered is not None and answered[0] < raw.index:
+                answered = next(committed, None)
+            if answered is not None and answered[0] == raw.index:
+                if answered[1] is not None and answered[1] != raw.digest:
+                    raise InputError(self.cfg.input, raw.line, f"record {raw.index} is not the record this run "
+                                     "answered at that position (an input without a file to fingerprint is checked "
+                                     "record by record when a run resumes); feed the same input, or run with "
+                                     "--restart to start over")
+                answered = next(committed, None)
+                continue
+            yield raw
+        if answered is not None:
+            raise InputError(self.cfg.input, None, f"the input ended before record {answered[0]}, which this run "
+                             "already answered: it is not the input the run started with; feed the same input, or "
+                             "run with --restart to start over")
+
     def _admit(self, raw: RawRecord) -> None:
         built = self.builder.build(raw)
-        if isinstance(built, BuiltRequest) and not self.journal.claim_id(built.id, built.index):
+        if isinstance(built, BuiltRequest) and built.id_given and not self.journal.claim_id(built.id, built.index):
             built = ErrorRow(index=built.index, id=built.id, kept=built.kept, seed=built.sampling.seed,
                              error=f"{record_location(raw)}: duplicate id {built.id!r} (first seen earlier in the input); "
-                                   "make ids unique or use --id-field")
+                                   "make ids unique or use --id-field", digest=built.digest)
         if isinstance(built, BuiltRequest):
             try:
                 self.engine.add_request(built.to_generation_request())
             except ValueError as e:
                 built = ErrorRow(index=built.index, id=built.id, kept=built.kept, seed=built.sampling.seed,
-                                 error=f"{record_location(raw)}: {e}")
+                                 error=f"{record_location(raw)}: {e}", digest=built.digest)
             else:
                 self.in_flight[str(built.index)] = built
                 if self.totals.first_admit is None:
@@ -227,10 +275,10 @@ class Pipeline:
         if self.cfg.on_error == "fail":
             self.journal.commit()
             raise BadRecordStop(built.error)
-        self._record(error_row(built))
+        self._record(error_row(built), built.digest)
 
-    def _record(self, row: dict[str, Any]) -> None:
-        self.journal.add(row)
+    def _record(self, row: dict[str, Any], digest: str | None) -> None:
+        self.journal.add(row, digest)
         t = self.totals
         t.done += 1
         if row["status"] == "ok":
@@ -243,7 +291,7 @@ class Pipeline:
     def run(self) -> RunResult:
         cfg = self.cfg
         engine = self.engine
-        records = self._pending_records()
+        records = self.records
         exhausted = False
         last_commit = last_progress = time.monotonic()
         self.stopper.install()
@@ -262,7 +310,7 @@ class Pipeline:
                 if engine.has_unfinished():
                     for out in engine.step():
                         built = self.in_flight.pop(out.req_id)
-                        self._record(ok_row(built, out))
+                        self._record(ok_row(built, out), built.digest)
                         self.totals.new_completion_tokens += out.num_output_tokens
                         self.totals.last_finish = time.monotonic()
                 elif exhausted:

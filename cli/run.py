@@ -10,7 +10,7 @@ from conveyor.cli.config import RunConfig, build_config
 from conveyor.cli.exit_codes import ExitCode
 from conveyor.cli.options import (BlockSizeOpt, CheckpointEveryOpt, ConfigOpt, DeviceOpt, DtypeOpt, IdFieldOpt,
                                   IgnoreEosOpt, InputArg, InputFormatOpt, KeepFieldsOpt, KvMemoryOpt, LimitOpt,
-                                  MaxBatchedTokensOpt, MaxNumSeqsOpt, MaxRuntimeOpt, MaxTokensOpt, MessagesFieldOpt,
+                                  MaxBatchedTokensOpt, MaxNumSeqsOpt, MaxRecordBytesOpt, MaxRuntimeOpt, MaxTokensOpt, MessagesFieldOpt,
                                   MinPOpt, MinTokensOpt, ModelOpt, NumKvBlocksOpt, OnErrorOpt, OutputFormatOpt,
                                   OutputOpt, ProfileOpt, PromptFieldOpt, QuietOpt, RestartOpt, RunDirOpt, SeedOpt,
                                   SplitOpt, StopOpt, SummaryJsonOpt, SystemPromptOpt, TemperatureOpt, TopKOpt,
@@ -58,6 +58,7 @@ def run_command(
     output_format: OutputFormatOpt = None,
     split: SplitOpt = None,
     limit: LimitOpt = None,
+    max_record_bytes: MaxRecordBytesOpt = None,
     on_error: OnErrorOpt = None,
     max_num_seqs: MaxNumSeqsOpt = None,
     max_num_batched_tokens: MaxBatchedTokensOpt = None,
@@ -91,6 +92,8 @@ def execute(cfg: RunConfig) -> int:
     pipeline.stopper.install()
     try:
         pipeline.prepare()
+        if pipeline.note:
+            sys.stderr.write(f"conveyor: {pipeline.note}\n")
         if not cfg.quiet:
             _note_resume(pipeline)
             _note_loading(cfg.model)
@@ -111,7 +114,11 @@ def execute(cfg: RunConfig) -> int:
     if result.profile:
         _print_profile(result.profile)
     if cfg.summary_json:
-        Path(cfg.summary_json).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+        try:
+            Path(cfg.summary_json).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+        except OSError as e:  # the run's result stands; only its summary file is missing
+            sys.stderr.write(f"conveyor: warning: could not write --summary-json {cfg.summary_json} "
+                             f"({e.strerror or e}); the run's exit code is unchanged\n")
     if result.exit_code in (ExitCode.OK, ExitCode.SOME_ERRORS) and not cfg.quiet:
         sys.stderr.write(f"conveyor: wrote {cfg.output}\n")
     return int(result.exit_code)

@@ -1,15 +1,23 @@
-"""Stopping early on purpose: SIGTERM, SIGINT and --max-runtime set a flag the run loop checks.
+"""Stopping early on purpose: SIGTERM, SIGHUP, SIGINT and --max-runtime set a flag the run loop checks.
 
-The first SIGINT or SIGTERM asks for a clean stop (stop admitting, commit, exit 75); a second
-SIGINT exits at once with 130 (the journal's last commit stands; SQLite keeps it consistent).
+The first SIGINT, SIGTERM or SIGHUP (a cron wrapper or ssh session losing its terminal) asks for a clean
+stop: stop admitting, commit, exit 75. A second SIGINT exits at once with 130 (the journal's last commit
+stands; SQLite keeps it consistent), even while the main thread is inside a long C call such as
+tokenizing a huge record: Python runs signal handlers only between bytecodes of the main thread, so the
+signals also reach a watchdog thread through `signal.set_wakeup_fd`, written by the C-level handler the
+moment a signal arrives.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
+import threading
 import time
+
+STOP_SIGNALS = tuple(s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s is not None)
 
 
 class StopController:
@@ -17,28 +25,68 @@ class StopController:
         self.deadline = time.monotonic() + max_runtime if max_runtime else None
         self.reason: str | None = None
         self._previous: dict[int, object] = {}
+        self._previous_wakeup: int | None = None
+        self._pipe: tuple[int, int] | None = None
+        self._interrupts = 0
+        self._lock = threading.Lock()
 
     def install(self) -> None:
         if self._previous:  # already installed: keep the handlers that were there before us
             return
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            try:
+        try:
+            for sig in STOP_SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
-            except ValueError:  # not the main thread (tests); the deadline still works
-                pass
+        except ValueError:  # not the main thread (tests); the deadline still works
+            self._previous.clear()
+            return
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)
+        self._pipe = (read_fd, write_fd)
+        self._previous_wakeup = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        threading.Thread(target=self._watch, args=(read_fd,), name="conveyor-signals", daemon=True).start()
 
     def uninstall(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+        if self._pipe is not None:
+            signal.set_wakeup_fd(self._previous_wakeup if self._previous_wakeup is not None else -1)
+            for fd in reversed(self._pipe):  # the write end first: the watchdog's read then ends
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            self._pipe = None
+
+    def _watch(self, read_fd: int) -> None:
+        """The watchdog: each byte is a signal number, written the moment the signal arrived."""
+        while True:
+            try:
+                data = os.read(read_fd, 64)
+            except OSError:
+                return
+            if not data:
+                return
+            for signum in data:
+                if signum in STOP_SIGNALS:
+                    self._stop(signum)
 
     def _handle(self, signum, frame) -> None:
-        if self.reason is not None and signum == signal.SIGINT:
-            sys.stderr.write("conveyor: second interrupt, stopping now; the last checkpoint stands\n")
-            sys.stderr.flush()
-            os._exit(130)
-        name = signal.Signals(signum).name
-        self.reason = name
+        """The Python-level handler: the watchdog has already acted on the signal; nothing left to do but
+        keep SIGINT from raising KeyboardInterrupt and SIGTERM / SIGHUP from ending the process."""
+        if self._pipe is None:  # no watchdog (not installed from the main thread)
+            self._stop(signum)
+
+    def _stop(self, signum: int) -> None:
+        with self._lock:
+            if signum == signal.SIGINT:
+                self._interrupts += 1
+                if self._interrupts > 1:
+                    sys.stderr.write("conveyor: second interrupt, stopping now; the last checkpoint stands\n")
+                    sys.stderr.flush()
+                    os._exit(130)
+            if self.reason is not None:
+                return
+            name = signal.Signals(signum).name
+            self.reason = name
         sys.stderr.write(f"conveyor: {name} received, stopping after this step and checkpointing "
                          "(press Ctrl-C again to stop at once)\n")
         sys.stderr.flush()

@@ -20,13 +20,14 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-_SCHEMA_VERSION = 1
+_SCHEMA_VERSION = 2  # 2: rows.digest
 _PAGE = 4096  # rows fetched per query when streaming
 
 _SCHEMA = [
-    # idx is the input position and the B-tree key; row is the output row dict as JSON.
+    # idx is the input position and the B-tree key; row is the output row dict as JSON; digest a hash
+    # of the input record as read (inputs without a fingerprint, such as stdin), else NULL.
     "CREATE TABLE IF NOT EXISTS rows (idx INTEGER PRIMARY KEY, id TEXT NOT NULL,"
-    " status TEXT NOT NULL, row TEXT NOT NULL)",
+    " status TEXT NOT NULL, row TEXT NOT NULL, digest TEXT)",
     # The first index of each id: a table rather than UNIQUE(rows.id), because the error row of a
     # duplicate carries the same id, and an id is claimed when its record is read, before its row
     # exists. Its primary key is the unique index that makes id look-ups O(log n).
@@ -63,7 +64,7 @@ class Journal:
         # verify=True runs PRAGMA quick_check, a full O(size) read; `conveyor status` passes False.
         self.path = Path(path)
         self._read_only = read_only
-        self._pending_rows: dict[int, tuple[str, str, str]] = {}  # index -> (id, status, json)
+        self._pending_rows: dict[int, tuple[str, str, str, str | None]] = {}  # index -> (id, status, json, digest)
         self._pending_ids: dict[str, int] = {}  # id -> first index, not yet in `ids`
         self._pending_errors = 0
         with self._guard():
@@ -88,7 +89,13 @@ class Journal:
         if self._read_only:
             uri = f"file:{self.path.resolve()}?mode=ro"
             conn = sqlite3.connect(uri, uri=True, isolation_level=None, check_same_thread=False)
-            conn.execute("SELECT COUNT(*) FROM meta").fetchone()  # fails early if not a journal
+            try:
+                conn.execute("SELECT COUNT(*) FROM meta").fetchone()  # fails early if not a journal
+            except sqlite3.OperationalError as e:
+                conn.close()
+                if "no such table" in str(e):
+                    raise JournalCorrupt(self.path, "it holds no journal: an empty or foreign file") from None
+                raise
             return conn
         conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         try:
@@ -104,6 +111,9 @@ class Journal:
                     [("schema_version", str(_SCHEMA_VERSION)), ("num_committed", "0"),
                      ("num_errors", "0"), ("contiguous_prefix", "0")],
                 )
+            elif int(version[0]) == 1:  # written before records had digests: add the column
+                conn.execute("ALTER TABLE rows ADD COLUMN digest TEXT")
+                conn.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(_SCHEMA_VERSION),))
             elif int(version[0]) != _SCHEMA_VERSION:
                 raise JournalCorrupt(self.path, f"unknown schema version {version[0]}")
             conn.execute("COMMIT")
@@ -139,8 +149,9 @@ class Journal:
     def pending(self) -> int:
         return len(self._pending_rows)
 
-    def add(self, row: dict) -> None:
-        """Buffer one finished row (at least "index", "id", "status"); durable after commit()."""
+    def add(self, row: dict, digest: str | None = None) -> None:
+        """Buffer one finished row (at least "index", "id", "status"), with the digest of the input record it
+        answers where there is one; durable after commit()."""
         index, record_id, status = row["index"], row["id"], row["status"]
         if not isinstance(index, int) or isinstance(index, bool) or index < 0:
             raise ValueError(f"row index must be a non-negative int, got {index!r}")
@@ -150,7 +161,7 @@ class Journal:
         # here would cost a third of add()'s time.
         if index in self._pending_rows or index < self._prefix:
             raise ValueError(f"row {index} is already in the journal; a row is written once")
-        self._pending_rows[index] = (record_id, status, json.dumps(row, ensure_ascii=False))
+        self._pending_rows[index] = (record_id, status, json.dumps(row, ensure_ascii=False), digest)
         self._pending_ids.setdefault(record_id, index)
         self._pending_errors += status == "error"
 
@@ -200,7 +211,7 @@ class Journal:
                     self._pending_ids.items(),
                 )
                 self._conn.executemany(
-                    "INSERT INTO rows(idx, id, status, row) VALUES (?, ?, ?, ?)",
+                    "INSERT INTO rows(idx, id, status, row, digest) VALUES (?, ?, ?, ?, ?)",
                     ((i, *fields) for i, fields in rows.items()),
                 )
                 prefix = self._advance_prefix(rows)
@@ -288,6 +299,11 @@ class Journal:
         sql = "SELECT idx FROM rows WHERE idx >= ? ORDER BY idx LIMIT ?"
         for (idx,) in self._paged(sql, start):
             yield idx
+
+    def committed_digests_from(self, start: int) -> Iterator[tuple[int, str | None]]:
+        """(index, input digest or None) of the committed rows >= start, ascending, page by page."""
+        sql = "SELECT idx, digest FROM rows WHERE idx >= ? ORDER BY idx LIMIT ?"
+        yield from self._paged(sql, start)
 
     def iter_rows(self) -> Iterator[dict]:
         """All committed rows, decoded, in index order, streamed page by page."""

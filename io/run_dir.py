@@ -1,7 +1,9 @@
 """A run's state directory (`<output>.conveyor/`): manifest, input fingerprint, lock, drift check.
 
-Holds `manifest.json`, `journal.sqlite` (see journal.py) and `lock`. Knows nothing of records,
-the engine or terminals; imports neither torch nor `conveyor.core`.
+Holds `manifest.json`, `journal.sqlite` (see journal.py), `run.json` and `lock`. `open_journal` is the
+one place that decides whether a run directory's state is adopted, started over or refused, and
+`reset` the one place that deletes it: only the files a conveyor manifest there lists as its own.
+Knows nothing of records, the engine or terminals; imports neither torch nor `conveyor.core`.
 """
 
 from __future__ import annotations
@@ -19,9 +21,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from conveyor.io.atomic import atomic_write_text, fsync_dir
 from conveyor.io.journal import Journal, JournalCorrupt
 
 _JOURNAL_FILES = ("journal.sqlite", "journal.sqlite-wal", "journal.sqlite-shm")
+# The files of a run's state besides the manifest and the lock (never deleted: see acquire_lock).
+STATE_FILES = (*_JOURNAL_FILES, "run.json")
 _LOCK_TRIES = 5  # a `conveyor status` probe holds a shared lock for microseconds; retry past it
 
 
@@ -65,6 +70,7 @@ class Manifest:
     created_at: float  # unix time
     output_path: str
     output_format: str
+    state_files: tuple[str, ...] = STATE_FILES  # what `reset` may delete beside the manifest
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
@@ -75,13 +81,17 @@ class Manifest:
         data = json.loads(text)
         if not isinstance(data, dict):
             raise ValueError("the manifest is not a JSON object")
-        names = [f.name for f in dataclasses.fields(cls)]
+        names = [f.name for f in dataclasses.fields(cls) if f.name != "state_files"]
         missing = [n for n in names if n not in data]
         if missing:
             raise ValueError(f"the manifest lacks {', '.join(missing)}")
         if not isinstance(data["generation_config"], dict):
             raise ValueError("the manifest's generation_config is not an object")
-        return cls(**{n: data[n] for n in names})
+        files = data.get("state_files", list(STATE_FILES))  # manifests written before the list existed
+        if not isinstance(files, list) or not all(isinstance(f, str) and f and os.path.basename(f) == f
+                                                  and f not in (".", "..") for f in files):
+            raise ValueError("the manifest's state_files is not a list of file names")
+        return cls(**{n: data[n] for n in names}, state_files=tuple(files))
 
 
 class RunDir:
@@ -174,77 +184,90 @@ class RunDir:
             os.close(fd)
 
     def load_manifest(self) -> Manifest | None:
-        """The stored manifest, None if there is none; RunDirError if it cannot be read."""
+        """The stored manifest, None if there is none; RunDirError naming the file if it cannot be read."""
         try:
-            text = self.manifest_path.read_text(encoding="utf-8")
+            text = self.manifest_path.read_bytes().decode("utf-8")
+            return Manifest.from_json(text)
         except FileNotFoundError:
             return None
-        try:
-            return Manifest.from_json(text)
-        except (ValueError, TypeError) as exc:
+        except (ValueError, TypeError, OSError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+            detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             raise RunDirError(
-                f"the manifest {self.manifest_path} is unreadable ({exc}); "
+                f"the manifest {self.manifest_path} is unreadable ({detail}); "
                 "run with --restart to discard the old state"
             ) from None
 
     def write_manifest(self, manifest: Manifest) -> None:
-        """Write atomically: a temporary file, fsync, rename, fsync of the directory."""
+        """Write atomically: a private temporary file, fsync, rename, fsync of the directory."""
         self.path.mkdir(parents=True, exist_ok=True)
-        tmp = self.path / "manifest.json.tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(manifest.to_json() + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.manifest_path)
-        _fsync_dir(self.path)
+        atomic_write_text(self.manifest_path, manifest.to_json() + "\n")
+
+    def open_journal(self, manifest: Manifest) -> tuple[Journal, str | None]:
+        """The journal of the run `manifest` describes, and a note for the user or None.
+
+        - No manifest here: a new run (the manifest is written), unless a journal exists without one:
+          its rows' settings cannot be checked, and it may not be conveyor's, so it is refused.
+        - A manifest that matches: the run resumes.
+        - One that differs (input, model or generation settings): refused as drift while the journal holds
+          committed rows; with none (a run that failed before finishing a record), it starts over.
+        """
+        stored = self.load_manifest()
+        if stored is None:
+            if self.journal_path.exists():
+                raise RunDirError(
+                    f"run directory {self.path} has a journal ({self.journal_path}) but no manifest "
+                    f"({self.manifest_path}), so its rows' input and settings cannot be checked; if it is a "
+                    "conveyor journal you no longer need, delete it, or choose another --run-dir"
+                )
+            self.write_manifest(manifest)
+            return Journal(self.journal_path), None
+        changed, message = _drift(stored, manifest)
+        if changed:
+            done = self._committed_rows()
+            if done:
+                raise DriftError(self.path, changed, message + "; run with --restart to discard the old state")
+            self.reset()
+            self.write_manifest(manifest)
+            return Journal(self.journal_path), (f"{self.path} held no finished rows, so the run starts over with "
+                                                f"the new settings ({message})")
+        return Journal(self.journal_path), None
+
+    def _committed_rows(self) -> int:
+        if not self.journal_path.exists():
+            return 0
+        try:
+            with Journal(self.journal_path, read_only=True, verify=False) as journal:
+                return journal.num_committed()
+        except JournalCorrupt:
+            return 0 if self.journal_path.stat().st_size == 0 else 1  # an unreadable journal may hold rows
 
     def check_drift(self, new: Manifest) -> None:
         """Raise DriftError if the input, model or generation config differ from the stored run.
 
-        A differing tool_version, input path, output path or creation time is allowed. No stored
-        manifest is fine, unless a journal exists (its settings would be unknown).
+        A differing tool_version, input path, output path or creation time is allowed.
         """
         old = self.load_manifest()
-        if old is None:
-            if self.journal_path.exists():
-                raise DriftError(
-                    self.path, ("manifest",),
-                    f"run directory {self.path} has a journal but no manifest, so its settings "
-                    "cannot be checked; run with --restart to discard the old state",
-                )
-            return
-        changed: list[str] = []
-        parts: list[str] = []
-        if old.input_fingerprint != new.input_fingerprint:
-            changed.append("input")
-            parts.append(
-                f"the input file changed since this run started (fingerprint "
-                f"{_short(old.input_fingerprint)} -> {_short(new.input_fingerprint)})"
-            )
-        if old.model != new.model:
-            changed.append("model")
-            parts.append(f"the model changed since this run started ({old.model} -> {new.model})")
-        config_diff = _diff_config(old.generation_config, new.generation_config)
-        if config_diff:
-            changed.append("generation_config")
-            parts.append(
-                f"the generation config changed since this run started ({', '.join(config_diff)})"
-            )
-        if parts:
-            message = "; ".join(parts) + "; run with --restart to discard the old state"
-            raise DriftError(self.path, tuple(changed), message)
+        if old is not None:
+            changed, message = _drift(old, new)
+            if changed:
+                raise DriftError(self.path, changed, message + "; run with --restart to discard the old state")
 
     def reset(self) -> None:
-        """--restart: delete the journal and the manifest; the lock, if held, stays held."""
+        """--restart: delete the run's state: the files its manifest lists as conveyor's, then the manifest.
+        A folder without a conveyor manifest has nothing of conveyor's to delete (a journal there without one
+        is refused by open_journal, never deleted). The lock, if held, stays held."""
         if self._lock_fd is None:
             holder = self.lock_holder()
             if holder is not None:
                 raise RunLocked(self.path, holder)
-        for name in (*_JOURNAL_FILES, "manifest.json", "manifest.json.tmp"):
+        manifest = self.load_manifest() if self.manifest_path.exists() else None
+        if manifest is None:
+            return
+        for name in manifest.state_files:
             with contextlib.suppress(FileNotFoundError):
                 (self.path / name).unlink()
-        if self.path.exists():
-            _fsync_dir(self.path)
+        self.manifest_path.unlink()
+        fsync_dir(self.path)
 
     def summary(self) -> dict:
         """For `conveyor status`: the manifest's fields, journal counts and the lock holder."""
@@ -287,6 +310,24 @@ def fingerprint_input(path: str | Path) -> str:
     return "sha256:" + digest.hexdigest()
 
 
+def _drift(old: Manifest, new: Manifest) -> tuple[tuple[str, ...], str]:
+    """(what changed: a subset of ("input", "model", "generation_config"), a message saying how)."""
+    changed: list[str] = []
+    parts: list[str] = []
+    if old.input_fingerprint != new.input_fingerprint:
+        changed.append("input")
+        parts.append(f"the input file changed since this run started (fingerprint "
+                     f"{_short(old.input_fingerprint)} -> {_short(new.input_fingerprint)})")
+    if old.model != new.model:
+        changed.append("model")
+        parts.append(f"the model changed since this run started ({old.model} -> {new.model})")
+    config_diff = _diff_config(old.generation_config, new.generation_config)
+    if config_diff:
+        changed.append("generation_config")
+        parts.append(f"the generation config changed since this run started ({', '.join(config_diff)})")
+    return tuple(changed), "; ".join(parts)
+
+
 def _diff_config(old: dict, new: dict) -> list[str]:
     # Compare after a JSON round trip: the stored side was loaded from JSON (tuples became lists).
     new = json.loads(json.dumps(new))
@@ -323,17 +364,3 @@ def _read_holder(fd: int) -> dict:
     if not isinstance(data, dict):
         data = {}
     return {key: data.get(key) for key in ("pid", "started", "hostname")}
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError as exc:  # some filesystems refuse fsync on a directory
-        if exc.errno not in (errno.EINVAL, errno.EBADF):
-            raise
-    finally:
-        os.close(fd)

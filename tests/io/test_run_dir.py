@@ -164,11 +164,53 @@ def test_several_changes_are_all_named(run_dir):
     assert info.value.changed == ("input", "model")
 
 
-def test_journal_without_manifest_is_refused(run_dir):
+def test_a_journal_without_its_manifest_is_refused_naming_both_files(run_dir):
     run_dir.path.mkdir()
+    with Journal(run_dir.journal_path) as j:
+        j.add({"index": 0, "id": "0", "status": "ok"})
+        j.commit()
+    with pytest.raises(RunDirError) as info:
+        run_dir.open_journal(manifest())
+    assert str(run_dir.journal_path) in str(info.value) and str(run_dir.manifest_path) in str(info.value)
+    assert not run_dir.manifest_path.exists()  # nothing adopted
+    run_dir.reset()  # nothing of conveyor's to delete: the journal stays
+    assert run_dir.journal_path.exists()
+
+
+def test_a_run_with_no_committed_rows_starts_over_with_new_settings(run_dir):
+    run_dir.write_manifest(manifest())
     Journal(run_dir.journal_path).close()
-    with pytest.raises(DriftError, match="journal but no manifest"):
-        run_dir.check_drift(manifest())
+    new = manifest(model="other", input_fingerprint="sha256:" + "c" * 64)
+    journal, note = run_dir.open_journal(new)
+    journal.close()
+    assert "starts over" in note and "model changed" in note
+    assert run_dir.load_manifest().model == "other"
+    with Journal(run_dir.journal_path) as j:
+        j.add({"index": 0, "id": "0", "status": "ok"})
+        j.commit()
+    with pytest.raises(DriftError, match="model changed"):
+        run_dir.open_journal(manifest())  # now it holds a row: the change is refused
+
+
+def test_reset_deletes_only_what_the_manifest_lists(run_dir):
+    run_dir.path.mkdir()
+    (run_dir.path / "notes.txt").write_text("mine")
+    (run_dir.path / "journal.sqlite").write_text("not conveyor's")
+    run_dir.reset()  # no manifest: nothing is conveyor's
+    assert (run_dir.path / "journal.sqlite").read_text() == "not conveyor's"
+    (run_dir.path / "journal.sqlite").unlink()
+    run_dir.write_manifest(manifest())
+    Journal(run_dir.journal_path).close()
+    run_dir.reset()
+    assert not run_dir.journal_path.exists() and not run_dir.manifest_path.exists()
+    assert (run_dir.path / "notes.txt").read_text() == "mine"
+
+
+def test_an_unreadable_manifest_is_named(run_dir):
+    run_dir.path.mkdir()
+    run_dir.manifest_path.write_bytes(b"\xff\xfe{not utf-8")
+    with pytest.raises(RunDirError, match=str(run_dir.manifest_path)):
+        run_dir.load_manifest()
 
 
 def test_reset_deletes_state_and_keeps_the_lock(run_dir):

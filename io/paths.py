@@ -1,0 +1,70 @@
+"""Where a run writes, checked against what it reads: every path check of `conveyor run` goes through
+`check_run_paths`. Files are compared as files (device and inode where they exist, the fully resolved
+path where the output does not exist yet), never as strings: `./in.jsonl`, a symlink to it and a hard
+link of it are all the input. Pure Python.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+from conveyor.io.errors import InputError
+
+
+class PathClash(InputError):
+    """The output or the run directory would write over the input, or cannot be written as asked."""
+
+
+def check_run_paths(source: str, output: str, run_dir: str | os.PathLike, state_files: tuple[str, ...]) -> None:
+    """Raise PathClash when the output or the run directory (or one of its `state_files`, or its manifest or
+    lock) is the input, or when the output is an existing folder. The output's temporary file needs no
+    check: it is a fresh name made with O_EXCL beside the output (`conveyor.io.atomic`)."""
+    out = Path(output)
+    if out.is_dir():
+        raise PathClash(output, None, "-o names an existing folder; name the output file (.parquet or .jsonl)")
+    inputs = _input_files(source)
+    if not inputs:
+        return
+    run = Path(run_dir)
+    written = [("-o", out), ("the run directory", run),
+               *((f"the run directory's {name}", run / name) for name in (*state_files, "manifest.json", "lock"))]
+    for what, path in written:
+        for item in inputs:
+            if _same(path, item):
+                raise PathClash(output, None, f"{what} ({path}) is the input ({source}); writing it would destroy "
+                                              "the input: choose another output or --run-dir")
+
+
+def _input_files(source: str) -> list[os.stat_result | Path]:
+    """What the input is, to compare against: stdin's file where it is a regular file, the file or folder
+    named (a datasets folder also by each of its files), nothing for a hub name."""
+    if source == "-":
+        try:
+            st = os.fstat(0)
+        except OSError:
+            return []
+        return [st] if stat.S_ISREG(st.st_mode) else []
+    path = Path(source)
+    if not path.exists():
+        return []
+    if path.is_dir():
+        return [path, *(p for p in path.rglob("*") if p.is_file())]
+    return [path]
+
+
+def _same(path: Path, other: os.stat_result | Path) -> bool:
+    try:
+        mine = path.stat()
+    except OSError:  # not there yet: the same file only if it resolves to the input's path
+        return isinstance(other, Path) and os.path.realpath(path) == os.path.realpath(other)
+    theirs = other if isinstance(other, os.stat_result) else _stat(other)
+    return theirs is not None and (mine.st_dev, mine.st_ino) == (theirs.st_dev, theirs.st_ino)
+
+
+def _stat(path: Path) -> os.stat_result | None:
+    try:
+        return path.stat()
+    except OSError:
+        return None
