@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import sys
 from pathlib import Path
 
+from conveyor.io.atomic import atomic_write_text
+
 
 def write_run_info(run_dir: Path, total: int | None) -> None:
     info = {"total": total, "command": shlex.join(["conveyor", *sys.argv[1:]]) if sys.argv[1:] else None}
-    tmp = Path(run_dir) / f".run.json.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps(info) + "\n", encoding="utf-8")
-    os.replace(tmp, Path(run_dir) / "run.json")
+    atomic_write_text(Path(run_dir) / "run.json", json.dumps(info) + "\n")
 
 
 def read_run_info(run_dir: Path) -> dict:
