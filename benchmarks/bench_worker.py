@@ -11,7 +11,9 @@ spec.json (written by throughput.py):
      "max_num_seqs": int,
      "max_num_batched_tokens": int, "kv_gib": float, "static_batch": int, "vllm_eager": bool,
      "requests": [{"id", "prompt_token_ids", "max_tokens"}, ...],      # the timed workload
-     "warmup":   [{"id", "prompt_token_ids", "max_tokens"}, ...]}      # untimed, same engine instance
+     "warmup":   [{"id", "prompt_token_ids", "max_tokens"}, ...],      # untimed, same engine instance
+     optional (benchmarks/structured.py): "ignore_eos": bool (default true), "return_texts": bool, and per
+     request "json_schema": the text of a JSON schema its output must match (conveyor and vllm)}
 
 Timing rule, identical for every engine: `load_s` = model load + engine construction; then the warm-up requests
 (other prompts than the workload's, a few tokens each) run untimed through the same engine instance; then
@@ -71,12 +73,18 @@ def run_conveyor(spec: dict):
     engine = Engine.from_pretrained(spec["model"], config)
     load_s = time.perf_counter() - t0
 
-    def reqs(items):
-        return [GenerationRequest(r["id"], r["prompt_token_ids"],
-                                  SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True))
-                for r in items]
+    from conveyor.core import Grammar
 
+    ignore_eos = spec.get("ignore_eos", True)
+
+    def reqs(items):
+        return [GenerationRequest(r["id"], r["prompt_token_ids"], SamplingParams(
+            temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=ignore_eos,
+            grammar=Grammar("json_schema", r["json_schema"]) if r.get("json_schema") else None)) for r in items]
+
+    grammar_s = _time_grammar_masks(engine)
     list(engine.generate(reqs(spec["warmup"])))
+    grammar_s.update(seconds=0.0, steps=0, rows=0)  # the warm-up's masks are not the run's
     work = reqs(spec["requests"])
     full = _StepTally()  # the steps that ran a full batch (max_num_seqs requests): the steady state
     t0 = time.perf_counter()
@@ -93,8 +101,33 @@ def run_conveyor(spec: dict):
     st = engine.stats()
     extra = {"num_kv_blocks": engine.num_kv_blocks, "preemptions": st.num_preemptions,
              "prefix_cache_hit_rate": round(st.prefix_cache_hit_rate, 4), "steps": st.num_steps,
-             "full_batch_steps": full.as_dict()}
+             "full_batch_steps": full.as_dict(), "grammar_masks": dict(grammar_s)}
+    if engine._grammars is not None:
+        extra["grammar_compile_s"] = dict(engine._grammars.compile_s)
+    if spec.get("return_texts"):
+        extra["texts"] = {o.req_id: o.text for o in outs}
+        extra["produced"] = produced
     return load_s, wall_s, produced, extra
+
+
+def _time_grammar_masks(engine) -> dict:
+    """Time conveyor's grammar masks (filling and applying them) inside the run: seconds, steps, rows."""
+    from conveyor.core.logits_processors import GrammarMask
+
+    tally = {"seconds": 0.0, "steps": 0, "rows": 0}
+    for processor in engine.runner.sampler.processors.order:
+        if isinstance(processor, GrammarMask):
+            apply = processor.apply
+
+            def timed(logits, rows, entries, states, apply=apply):
+                t = time.perf_counter()
+                apply(logits, rows, entries, states)
+                tally["seconds"] += time.perf_counter() - t
+                tally["steps"] += 1
+                tally["rows"] += len(rows)
+
+            processor.apply = timed
+    return tally
 
 
 class _StepTally:
@@ -274,9 +307,19 @@ def run_vllm(spec: dict):
               kv_cache_memory_bytes=int(spec["kv_gib"] * 1024**3))
     load_s = time.perf_counter() - t0
 
+    ignore_eos = spec.get("ignore_eos", True)
+
+    def structured(r):
+        if not r.get("json_schema"):
+            return {}
+        from vllm.sampling_params import StructuredOutputsParams
+
+        return {"structured_outputs": StructuredOutputsParams(json=json.loads(r["json_schema"]))}
+
     def run(items):
         prompts = [TokensPrompt(prompt_token_ids=r["prompt_token_ids"]) for r in items]
-        params = [SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True) for r in items]
+        params = [SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=ignore_eos, **structured(r))
+                  for r in items]
         return llm.generate(prompts, params, use_tqdm=False)
 
     run(spec["warmup"])
@@ -285,9 +328,14 @@ def run_vllm(spec: dict):
     wall_s = time.perf_counter() - t0
     ids = [r["id"] for r in spec["requests"]]
     produced = {i: len(o.outputs[0].token_ids) for i, o in zip(ids, outs)}
+    if spec.get("return_texts"):
+        texts = {i: o.outputs[0].text for i, o in zip(ids, outs)}
     extra = {"vllm_version": vllm.__version__, "enforce_eager": bool(spec.get("vllm_eager", False)),
              "env": {k: os.environ.get(k, "") for k in ("LD_PRELOAD", "VLLM_CPU_OMP_THREADS_BIND",
                                                         "VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_CPU_KVCACHE_SPACE")}}
+    if spec.get("return_texts"):
+        extra["texts"] = texts
+        extra["produced"] = produced
     try:
         llm.llm_engine.engine_core.shutdown()  # let the engine-core process exit before we report
     except Exception:

@@ -31,6 +31,11 @@ class RunConfig:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     min_tokens: int = 0
+    json_schema: str | None = None  # a file holding the JSON schema every output must match
+    choice: tuple[str, ...] = ()  # every output is one of these
+    regex: str | None = None  # every output matches this
+    logprobs: int | None = None  # per output token: its logprob and this many alternatives
+    prompt_logprobs: bool = False  # the logprob of every prompt token
     system_prompt: str | None = None
     prompt_field: str = "prompt"
     messages_field: str = "messages"
@@ -60,11 +65,25 @@ class RunConfig:
     def generation_config(self) -> dict[str, Any]:
         """What decides the output rows: a change of any of these under a run directory is drift."""
         keys = ("dtype", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "ignore_eos",
-                "min_tokens", "system_prompt", "prompt_field", "messages_field", "id_field", "keep_fields")
+                "min_tokens", "system_prompt", "prompt_field", "messages_field", "id_field", "keep_fields",
+                "regex", "logprobs", "prompt_logprobs")
         out = {k: getattr(self, k) for k in keys}
         out["stop"] = list(self.stop)
         out["keep_fields"] = list(self.keep_fields)
-        return out
+        out["choice"] = list(self.choice)
+        out["json_schema"] = self.json_schema_text()  # the schema itself: an edited file is drift
+        # The options added later are left out while unset: a run started before they existed is no drift.
+        return {k: v for k, v in out.items() if k in keys[:15] or not (v is None or v is False or v == [])}
+
+    def json_schema_text(self) -> str | None:
+        """--json-schema's file content, or None; UsageError naming the option where it cannot be read."""
+        if self.json_schema is None:
+            return None
+        try:
+            return Path(self.json_schema).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise UsageError(f"--json-schema {self.json_schema}: cannot be read ({getattr(e, 'strerror', None) or e}); "
+                             "give a file holding a JSON schema") from None
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(RunConfig)}
@@ -126,7 +145,7 @@ def build_config(flags: dict[str, Any], config_path: str | None) -> RunConfig:
     """Merge file and flags (flags that are None were not given) into a validated RunConfig."""
     values: dict[str, Any] = load_config_file(config_path) if config_path else {}
     values.update({k: v for k, v in flags.items() if v is not None and not (isinstance(v, (list, tuple)) and not v)})
-    for key in ("stop", "keep_fields"):
+    for key in ("stop", "keep_fields", "choice"):
         if key in values:
             values[key] = _as_str_tuple(key, values[key])
     if "max_runtime" in values and values["max_runtime"] is not None:
@@ -160,7 +179,8 @@ def _as_str_tuple(key: str, value: Any) -> tuple[str, ...]:
 
 
 _STR_KEYS = {"input", "output", "model", "dtype", "device", "system_prompt", "prompt_field", "messages_field",
-             "id_field", "input_format", "output_format", "split", "on_error", "summary_json", "run_dir"}
+             "id_field", "input_format", "output_format", "split", "on_error", "summary_json", "run_dir",
+             "json_schema", "regex"}
 
 
 def _check_strings(values: dict[str, Any]) -> None:
@@ -194,9 +214,9 @@ def _check_device(device: str) -> None:
 
 
 _INT_KEYS = {"max_tokens", "top_k", "seed", "min_tokens", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks",
-             "block_size", "limit", "checkpoint_every"}
+             "block_size", "limit", "checkpoint_every", "logprobs"}
 _FLOAT_KEYS = {"temperature", "top_p", "min_p", "checkpoint_seconds", "log_every"}
-_BOOL_KEYS = {"ignore_eos", "quiet", "restart", "profile"}
+_BOOL_KEYS = {"ignore_eos", "quiet", "restart", "profile", "prompt_logprobs"}
 _POSITIVE = {"max_tokens", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "block_size",
              "checkpoint_every", "checkpoint_seconds", "log_every"}
 
@@ -218,5 +238,7 @@ def _check_types(values: dict[str, Any]) -> None:
             raise UsageError(f"{opt}: must be positive, got {value!r}")
         if key == "limit" and value < 0:
             raise UsageError(f"{opt}: must be >= 0, got {value!r}")
+        if key == "logprobs" and not 0 <= value <= 20:
+            raise UsageError(f"{opt}: the number of alternatives must be from 0 to 20, got {value!r}")
     if "block_size" in values and values["block_size"] not in (1, 2, 4, 8, 16, 32, 64, 128):
         raise UsageError(f"--block-size: must be a power of two up to 128, got {values['block_size']!r}")

@@ -39,6 +39,17 @@ IgnoreEosOpt = Annotated[Optional[bool], typer.Option("--ignore-eos/--no-ignore-
                                                       help="Keep generating past EOS.", rich_help_panel=GEN)]
 MinTokensOpt = Annotated[Optional[int], typer.Option(help="Generate at least this many tokens. [default: 0]",
                                                      rich_help_panel=GEN)]
+JsonSchemaOpt = Annotated[Optional[str], typer.Option(help="A file with a JSON schema every output must match "
+                                                           "(structured outputs).", rich_help_panel=GEN)]
+ChoiceOpt = Annotated[Optional[str], typer.Option(help="Every output is one of these, e.g. bug,feature,question.",
+                                                  rich_help_panel=GEN)]
+RegexOpt = Annotated[Optional[str], typer.Option(help="Every output matches this regular expression.",
+                                                 rich_help_panel=GEN)]
+LogprobsOpt = Annotated[Optional[int], typer.Option(help="Per output token: its logprob and this many top "
+                                                         "alternatives (0-20).", rich_help_panel=GEN)]
+PromptLogprobsOpt = Annotated[Optional[bool], typer.Option("--prompt-logprobs/--no-prompt-logprobs",
+                                                           help="The logprob of every prompt token, and their sum "
+                                                                "(scoring, perplexity).", rich_help_panel=GEN)]
 SystemPromptOpt = Annotated[Optional[str], typer.Option(help="System message for chat records that have none.",
                                                         rich_help_panel=GEN)]
 PromptFieldOpt = Annotated[Optional[str], typer.Option(help="Field holding a raw prompt. [default: prompt]",

@@ -25,6 +25,7 @@ from conveyor.io.journal import Journal
 from conveyor.io.readers import InputError, RawRecord, fingerprint, fingerprints_content, open_reader
 from conveyor.io.paths import check_run_paths
 from conveyor.io.request_builder import BuildOptions, BuiltRequest, ErrorRow, RequestBuilder
+from conveyor.io.request_options import run_grammar
 from conveyor.io.run_dir import STATE_FILES, Manifest, RunDir
 from conveyor.io.writers import KIND_KEY, check_keep_fields, infer_output_format, write_output
 
@@ -87,9 +88,14 @@ class RunResult:
 
 def sampling_defaults(cfg: RunConfig) -> SamplingParams:
     try:
+        grammar = run_grammar(cfg.json_schema_text(), cfg.choice, cfg.regex)
+    except ValueError as e:
+        raise UsageError(str(e) if str(e).startswith("--") else f"--json-schema {cfg.json_schema}: {e}") from None
+    try:
         return SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p,
                               max_tokens=cfg.max_tokens, min_tokens=cfg.min_tokens, stop=cfg.stop,
-                              ignore_eos=cfg.ignore_eos)
+                              ignore_eos=cfg.ignore_eos, grammar=grammar, logprobs=cfg.logprobs,
+                              prompt_logprobs=0 if cfg.prompt_logprobs else None)
     except ValueError as e:
         field_name = str(e).split(" ", 1)[0]
         raise UsageError(f"--{field_name.replace('_', '-')}: {e}") from None
@@ -132,11 +138,26 @@ def error_row(e: ErrorRow) -> dict[str, Any]:
             "queue_s": None, "ttft_s": None, "latency_s": None, KIND_KEY: None, **e.kept}
 
 
-def ok_row(b: BuiltRequest, out: RequestOutput) -> dict[str, Any]:
-    return {"id": b.id, "index": b.index, "status": "ok", "output": out.text, "finish_reason": out.finish_reason,
-            "prompt_tokens": out.num_prompt_tokens, "completion_tokens": out.num_output_tokens, "error": None,
-            "seed": b.sampling.seed, "queue_s": round(out.queue_s, 6), "ttft_s": round(out.ttft_s, 6),
-            "latency_s": round(out.latency_s, 6), KIND_KEY: b.kind, **b.kept}
+def ok_row(b: BuiltRequest, out: RequestOutput, token_text: Callable[[int], str] = str) -> dict[str, Any]:
+    """The output row of a completion; `token_text` names tokens in its logprobs."""
+    row = {"id": b.id, "index": b.index, "status": "ok", "output": out.text, "finish_reason": out.finish_reason,
+           "prompt_tokens": out.num_prompt_tokens, "completion_tokens": out.num_output_tokens, "error": out.note,
+           "seed": b.sampling.seed, "queue_s": round(out.queue_s, 6), "ttft_s": round(out.ttft_s, 6),
+           "latency_s": round(out.latency_s, 6), KIND_KEY: b.kind, **b.kept}
+    if out.logprobs is not None:
+        row["logprobs"] = [_logprob_entry(lp, token_text) for lp in out.logprobs]
+    if out.prompt_logprobs is not None:
+        row["prompt_logprobs"] = [
+            _logprob_entry(lp, token_text) if lp is not None
+            else {"token": token_text(token), "id": token, "logprob": None, "top": []}
+            for lp, token in zip(out.prompt_logprobs, b.prompt_token_ids)]
+        row["prompt_logprob_sum"] = sum(lp.logprob for lp in out.prompt_logprobs if lp is not None)
+    return row
+
+
+def _logprob_entry(lp, token_text: Callable[[int], str]) -> dict[str, Any]:
+    return {"token": token_text(lp.token_id), "id": lp.token_id, "logprob": lp.logprob,
+            "top": [{"token": token_text(t), "id": t, "logprob": v} for t, v in lp.top]}
 
 
 class Pipeline:
@@ -151,6 +172,7 @@ class Pipeline:
         self.output_format = ""
         self.in_flight: dict[str, BuiltRequest] = {}
         self.note: str | None = None  # said once the run directory is open (a run that started over)
+        self._token_texts: dict[int, str] = {}
 
     # -- setup (usage errors surface here, before any model work) -------------------------------
 
@@ -213,6 +235,13 @@ class Pipeline:
         self.builder = RequestBuilder(self.engine.tokenizer, options)
 
     # -- the loop ------------------------------------------------------------------------------
+
+    def _token_text(self, token: int) -> str:
+        """A token's own text, as logprobs name it (decoded alone, special tokens kept); cached."""
+        text = self._token_texts.get(token)
+        if text is None:
+            text = self._token_texts[token] = self.engine.tokenizer.decode([token], skip_special_tokens=False)
+        return text
 
     def _pending_records(self) -> Iterator[RawRecord]:
         """Records without a committed row, from the first gap on; stops at --limit."""
@@ -310,7 +339,7 @@ class Pipeline:
                 if engine.has_unfinished():
                     for out in engine.step():
                         built = self.in_flight.pop(out.req_id)
-                        self._record(ok_row(built, out), built.digest)
+                        self._record(ok_row(built, out, self._token_text), built.digest)
                         self.totals.new_completion_tokens += out.num_output_tokens
                         self.totals.last_finish = time.monotonic()
                 elif exhausted:
@@ -344,7 +373,8 @@ class Pipeline:
                     continue
                 yield row
 
-        write_output(rows(), cfg.output, self.output_format, cfg.keep_fields, model_name=cfg.model)
+        write_output(rows(), cfg.output, self.output_format, cfg.keep_fields, model_name=cfg.model,
+                     optional=self.journal.columns())
         code = ExitCode.SOME_ERRORS if self.totals.errors and not skip_errors else ExitCode.OK
         return self._result(code, "")
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from conveyor.cli.config import RunConfig, build_config
 from conveyor.cli.exit_codes import ExitCode
-from conveyor.cli.options import (BlockSizeOpt, CheckpointEveryOpt, ConfigOpt, DeviceOpt, DtypeOpt, IdFieldOpt,
-                                  IgnoreEosOpt, InputArg, InputFormatOpt, KeepFieldsOpt, KvMemoryOpt, LimitOpt,
+from conveyor.cli.options import (BlockSizeOpt, CheckpointEveryOpt, ChoiceOpt, ConfigOpt, DeviceOpt, DtypeOpt, IdFieldOpt,
+                                  IgnoreEosOpt, InputArg, InputFormatOpt, JsonSchemaOpt, LogprobsOpt, PromptLogprobsOpt, RegexOpt, KeepFieldsOpt, KvMemoryOpt, LimitOpt,
                                   MaxBatchedTokensOpt, MaxNumSeqsOpt, MaxRecordBytesOpt, MaxRuntimeOpt, MaxTokensOpt, MessagesFieldOpt,
                                   MinPOpt, MinTokensOpt, ModelOpt, NumKvBlocksOpt, OnErrorOpt, OutputFormatOpt,
                                   OutputOpt, ProfileOpt, PromptFieldOpt, QuietOpt, RestartOpt, RunDirOpt, SeedOpt,
@@ -26,6 +26,8 @@ Examples:
   conveyor run data.parquet -o out.parquet --prompt-field question --keep-fields topic,source
 
   conveyor run batch.jsonl -o results.jsonl --output-format openai-batch
+
+  conveyor run tickets.jsonl -o labels.parquet --choice bug,feature,question --logprobs 3
 
   conveyor run big.jsonl -o out.parquet --max-runtime 50m --quiet   # from cron; rerun to resume
 
@@ -49,6 +51,11 @@ def run_command(
     stop: StopOpt = None,
     ignore_eos: IgnoreEosOpt = None,
     min_tokens: MinTokensOpt = None,
+    json_schema: JsonSchemaOpt = None,
+    choice: ChoiceOpt = None,
+    regex: RegexOpt = None,
+    logprobs: LogprobsOpt = None,
+    prompt_logprobs: PromptLogprobsOpt = None,
     system_prompt: SystemPromptOpt = None,
     prompt_field: PromptFieldOpt = None,
     messages_field: MessagesFieldOpt = None,

@@ -27,12 +27,24 @@ def validate(flags: dict, config_path: str | None, show_errors: int) -> int:
     errors: list[str] = []
     num_errors = 0
     seen: dict[str, int] = {}
+    grammars = None  # made on the first record with a grammar
     records = 0
     for raw in reader:
         if cfg.limit is not None and raw.index >= cfg.limit:
             break
         records += 1
         built = builder.build(raw)
+        if isinstance(built, BuiltRequest) and built.sampling.grammar is not None:
+            from conveyor.core.grammar import Grammars
+
+            grammars = grammars or Grammars(tokenizer, len(tokenizer))
+            try:
+                grammars.compiled(built.sampling.grammar)
+            except ValueError as e:
+                num_errors += 1
+                if len(errors) < show_errors:
+                    errors.append(f"{record_location(raw)}: {e}")
+                continue
         if isinstance(built, BuiltRequest):
             if built.id_given and seen.setdefault(built.id, built.index) != built.index:
                 num_errors += 1

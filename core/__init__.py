@@ -6,6 +6,6 @@ Re-exports torch-free public types only; `conveyor.core.engine` (torch) is impor
 from conveyor.core.config import EngineConfig
 from conveyor.core.outputs import GenerationRequest, RequestOutput
 from conveyor.core.request import FinishReason
-from conveyor.core.sampling_params import SamplingParams
+from conveyor.core.sampling_params import Grammar, SamplingParams
 
-__all__ = ["EngineConfig", "FinishReason", "GenerationRequest", "RequestOutput", "SamplingParams"]
+__all__ = ["EngineConfig", "FinishReason", "GenerationRequest", "Grammar", "RequestOutput", "SamplingParams"]

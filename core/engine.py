@@ -17,10 +17,13 @@ from conveyor.core import attention
 from conveyor.core.block_manager import BlockManager
 from conveyor.core.config import EngineConfig
 from conveyor.core.detokenizer import IncrementalDetokenizer
+from conveyor.core.grammar import Grammars
 from conveyor.core.kv_cache import KVCache
+from conveyor.core.logits_state import LogitsState
 from conveyor.core.model_runner import ModelRunner
 from conveyor.core.outputs import GenerationRequest, RequestOutput
 from conveyor.core.request import FinishReason, Request
+from conveyor.core.schedule_types import TokenLogprobs
 from conveyor.core.scheduler import Scheduler
 from conveyor.core.stopping import find_stop_string
 
@@ -92,6 +95,9 @@ class Engine:
                                    self.eos_token_ids)
         self.runner = ModelRunner(model, self.kv_cache, self.eos_token_ids, config.fused_forward)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._grammars: Grammars | None = None  # made on the first request with a grammar
+        self._logprobs: dict[str, list[TokenLogprobs]] = {}  # req_id -> one per output token so far
+        self._prompt_logprobs: dict[str, list[TokenLogprobs | None]] = {}  # req_id -> one per prompt token
         self.num_generated_tokens = 0
         # Seconds per phase of step(); perf_counter is cheap enough to keep always on.
         self._timings = {"schedule_s": 0.0, "update_s": 0.0, "output_s": 0.0, "step_s": 0.0, "steps": 0}
@@ -131,9 +137,21 @@ class Engine:
             raise ValueError(f"request {request.req_id!r}: a prompt token id is outside the vocabulary [0, {vocab})")
         req = Request(request.req_id, request.prompt_token_ids, request.sampling, request.priority,
                       arrival_time=time.monotonic())
+        sampling = request.sampling
+        if LogitsState.needed(sampling):
+            matcher = None
+            if sampling.grammar is not None:
+                if self._grammars is None:
+                    self._grammars = Grammars(self.tokenizer, vocab)
+                matcher = self._grammars.matcher(sampling.grammar)  # ValueError naming the problem
+            req.logits_state = LogitsState(sampling, request.prompt_token_ids, matcher)
         self.scheduler.add_request(req)
-        if request.sampling.stop:
+        if sampling.stop:
             self._detokenizers[req.req_id] = IncrementalDetokenizer(self.tokenizer)
+        if sampling.logprobs is not None:
+            self._logprobs[req.req_id] = []
+        if sampling.prompt_logprobs is not None:
+            self._prompt_logprobs[req.req_id] = [None] * len(request.prompt_token_ids)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -149,9 +167,18 @@ class Engine:
         if plan.is_empty:
             return []
         t1 = time.perf_counter()
-        result = self.runner.execute(plan)
+        requests = self.scheduler.requests
+        states = {e.req_id: s for e in plan.scheduled if (s := requests[e.req_id].logits_state) is not None}
+        result = self.runner.execute(plan, states)
         t2 = time.perf_counter()
         self.num_generated_tokens += len(result.sampled_token_ids)
+        for req_id, lp in result.logprobs.items():
+            self._logprobs[req_id].append(lp)
+        for req_id, (first, found) in result.prompt_logprobs.items():
+            slots = self._prompt_logprobs[req_id]
+            for position, lp in enumerate(found, first):
+                if slots[position] is None:  # a recompute after preemption gives the same values again
+                    slots[position] = lp
         finished = self.scheduler.update_from_output(plan, result)
         if self._detokenizers:
             finished += self._check_stop_strings(result.sampled_token_ids, finished)
@@ -196,6 +223,16 @@ class Engine:
 
     def _output(self, request: Request) -> RequestOutput:
         self._detokenizers.pop(request.req_id, None)
+        logprobs = self._logprobs.pop(request.req_id, None)
+        prompt_logprobs = self._prompt_logprobs.pop(request.req_id, None)
+        note = None
+        state = request.logits_state
+        if state is not None and state.matcher is not None:
+            if request.finish_reason is FinishReason.LENGTH and not state.grammar_complete:
+                note = (f"max_tokens ({request.sampling.max_tokens}) ran out before the output completed its "
+                        f"{request.sampling.grammar.kind.replace('_', ' ')}: the output is incomplete")
+            elif state.grammar_failed:
+                note = "the grammar allowed no token the model could continue with: the output stops there"
         output_ids = request.output_token_ids
         text = self.tokenizer.decode(output_ids, skip_special_tokens=True)
         if request.sampling.stop:
@@ -215,6 +252,9 @@ class Engine:
             first_scheduled_time=first_sched,
             first_token_time=request.first_token_time or request.finish_time,
             finish_time=request.finish_time,
+            logprobs=None if logprobs is None else tuple(logprobs),
+            prompt_logprobs=None if prompt_logprobs is None else tuple(prompt_logprobs),
+            note=note,
         )
 
     def abort(self, req_id: str) -> None:
@@ -222,6 +262,8 @@ class Engine:
         if request is not None:
             self.scheduler.finish_request(request, FinishReason.ABORT)
             self._detokenizers.pop(req_id, None)
+            self._logprobs.pop(req_id, None)
+            self._prompt_logprobs.pop(req_id, None)
 
     def generate(self, requests: Iterable[GenerationRequest]) -> Iterator[RequestOutput]:
         """Pull requests lazily (never more than `max_waiting` queued), yield results as they finish.

@@ -16,6 +16,8 @@ from conveyor.core.cpu_kernels import cpu_kernels, kernels_missing_reason
 from conveyor.core.exactness import inexact_reason
 from conveyor.core.fused_llama import FusedLlama
 from conveyor.core.kv_cache import KVCache
+from conveyor.core.logits_state import LogitsState
+from conveyor.core.logprobs import token_logprobs
 from conveyor.core.malloc_tuning import keep_freed_memory
 from conveyor.core.sampler import Sampler
 from conveyor.core.schedule_types import RunnerOutput, ScheduledRequest, SchedulerOutput
@@ -49,7 +51,8 @@ class ModelRunner:
             ops = cpu_kernels()
             keep_freed_memory()
         self.sampler = Sampler(eos_token_ids, argmax=None if ops is None else ops.argmax_rows,
-                               sample_rows=None if ops is None else ops.sample_rows)
+                               sample_rows=None if ops is None else ops.sample_rows,
+                               apply_bitmask=None if ops is None else ops.apply_token_bitmask)
         if ops is None:
             _warn_inexact(self.device)
         self.kernel = None if ops is None else ops.paged_attention
@@ -72,7 +75,9 @@ class ModelRunner:
         return now
 
     @torch.inference_mode()
-    def execute(self, plan: SchedulerOutput) -> RunnerOutput:
+    def execute(self, plan: SchedulerOutput, states: dict[str, LogitsState] | None = None) -> RunnerOutput:
+        """One forward pass and one sampler call; `states` holds the logits-processor state of the requests that
+        have one (by req_id)."""
         if plan.is_empty:
             return RunnerOutput(sampled_token_ids={})
         impl = getattr(self.model.config, "_attn_implementation", None)
@@ -82,26 +87,44 @@ class ModelRunner:
                                "it was changed after the engine was built")
         profiling = self.timings is not None
         t = time.perf_counter() if profiling else 0.0
-        input_ids, positions, batch, sample_rows = self._prepare(plan.scheduled)
+        input_ids, positions, batch, sample_rows, prompt_rows = self._prepare(plan.scheduled)
         if profiling:
             t = self._tick("prepare_s", t)
+        logit_rows = sample_rows if prompt_rows is None else torch.cat([sample_rows, prompt_rows])
         if self.fused is not None:
-            logits = self.fused(input_ids, positions, batch, sample_rows)
+            logits = self.fused(input_ids, positions, batch, logit_rows)
         else:
             logits = self.model(
                 input_ids=input_ids.unsqueeze(0),
                 position_ids=positions.unsqueeze(0),
                 use_cache=False,
-                logits_to_keep=sample_rows,
+                logits_to_keep=logit_rows,
                 conveyor_batch=batch,
             ).logits[0]
         if profiling:
             t = self._tick("forward_s", t)
+        num_sampled = len(sample_rows)
+        prompt_logprobs = self._prompt_logprobs(plan.scheduled, logits[num_sampled:]) if prompt_rows is not None else {}
         sampled_entries = [e for e in plan.scheduled if e.sample]
-        token_ids = self.sampler(logits, sampled_entries)
+        row_states = [states.get(e.req_id) for e in sampled_entries] if states else None
+        token_ids, logprobs = self.sampler.sample(logits[:num_sampled], sampled_entries, row_states)
         if profiling:
             self._tick("sample_s", t)
-        return RunnerOutput(sampled_token_ids={e.req_id: t for e, t in zip(sampled_entries, token_ids)})
+        return RunnerOutput(sampled_token_ids={e.req_id: t for e, t in zip(sampled_entries, token_ids)},
+                            logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+
+    @staticmethod
+    def _prompt_logprobs(entries: list[ScheduledRequest], logits: torch.Tensor) -> dict:
+        """The logprobs of each chunk's prompt targets, from their rows' logits (in entry order)."""
+        out = {}
+        at = 0
+        for e in entries:
+            n = len(e.prompt_targets)
+            if n:
+                found = token_logprobs(logits[at:at + n], e.prompt_targets, [e.sampling.prompt_logprobs] * n)
+                out[e.req_id] = (e.start_pos + 1, found)
+                at += n
+        return out
 
     def _prepare(self, entries: list[ScheduledRequest]):
         """Flatten the step: token ids, positions, slot mapping and the attention's index tensors."""
@@ -110,6 +133,7 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         sample_rows: list[int] = []
+        prompt_rows: list[int] = []  # rows whose logits give prompt logprobs (their targets, in entry order)
         fresh_chunks: list[tuple[int, int]] = []
         paged: list[tuple[int, ScheduledRequest]] = []  # (first row, entry) attending through the pool
         for e in entries:
@@ -121,6 +145,7 @@ class ModelRunner:
             slots.extend([table[p // bs] * bs + p % bs for p in pos])
             if e.sample:
                 sample_rows.append(row + e.num_tokens - 1)
+            prompt_rows.extend(range(row, row + len(e.prompt_targets)))
             if e.start_pos == 0 and e.num_tokens > 1 and self.kernel is None:
                 fresh_chunks.append((row, row + e.num_tokens))
             else:
@@ -137,7 +162,8 @@ class ModelRunner:
         return (torch.tensor(input_ids, dtype=torch.long, device=dev),
                 torch.tensor(positions, dtype=torch.long, device=dev),
                 batch,
-                torch.tensor(sample_rows, dtype=torch.long, device=dev))
+                torch.tensor(sample_rows, dtype=torch.long, device=dev),
+                torch.tensor(prompt_rows, dtype=torch.long, device=dev) if prompt_rows else None)
 
     def _kernel_tensors(self, batch: PagedBatch, paged: list[tuple[int, ScheduledRequest]]) -> None:
         """The kernel's view of the step: every row, its request's block table and the keys it sees."""

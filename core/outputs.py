@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from conveyor.core.sampling_params import SamplingParams
+from conveyor.core.schedule_types import TokenLogprobs
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +33,9 @@ class RequestOutput:
     first_scheduled_time: float
     first_token_time: float
     finish_time: float
+    logprobs: tuple[TokenLogprobs, ...] | None = None  # one per output token, where asked for
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None  # one per prompt token (the first: None)
+    note: str | None = None  # what a user should know about an ok output (a grammar that did not complete)
 
     @property
     def num_output_tokens(self) -> int:

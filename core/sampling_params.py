@@ -1,4 +1,5 @@
-"""SamplingParams: how one request's tokens are chosen and when it stops.
+"""SamplingParams: how one request's tokens are chosen and when it stops; Grammar: what its output must
+match.
 
 Validated on construction; every error is a ValueError that names the field. Pure Python.
 """
@@ -7,6 +8,24 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+
+GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "choice")
+MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's top_logprobs
+
+
+@dataclass(frozen=True, slots=True)
+class Grammar:
+    """A constraint on a request's whole output: `spec` is a JSON schema's text (json_schema), "" (json_object:
+    any JSON object), a regular expression (regex), or the JSON text of a list of strings (choice)."""
+
+    kind: str
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in GRAMMAR_KINDS:
+            raise ValueError(f"grammar kind must be one of {', '.join(GRAMMAR_KINDS)}, got {self.kind!r}")
+        if not isinstance(self.spec, str):
+            raise ValueError(f"grammar spec must be a string, got {self.spec!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +45,16 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    # Logits processors (conveyor.core.logits_processors), in the order they apply:
+    bad_words: tuple[tuple[int, ...], ...] = field(default_factory=tuple)  # token sequences never to complete
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)  # (token id, added to its logit)
+    presence_penalty: float = 0.0  # subtracted from the logit of every token already generated
+    frequency_penalty: float = 0.0  # ... times how often it was generated
+    repetition_penalty: float = 1.0  # logits of prompt and generated tokens divided (> 0) or multiplied by it
+    grammar: Grammar | None = None  # the output must match it (structured outputs)
+    # Log-probabilities, from the model's own distribution (before any processor, temperature or truncation):
+    logprobs: int | None = None  # per generated token: its logprob and this many top alternatives
+    prompt_logprobs: int | None = None  # per prompt token likewise (the first has none)
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and frozen into tuples.
@@ -35,7 +64,17 @@ class SamplingParams:
             object.__setattr__(self, "stop", tuple(self.stop))
         if isinstance(self.stop_token_ids, list):
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if isinstance(self.bad_words, list):
+            object.__setattr__(self, "bad_words", tuple(tuple(w) for w in self.bad_words))
+        if isinstance(self.logit_bias, dict):
+            object.__setattr__(self, "logit_bias", tuple(sorted((int(k), float(v)) for k, v in self.logit_bias.items())))
         self.validate()
+
+    @property
+    def has_processors(self) -> bool:
+        """Whether any logits processor edits this request's logits (min_tokens counts as one)."""
+        return bool(self.min_tokens or self.bad_words or self.logit_bias or self.presence_penalty
+                    or self.frequency_penalty or self.repetition_penalty != 1.0 or self.grammar is not None)
 
     @property
     def is_greedy(self) -> bool:
@@ -74,6 +113,35 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+        if not isinstance(self.bad_words, tuple) or not all(
+            isinstance(w, tuple) and w and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in w)
+            for w in self.bad_words
+        ):
+            raise ValueError(f"bad_words must be non-empty token id sequences, got {self.bad_words!r}")
+        if not isinstance(self.logit_bias, tuple) or not all(
+            isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], int) and p[0] >= 0 for p in self.logit_bias
+        ):
+            raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}")
+        for token, bias in self.logit_bias:
+            _check_number(f"logit_bias[{token}]", bias)
+            if not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias[{token}] must be in [-100, 100], got {bias}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check_number(name, value)
+            if not -2 <= value <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        _check_number("repetition_penalty", self.repetition_penalty)
+        if not 0 < self.repetition_penalty <= 10:
+            raise ValueError(f"repetition_penalty must be in (0, 10] (1 is off), got {self.repetition_penalty}")
+        if self.grammar is not None and not isinstance(self.grammar, Grammar):
+            raise ValueError(f"grammar must be a Grammar, got {self.grammar!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_int(name, value)
+                if not 0 <= value <= MAX_LOGPROBS:
+                    raise ValueError(f"{name} must be between 0 and {MAX_LOGPROBS} alternatives, got {value}")
 
 
 def _check_number(name: str, value: object) -> None:

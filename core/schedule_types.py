@@ -19,6 +19,9 @@ class ScheduledRequest:
     sample: bool  # true when the chunk reaches the last known token, so a token is sampled
     sampling: SamplingParams
     num_output_tokens: int  # tokens generated so far; the sampled one gets this index
+    # Prompt logprobs: the prompt tokens that rows 0, 1, ... of this chunk predict (rows predicting a token
+    # past the prompt excluded); empty unless the request asks for them.
+    prompt_targets: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -42,5 +45,18 @@ class SchedulerOutput:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """A token's logprob under the model's own distribution, and the top alternatives (ids, logprobs), best
+    first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class RunnerOutput:
     sampled_token_ids: dict[str, int]  # req_id -> token, only where ScheduledRequest.sample was true
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # of the sampled tokens that asked
+    # req_id -> (position of the first prompt token predicted, one entry per prompt_targets token)
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)

@@ -131,7 +131,8 @@ class Scheduler:
         bm = self.block_manager
         while self.waiting and budget.tokens > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            cached = bm.find_cached_prefix(request)
+            # A request that wants its prompt's logprobs computes its whole prompt: cached blocks hold K/V, not them.
+            cached = [] if request.sampling.prompt_logprobs is not None else bm.find_cached_prefix(request)
             num_cached = len(cached) * bm.block_size
             num_new = min(request.num_tokens - num_cached, budget.tokens)
             if not bm.can_allocate(cached, num_cached + num_new):
@@ -156,6 +157,9 @@ class Scheduler:
         end = start + num_new
         if start < request.num_prompt_tokens:
             self.stats.num_computed_prompt_tokens += min(end, request.num_prompt_tokens) - start
+        targets: tuple[int, ...] = ()
+        if request.sampling.prompt_logprobs is not None and start + 1 < request.num_prompt_tokens:
+            targets = tuple(request.token_ids[start + 1:min(end, request.num_prompt_tokens - 1) + 1])
         return ScheduledRequest(
             req_id=request.req_id,
             token_ids=tuple(request.token_ids[start:end]),
@@ -164,6 +168,7 @@ class Scheduler:
             sample=end == request.num_tokens,
             sampling=request.sampling,
             num_output_tokens=request.num_output_tokens,
+            prompt_targets=targets,
         )
 
     def _preempt(self, request: Request) -> None:
@@ -191,10 +196,15 @@ class Scheduler:
             self.block_manager.cache_full_blocks(request)
             if not entry.sample:
                 continue
-            request.token_ids.append(result.sampled_token_ids[entry.req_id])
+            token = result.sampled_token_ids[entry.req_id]
+            request.token_ids.append(token)
             if request.first_token_time is None:
                 request.first_token_time = now
-            reason = check_token_stop(request, self.eos_token_ids)
+            state = request.logits_state
+            if state is not None:
+                state.accept(token)  # the processors' state moves with the accepted tokens only
+            reason = FinishReason.STOP if state is not None and state.grammar_done else \
+                check_token_stop(request, self.eos_token_ids)
             if reason is not None:
                 self.finish_request(request, reason)
                 finished.append(request)

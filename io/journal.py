@@ -67,6 +67,7 @@ class Journal:
         self._pending_rows: dict[int, tuple[str, str, str, str | None]] = {}  # index -> (id, status, json, digest)
         self._pending_ids: dict[str, int] = {}  # id -> first index, not yet in `ids`
         self._pending_errors = 0
+        self._pending_columns: set[str] = set()  # row keys first seen since the last commit
         with self._guard():
             self._conn = self._connect()
             try:
@@ -81,6 +82,7 @@ class Journal:
                 self._prefix = self._meta_int("contiguous_prefix", None)
                 last = self._meta("last_commit_time")
                 self._last_commit_time = float(last) if last is not None else None
+                self._columns: set[str] = set(json.loads(self._meta("columns") or "[]"))
             except BaseException:
                 self._conn.close()
                 raise
@@ -164,6 +166,8 @@ class Journal:
         self._pending_rows[index] = (record_id, status, json.dumps(row, ensure_ascii=False), digest)
         self._pending_ids.setdefault(record_id, index)
         self._pending_errors += status == "error"
+        if not row.keys() <= self._columns:
+            self._pending_columns.update(row.keys() - self._columns)
 
     def claim_id(self, record_id: str, index: int) -> bool:
         """Record `index` as the first occurrence of `record_id`, when the record is read.
@@ -226,6 +230,10 @@ class Journal:
                     "INSERT OR REPLACE INTO meta(key, value) VALUES ('last_commit_time', ?)",
                     (repr(now),),
                 )
+                columns = self._columns | self._pending_columns
+                if self._pending_columns:
+                    self._conn.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('columns', ?)",
+                                       (json.dumps(sorted(columns)),))
                 self._conn.execute("COMMIT")
             except sqlite3.IntegrityError:
                 self._rollback()
@@ -242,6 +250,7 @@ class Journal:
         self._num_committed, self._num_errors, self._prefix = num_committed, num_errors, prefix
         self._last_commit_time = now
         self._pending_rows, self._pending_ids, self._pending_errors = {}, {}, 0
+        self._columns, self._pending_columns = columns, set()
         return count
 
     def _rollback(self) -> None:
@@ -271,6 +280,10 @@ class Journal:
 
     def num_committed(self) -> int:
         return self._num_committed
+
+    def columns(self) -> set[str]:
+        """Every key some committed row holds (the optional output columns a run's file needs)."""
+        return set(self._columns)
 
     def num_errors(self) -> int:
         return self._num_errors

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from conveyor.core import GenerationRequest, SamplingParams
+from conveyor.io import request_options
 from conveyor.io.readers.record import RawRecord, describe, first_line
 
 ROLES = ("assistant", "developer", "system", "tool", "user")
@@ -147,6 +148,12 @@ class RequestBuilder:
             raise _Reject(f"url {url!r} is not supported; use {' or '.join(OPENAI_URLS)}")
         if body.get("n") not in (None, 1):
             raise _Reject(f"body.n = {body['n']!r} is not supported; send one request line per completion")
+        if body.get("stream") not in (None, False):
+            raise _Reject("body.stream is not supported in a batch; remove it")
+        unknown = [key for key in body if key not in _BODY_FIELDS]
+        if unknown:
+            raise _Reject(f"body.{unknown[0]} is not supported by conveyor; remove it (supported: "
+                          f"{', '.join(sorted(_BODY_FIELDS))})")
         return body, "body."
 
     def _seed(self, fields: dict, prefix: str, record_id: str | None, index: int) -> int:
@@ -168,6 +175,10 @@ class RequestBuilder:
             value = fields.get(key)
             if value is not None:  # null means "use the default"
                 changes[name] = convert(prefix + key, value)
+        try:
+            changes.update(request_options.changes(fields, prefix, self.tokenizer))
+        except ValueError as e:
+            raise _Reject(str(e)) from None
         try:
             return dataclasses.replace(self.options.sampling, **changes)
         except ValueError as e:
@@ -317,3 +328,8 @@ _OVERRIDES: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
     "stop_token_ids": ("stop_token_ids", _as_token_ids),
     "ignore_eos": ("ignore_eos", _as_bool),
 }
+
+# What an OpenAI batch body may hold: the request itself, its generation settings (OpenAI's and vLLM's names)
+# and fields that do not change the output ("model": the run's --model answers; "user", "metadata", "store").
+_BODY_FIELDS = frozenset({"messages", "prompt", "seed", "n", "stream", "model", "user", "metadata", "store",
+                          *_OVERRIDES, *request_options.FIELDS})

@@ -18,6 +18,9 @@ from conveyor.io.atomic import atomic_file
 KIND_KEY = "__conveyor_kind"
 OUTPUT_COLUMNS = ("id", "index", "status", "output", "finish_reason", "prompt_tokens", "completion_tokens",
                   "error", "seed", "queue_s", "ttft_s", "latency_s")
+# Columns a run has where its records asked for them (the caller says which), between the fixed ones and the
+# keep fields: per token {token, id, logprob, top: [{token, id, logprob}]}.
+OPTIONAL_COLUMNS = ("logprobs", "prompt_logprobs", "prompt_logprob_sum")
 OUTPUT_FORMATS = ("parquet", "jsonl", "openai-batch")
 _EXTENSIONS = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl"}
 _INT64 = (-2**63, 2**63)
@@ -30,6 +33,17 @@ def base_schema():
     string, int64, float64 = pa.string(), pa.int64(), pa.float64()
     types = (string, int64, string, string, string, int64, int64, string, int64, float64, float64, float64)
     return pa.schema(list(zip(OUTPUT_COLUMNS, types)))
+
+
+def optional_schema(name: str):
+    """The Arrow type of an optional column."""
+    import pyarrow as pa
+
+    if name == "prompt_logprob_sum":
+        return pa.float64()
+    alternative = pa.struct([("token", pa.string()), ("id", pa.int64()), ("logprob", pa.float64())])
+    return pa.list_(pa.struct([("token", pa.string()), ("id", pa.int64()), ("logprob", pa.float64()),
+                               ("top", pa.list_(alternative))]))
 
 
 def infer_output_format(path: str, output_format: str | None) -> str:
@@ -47,7 +61,7 @@ def infer_output_format(path: str, output_format: str | None) -> str:
 
 def check_keep_fields(keep_fields: tuple[str, ...]) -> None:
     """Keep fields become extra columns: they must not repeat or shadow an output column."""
-    clash = sorted(set(keep_fields) & {*OUTPUT_COLUMNS, KIND_KEY})
+    clash = sorted(set(keep_fields) & {*OUTPUT_COLUMNS, *OPTIONAL_COLUMNS, KIND_KEY})
     if clash:
         raise ValueError(f"--keep-fields {', '.join(clash)} would overwrite output columns; keep other fields")
     repeated = sorted({name for name in keep_fields if keep_fields.count(name) > 1})
@@ -56,22 +70,24 @@ def check_keep_fields(keep_fields: tuple[str, ...]) -> None:
 
 
 def write_output(rows: Iterable[dict], path: str, output_format: str, keep_fields: tuple[str, ...] = (),
-                 model_name: str = "", row_group_size: int = 4096) -> int:
+                 model_name: str = "", row_group_size: int = 4096, optional: Iterable[str] = ()) -> int:
     """Stream `rows` (output-row dicts, input order) to `path` atomically; returns the rows written.
 
-    Keys beyond the output columns and keep fields (such as `kind`) are ignored, except that
-    openai-batch reads `kind` ("completion" -> a text_completion body; anything else -> chat).
+    `optional`: which OPTIONAL_COLUMNS the file has (those some row of the run holds). Keys beyond the columns
+    (such as `kind`) are ignored, except that openai-batch reads `kind` ("completion" -> a text_completion
+    body; anything else -> chat).
     """
     if output_format not in OUTPUT_FORMATS:
         raise ValueError(f"--output-format {output_format!r} is not one of {', '.join(OUTPUT_FORMATS)}")
     keep_fields = tuple(keep_fields)
     check_keep_fields(keep_fields)
+    extra = tuple(c for c in OPTIONAL_COLUMNS if c in set(optional))
     if output_format == "parquet":
         with atomic_file(path, "wb") as f:
-            return _write_parquet(rows, f, keep_fields, row_group_size)
+            return _write_parquet(rows, f, keep_fields, row_group_size, extra)
     with atomic_file(path, "w") as f:
         if output_format == "jsonl":
-            return _write_jsonl(rows, f, OUTPUT_COLUMNS + keep_fields)
+            return _write_jsonl(rows, f, OUTPUT_COLUMNS + extra + keep_fields)
         return _write_openai_batch(rows, f, model_name)
 
 
@@ -101,20 +117,46 @@ def _openai_line(row: dict, model_name: str, created: int) -> dict:
     prompt_tokens = row.get("prompt_tokens") or 0
     completion_tokens = row.get("completion_tokens") or 0
     finish_reason = row.get("finish_reason")
+    logprobs = row.get("logprobs")
     if row.get(KIND_KEY) == "completion":
         body_id, kind = f"cmpl-{index}", "text_completion"
-        choice = {"index": 0, "text": row.get("output"), "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "text": row.get("output"), "logprobs": _completion_logprobs(logprobs),
+                  "finish_reason": finish_reason}
     else:
         body_id, kind = f"chatcmpl-{index}", "chat.completion"
-        choice = {"index": 0, "message": {"role": "assistant", "content": row.get("output")},
-                  "finish_reason": finish_reason}
+        choice = {"index": 0, "message": {"role": "assistant", "content": row.get("output"), "refusal": None},
+                  "logprobs": _chat_logprobs(logprobs), "finish_reason": finish_reason}
     body = {"id": body_id, "object": kind, "created": created, "model": model_name, "choices": [choice],
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                       "total_tokens": prompt_tokens + completion_tokens}}
     return {**line, "response": {"status_code": 200, "request_id": f"req_{index}", "body": body}, "error": None}
 
 
-def _write_parquet(rows: Iterable[dict], f: IO[bytes], keep_fields: tuple[str, ...], row_group_size: int) -> int:
+def _chat_logprobs(entries: list[dict] | None) -> dict | None:
+    """OpenAI chat's choices[].logprobs: {"content": [{token, logprob, bytes, top_logprobs}], "refusal": None}."""
+    if entries is None:
+        return None
+
+    def one(e: dict) -> dict:
+        return {"token": e["token"], "logprob": e["logprob"], "bytes": list(e["token"].encode("utf-8"))}
+
+    return {"content": [{**one(e), "top_logprobs": [one(t) for t in e["top"]]} for e in entries], "refusal": None}
+
+
+def _completion_logprobs(entries: list[dict] | None) -> dict | None:
+    """OpenAI completions' choices[].logprobs: parallel lists of tokens, their logprobs and offsets."""
+    if entries is None:
+        return None
+    offsets, at = [], 0
+    for e in entries:
+        offsets.append(at)
+        at += len(e["token"])
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top"]} for e in entries], "text_offset": offsets}
+
+
+def _write_parquet(rows: Iterable[dict], f: IO[bytes], keep_fields: tuple[str, ...], row_group_size: int,
+                   extra: tuple[str, ...] = ()) -> int:
     import pyarrow.parquet as pq
 
     writer = None
@@ -125,12 +167,12 @@ def _write_parquet(rows: Iterable[dict], f: IO[bytes], keep_fields: tuple[str, .
             if writer is None:
                 columns = [_KeepColumn.from_first_chunk(name, [row.get(name) for row in chunk])
                            for name in keep_fields]
-                writer = pq.ParquetWriter(f, _schema(columns))
-            writer.write_table(_table(chunk, columns, writer.schema), row_group_size=row_group_size)
+                writer = pq.ParquetWriter(f, _schema(columns, extra))
+            writer.write_table(_table(chunk, columns, writer.schema, extra), row_group_size=row_group_size)
             num_rows += len(chunk)
         if writer is None:  # no rows: still a valid file with the full schema
             columns = [_KeepColumn(name, "str") for name in keep_fields]
-            writer = pq.ParquetWriter(f, _schema(columns))
+            writer = pq.ParquetWriter(f, _schema(columns, extra))
     except BaseException:
         if writer is not None:
             with contextlib.suppress(Exception):
@@ -151,19 +193,22 @@ def _chunks(rows: Iterable[dict], size: int) -> Iterator[list[dict]]:
         yield chunk
 
 
-def _schema(columns: list[_KeepColumn]):
+def _schema(columns: list[_KeepColumn], extra: tuple[str, ...] = ()):
     import pyarrow as pa
 
     schema = base_schema()
+    for name in extra:
+        schema = schema.append(pa.field(name, optional_schema(name)))
     for column in columns:
         schema = schema.append(pa.field(column.name, column.arrow_type()))
     return schema
 
 
-def _table(chunk: list[dict], columns: list[_KeepColumn], schema):
+def _table(chunk: list[dict], columns: list[_KeepColumn], schema, extra: tuple[str, ...] = ()):
     import pyarrow as pa
 
-    arrays = [pa.array([row.get(name) for row in chunk], type=schema.field(name).type) for name in OUTPUT_COLUMNS]
+    arrays = [pa.array([row.get(name) for row in chunk], type=schema.field(name).type)
+              for name in OUTPUT_COLUMNS + extra]
     arrays += [pa.array(column.convert(chunk), type=column.arrow_type()) for column in columns]
     return pa.Table.from_arrays(arrays, schema=schema)
 

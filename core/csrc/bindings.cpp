@@ -10,6 +10,7 @@ void rope_store(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor slots
 void store_kv(at::Tensor k, at::Tensor v, at::Tensor slots, at::Tensor k_cache, at::Tensor v_cache);
 at::Tensor silu_mul(at::Tensor gu);
 at::Tensor argmax_rows(at::Tensor x);
+void apply_token_bitmask(at::Tensor logits, at::Tensor bitmask, at::Tensor rows);
 at::Tensor sample_rows(at::Tensor logits, at::Tensor rows, at::Tensor temps, at::Tensor u, at::Tensor top_k,
                        at::Tensor top_p, at::Tensor min_p);
 at::Tensor panel_gemm(at::Tensor x, at::Tensor packed, int64_t N, c10::optional<at::Tensor> bias);
@@ -43,6 +44,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pair_gemm_available", &pair_gemm_available, "whether pair_gemm is built in (AVX512-BF16)");
   m.def("amx_gemm", &amx_gemm, "x @ W.T (+ bias) in bf16 on AMX tiles, W prepacked by fused_llama.pack_amx (CPU)");
   m.def("amx_gemm_available", &amx_gemm_available, "whether amx_gemm can run here (AMX built in and permitted)");
+  m.def("apply_token_bitmask", &apply_token_bitmask,
+        "logits of the listed rows set to -inf where the row's token bitmask does not allow the token (CPU)");
   m.def("argmax_rows", &argmax_rows, "first index of each row's maximum, as torch.argmax(x, -1) (CPU)");
   m.def("sample_rows", &sample_rows, "temperature sampling of listed rows (top-k/top-p/min-p optional) by inverse CDF, one draw each (CPU)");
 }

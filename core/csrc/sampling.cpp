@@ -10,6 +10,8 @@
 #include <climits>
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <type_traits>
 #include <vector>
 #include "vec16.h"
 
@@ -295,4 +297,49 @@ at::Tensor argmax_rows(at::Tensor x) {
     argmax_rows_impl<scalar_t>(x.data_ptr<scalar_t>(), out.data_ptr<int64_t>(), x.size(0), x.size(1));
   }), at::kFloat, at::kBFloat16, at::kHalf);
   return out;
+}
+
+// Structured outputs: logits[rows[i], t] = -inf for every token t that bitmask row i does not allow (bit t % 32
+// of word t / 32), in place. bitmask [n, ceil(V / 32)] int32 as llguidance fills it; logits [R, V].
+void apply_token_bitmask(at::Tensor logits, at::Tensor bitmask, at::Tensor rows) {
+  check_rows(logits, "logits");
+  TORCH_CHECK(bitmask.dim() == 2 && bitmask.scalar_type() == at::kInt && bitmask.is_contiguous(),
+              "bitmask must be a contiguous [rows, words] int32 tensor");
+  rows = rows.contiguous();
+  const int64_t n = rows.numel(), V = logits.size(1), words = bitmask.size(1);
+  TORCH_CHECK(bitmask.size(0) == n && words * 32 >= V, "bitmask must have one row per listed row, covering the vocabulary");
+  const int64_t* r = rows.data_ptr<int64_t>();
+  for (int64_t k = 0; k < n; ++k) TORCH_CHECK(r[k] >= 0 && r[k] < logits.size(0), "row index out of range");
+  AT_DISPATCH_V2(logits.scalar_type(), "apply_token_bitmask", AT_WRAP([&] {
+    const scalar_t ninf = -std::numeric_limits<scalar_t>::infinity();
+    at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end_row) {
+      for (int64_t k = begin; k < end_row; ++k) {
+        scalar_t* row = logits.data_ptr<scalar_t>() + r[k] * V;
+        const uint32_t* bits = reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>()) + k * words;
+        int64_t w = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+        // 32 tokens a word: masked stores of -inf where the bits are clear (most of a constrained row's).
+        for (; (w + 1) * 32 <= V; ++w) {
+          const uint32_t banned = ~bits[w];
+          if (banned == 0) continue;
+          if constexpr (std::is_same_v<scalar_t, float>) {
+            const __m512 v = _mm512_set1_ps(-INFINITY);
+            _mm512_mask_storeu_ps(row + w * 32, static_cast<__mmask16>(banned), v);
+            _mm512_mask_storeu_ps(row + w * 32 + 16, static_cast<__mmask16>(banned >> 16), v);
+          } else {
+            uint16_t raw;
+            std::memcpy(&raw, &ninf, sizeof(raw));
+            _mm512_mask_storeu_epi16(row + w * 32, static_cast<__mmask32>(banned), _mm512_set1_epi16(static_cast<short>(raw)));
+          }
+        }
+#endif
+        for (; w * 32 < V; ++w) {
+          const uint32_t b = bits[w];
+          const int64_t stop = std::min<int64_t>(32, V - w * 32);
+          for (int64_t j = 0; j < stop; ++j)
+            if (!((b >> j) & 1u)) row[w * 32 + j] = ninf;
+        }
+      }
+    });
+  }), at::kFloat, at::kBFloat16, at::kHalf);
 }

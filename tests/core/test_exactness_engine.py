@@ -1,7 +1,8 @@
 """The exactness contract end to end, on the real embedded model (SmolLM2-135M-Instruct, CPU): 18 records
 (chat and raw, short and long, five sharing a system prompt) give bitwise the same first-token logits, and
 then the same seeded-sampled tokens and text, alone, among 46 others in shuffled order, with a 48-token
-budget (chunked prompts), with their shared prefix served from the cache, and under forced preemption.
+budget (chunked prompts), with their shared prefix served from the cache, and under forced preemption;
+and so do their logprobs (each token's and its top two alternatives').
 float32 everywhere; bfloat16 where the CPU has native bf16 (AMX or AVX512-BF16), skipped elsewhere."""
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def records(smollm):
     for i, text in enumerate(RAWS):
         prompts[f"raw{i}"] = list(tok(text)["input_ids"])
     targets = {n: GenerationRequest(n, p, SamplingParams(temperature=0.8, top_p=0.95, seed=100 + i,
-                                                         max_tokens=MAX_TOKENS))
+                                                         max_tokens=MAX_TOKENS, logprobs=2))
                for i, (n, p) in enumerate(prompts.items())}
     fillers = {}
     for i, line in enumerate(SAMPLE.read_text(encoding="utf-8").splitlines()[:46]):
@@ -88,11 +89,11 @@ class _FirstLogits:
         self.sampler = sampler
         self.logits: dict[str, list[torch.Tensor]] = {}
 
-    def __call__(self, logits, entries):
+    def sample(self, logits, entries, states=None):
         for i, e in enumerate(entries):
             if e.num_output_tokens == 0:
                 self.logits.setdefault(e.req_id, []).append(logits[i].clone())
-        return self.sampler(logits, entries)
+        return self.sampler.sample(logits, entries, states)
 
 
 def _engine(smollm, **config) -> tuple[Engine, _FirstLogits]:
@@ -135,6 +136,7 @@ def _assert_as_alone(alone, outs, logits, targets):
             assert torch.equal(got, ref_logits[name][0]), f"{name}: first-token logits differ from alone"
         assert outs[name].output_token_ids == ref_outs[name].output_token_ids, name
         assert outs[name].text == ref_outs[name].text, name
+        assert outs[name].logprobs == ref_outs[name].logprobs, f"{name}: logprobs differ from alone"
 
 
 def test_the_records_are_varied(records, alone):

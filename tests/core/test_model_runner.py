@@ -129,9 +129,9 @@ class _CapturingSampler:
     def __init__(self):
         self.logits: list[torch.Tensor] = []
 
-    def __call__(self, logits, entries):
+    def sample(self, logits, entries, states=None):
         self.logits.append(logits.clone())
-        return logits.argmax(-1).tolist()
+        return logits.argmax(-1).tolist(), {}
 
 
 def _entry(req_id, tokens, start, table, sample=True):
@@ -202,7 +202,7 @@ def test_bf16_pools_are_bf16_pairs_where_the_cpu_has_bf16_products_and_every_row
     assert engine.kv_cache.layout == "pairs" and engine.runner.fused is not None
     assert Engine(model, CharTokenizer(), EngineConfig(num_kv_blocks=32, block_size=8)).kv_cache.layout == "plain"
     runner = engine.runner
-    _, _, batch, _ = runner._prepare([_entry("a", [1, 2, 3], 0, [4])])
+    _, _, batch, _, _ = runner._prepare([_entry("a", [1, 2, 3], 0, [4])])
     assert batch.fresh_chunks == [] and batch.token_ctx.tolist() == [1, 2, 3]
     capture = _CapturingSampler()
     runner.sampler = capture

@@ -106,7 +106,8 @@ def test_openai_batch(tmp_path):
     assert chat == {"id": "batch_req_0", "custom_id": "r0", "response": {
         "status_code": 200, "request_id": "req_0", "body": {
             "id": "chatcmpl-0", "object": "chat.completion", "created": created, "model": "smollm2",
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": "answer 0 é"},
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "answer 0 é", "refusal": None},
+                         "logprobs": None,
                          "finish_reason": "stop"}],
             "usage": {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13}}}, "error": None}
     assert error == {"id": "batch_req_1", "custom_id": "1", "response": None,
