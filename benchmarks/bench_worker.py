@@ -12,7 +12,8 @@ spec.json (written by throughput.py):
      "max_num_batched_tokens": int, "kv_gib": float, "static_batch": int, "vllm_eager": bool,
      "requests": [{"id", "prompt_token_ids", "max_tokens"}, ...],      # the timed workload
      "warmup":   [{"id", "prompt_token_ids", "max_tokens"}, ...],      # untimed, same engine instance
-     optional (benchmarks/structured.py): "ignore_eos": bool (default true), "return_texts": bool, and per
+     optional: "backend" (conveyor's, default auto); (benchmarks/structured.py) "ignore_eos": bool (default
+     true), "return_texts": bool, and per
      request "json_schema": the text of a JSON schema its output must match (conveyor and vllm)}
 
 Timing rule, identical for every engine: `load_s` = model load + engine construction; then the warm-up requests
@@ -69,7 +70,7 @@ def run_conveyor(spec: dict):
     config = EngineConfig(dtype=spec["dtype"], device=_device(spec), max_num_seqs=spec["max_num_seqs"],
                           max_num_batched_tokens=spec["max_num_batched_tokens"],
                           kv_cache_memory=int(spec["kv_gib"] * 1024**3),
-                          max_waiting=max(256, len(spec["requests"])))
+                          max_waiting=max(256, len(spec["requests"])), backend=spec.get("backend", "auto"))
     engine = Engine.from_pretrained(spec["model"], config)
     load_s = time.perf_counter() - t0
 
@@ -99,9 +100,11 @@ def run_conveyor(spec: dict):
     wall_s = time.perf_counter() - t0
     produced = {o.req_id: o.num_output_tokens for o in outs}
     st = engine.stats()
-    extra = {"num_kv_blocks": engine.num_kv_blocks, "preemptions": st.num_preemptions,
+    extra = {"backend": engine.backend.describe(), "num_kv_blocks": engine.num_kv_blocks,
+             "preemptions": st.num_preemptions,
              "prefix_cache_hit_rate": round(st.prefix_cache_hit_rate, 4), "steps": st.num_steps,
-             "full_batch_steps": full.as_dict(), "grammar_masks": dict(grammar_s)}
+             "full_batch_steps": full.as_dict(), "grammar_masks": dict(grammar_s),
+             "graph_replays": getattr(engine.backend, "graph_replays", None)}
     if engine._grammars is not None:
         extra["grammar_compile_s"] = dict(engine._grammars.compile_s)
     if spec.get("return_texts"):

@@ -1,23 +1,29 @@
-"""GPU check (run by benchmarks/gpu_check.sh): greedy equivalence of conveyor vs transformers on CUDA, then a
-short bf16 throughput comparison of conveyor, hf-static and hf-cb. Needs no network and no model download.
+"""GPU check (run by benchmarks/gpu_check.sh): the cuda backend against transformers on one GPU. Needs no network
+and no model download.
 
-    python benchmarks/gpu_check.py                       # on a CUDA machine
+    python benchmarks/gpu_check.py                       # on a CUDA machine (about 5 minutes on an H200)
     python benchmarks/gpu_check.py --device cpu --tiny   # dry run of every code path on a CPU
 
-Model: a randomly initialised Llama (hidden 1024, 16 layers, 16 heads, 4 KV heads, intermediate 2816,
-vocab 49152; --tiny: hidden 64, 2 layers, 4 heads, 2 KV heads, vocab 512), seed 0, saved once to a temporary
-HF folder with a tokenizer (conveyor's cached SmolLM2 tokenizer when the vocab matches and it is cached, else
-a word-level tokenizer built offline). Random weights are enough: equivalence is a property of the engine.
-Prompts are random token ids.
+Models: randomly initialised Llamas with SmolLM2's vocabulary (49152) saved once to temporary HF folders with a
+tokenizer (conveyor's cached SmolLM2 tokenizer when it is cached, else a word-level one built offline): for the
+checks, hidden 1024, 16 layers, 16 heads, 4 KV heads (0.28B, float32); for throughput, hidden 1280, 24 layers,
+20 heads, 4 KV heads, intermediate 4480 (0.63B, bfloat16). --tiny: hidden 64, 2 layers, vocab 512 for both.
+Random weights are enough: equivalence is a property of the engine. Prompts are random token ids.
 
-1. Equivalence (float32, TF32 off): for each prompt, `model.generate` alone (greedy, min_new_tokens =
-   max_new_tokens, i.e. EOS ignored) vs conveyor's Engine on all prompts at once; then again with a KV pool
-   so small that the engine must preempt. A mismatch reports the first differing position and the gap
-   between the two candidates' logits there (a gap near 0 is a float near-tie, not an engine bug).
-2. Throughput (bfloat16): benchmarks/bench_worker.py, one fresh process per engine, same rules as
-   benchmarks/throughput.py, on --n requests (random prompts with the workload's max_tokens).
-Exit status: 0 when every prompt matches (near-ties excepted, and reported) and every engine produced exactly
-its tokens; 1 otherwise.
+1. Equivalence (float32, TF32 off): each prompt through `model.generate` alone (greedy, EOS ignored) vs
+   conveyor's Engine on all prompts at once, with a roomy pool, a pool small enough to force preemption, and
+   a token budget small enough to chunk every prompt. A mismatch reports the first differing position and the
+   gap between the two candidates' logits there (a gap near 0 is a float near-tie, not an engine bug).
+2. Exactness (bfloat16, seeded sampling at temperature 0.8, top-p 0.95): each record alone, then all records
+   batched, chunked at a 48-token budget and preempted; how many records' outputs differ from alone. The
+   cuda backend does not promise batch invariance (cuBLAS), so this reports and does not fail.
+3. Throughput (bfloat16): benchmarks/bench_worker.py, one fresh process per engine (conveyor, transformers'
+   static batches, transformers' continuous batching = `generate_batch`), --n requests with the benchmark
+   workload's max_tokens; each engine's fraction of the GPU's roofline for the workload (steady decode at
+   --max-num-seqs rows: weights + KV read at --bandwidth, or 2 x params FLOPs per token at --flops, whichever
+   is slower), and conveyor's full-batch steps against their own weight-and-KV read time.
+Exit status: 0 when every equivalence prompt matches (near-ties excepted, and reported) and every engine produced
+exactly its tokens; 1 otherwise.
 """
 
 from __future__ import annotations
@@ -42,16 +48,20 @@ RESULT_PREFIX = "BENCH_RESULT "
 NEAR_TIE = 1e-3  # logit gap under which a greedy flip is a float effect, not a bug
 
 
-def model_config(tiny: bool):
+def model_config(tiny: bool, size: str = "check"):
     from transformers import LlamaConfig
 
+    common = dict(max_position_embeddings=4096, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                  pad_token_id=2)
     if tiny:
         return LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
-                           num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=2048,
-                           tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+                           num_key_value_heads=2, head_dim=16, vocab_size=512, **{**common,
+                                                                                 "max_position_embeddings": 2048})
+    if size == "throughput":
+        return LlamaConfig(hidden_size=1280, intermediate_size=4480, num_hidden_layers=24, num_attention_heads=20,
+                           num_key_value_heads=4, head_dim=64, vocab_size=49152, **common)
     return LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=16, num_attention_heads=16,
-                       num_key_value_heads=4, head_dim=64, vocab_size=49152, max_position_embeddings=4096,
-                       tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+                       num_key_value_heads=4, head_dim=64, vocab_size=49152, **common)
 
 
 def make_tokenizer(vocab_size: int):
@@ -81,21 +91,25 @@ def make_tokenizer(vocab_size: int):
     return tok, "word-level (built offline)"
 
 
-def build_model_folder(folder: Path, tiny: bool) -> tuple[dict, str]:
+def build_model_folder(folder: Path, tiny: bool, size: str = "check", dtype: str = "float32",
+                       device: str = "cpu") -> tuple[dict, str]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    cfg = model_config(tiny)
+    cfg = model_config(tiny, size)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.device(device):  # initialising 0.6B weights on the GPU takes seconds, on the CPU a minute
+        model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
     model.generation_config.eos_token_id = cfg.eos_token_id
     model.generation_config.pad_token_id = cfg.pad_token_id
     model.save_pretrained(folder)
     tok, kind = make_tokenizer(cfg.vocab_size)
     tok.save_pretrained(folder)
     n_params = sum(p.numel() for p in model.parameters())
+    del model
     return {"hidden": cfg.hidden_size, "layers": cfg.num_hidden_layers, "heads": cfg.num_attention_heads,
-            "kv_heads": cfg.num_key_value_heads, "vocab": cfg.vocab_size, "params_m": round(n_params / 1e6, 1)}, kind
+            "kv_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim, "intermediate": cfg.intermediate_size,
+            "vocab": cfg.vocab_size, "params": n_params, "params_m": round(n_params / 1e6, 1)}, kind
 
 
 def random_prompts(n: int, vocab: int, seed: int, lo: int, hi: int) -> list[list[int]]:
@@ -107,7 +121,7 @@ def random_prompts(n: int, vocab: int, seed: int, lo: int, hi: int) -> list[list
     return out
 
 
-def equivalence(folder: Path, device: str, num_prompts: int, max_tokens: int, tiny: bool) -> dict:
+def equivalence(folder: Path, device: str, num_prompts: int, max_tokens: int, tiny: bool, backend: str) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -144,13 +158,17 @@ def equivalence(folder: Path, device: str, num_prompts: int, max_tokens: int, ti
     tokenizer = AutoTokenizer.from_pretrained(folder)
     block_size = 16
     longest = max(len(p) for p in prompts) + max_tokens
-    runs = {"roomy": None, "preempting": max(2, math.ceil(longest / block_size) + 1)}
+    # name -> (KV blocks, token budget): roomy; a pool that holds one request at a time (preemption); a
+    # budget that chunks every prompt longer than 32 tokens
+    runs = {"roomy": (None, 256), "preempting": (max(2, math.ceil(longest / block_size) + 1), 256),
+            "chunked": (None, 32)}
     report = {"prompts": len(prompts), "max_tokens": max_tokens, "runs": {}}
     ok = True
-    for name, blocks in runs.items():
+    for name, (blocks, budget) in runs.items():
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device).eval()
         cfg = EngineConfig(dtype="float32", device=device, max_num_seqs=max(2, len(prompts)), block_size=block_size,
-                           max_num_batched_tokens=256, num_kv_blocks=blocks, kv_cache_memory="512MiB")
+                           max_num_batched_tokens=budget, num_kv_blocks=blocks, kv_cache_memory="512MiB",
+                           backend=backend)
         engine = Engine(model, tokenizer, cfg)
         reqs = [GenerationRequest(f"p{i}", p, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
                 for i, p in enumerate(prompts)]
@@ -168,6 +186,7 @@ def equivalence(folder: Path, device: str, num_prompts: int, max_tokens: int, ti
             ok &= near_tie
             rows.append({"prompt": i, "len": len(p), "match": False, "first_diff": pos, "got_len": len(got),
                          "logit_gap": gap, "near_tie": near_tie})
+        report["backend"] = engine.backend.describe()
         report["runs"][name] = {"num_kv_blocks": engine.num_kv_blocks, "preemptions": stats.num_preemptions,
                                 "prefix_cache_hit_rate": round(stats.prefix_cache_hit_rate, 3), "rows": rows}
         del engine, model
@@ -177,6 +196,62 @@ def equivalence(folder: Path, device: str, num_prompts: int, max_tokens: int, ti
         report["note"] = "the small pool did not force a preemption"
     report["ok"] = ok
     return report
+
+
+def exactness(folder: Path, device: str, num_prompts: int, max_tokens: int, tiny: bool, backend: str) -> dict:
+    """bf16, seeded sampling: each record alone vs batched, chunked and preempted (issue-style exactness)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from conveyor.core.config import EngineConfig
+    from conveyor.core.engine import Engine
+    from conveyor.core.outputs import GenerationRequest
+    from conveyor.core.sampling_params import SamplingParams
+
+    vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+    prompts = random_prompts(num_prompts, vocab, seed=4, lo=4, hi=60 if tiny else 200)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to(device).eval()
+    block_size = 16
+    longest = max(len(p) for p in prompts) + max_tokens
+
+    def sampling(i):
+        return SamplingParams(temperature=0.8, top_p=0.95, seed=1000 + i, max_tokens=max_tokens, ignore_eos=True)
+
+    def run(indices, **kw):
+        cfg = EngineConfig(dtype="bfloat16", device=device, block_size=block_size, backend=backend,
+                           kv_cache_memory="1GiB", **{"max_num_seqs": 64, "max_num_batched_tokens": 2048, **kw})
+        engine = Engine(model, tokenizer, cfg)
+        outs = {o.req_id: o.output_token_ids for o in engine.generate(
+            GenerationRequest(f"r{i}", prompts[i], sampling(i)) for i in indices)}
+        return outs, engine.stats().num_preemptions
+
+    alone = {}
+    for i in range(len(prompts)):
+        alone.update(run([i], max_num_seqs=1)[0])
+    report = {"records": len(prompts), "max_tokens": max_tokens, "configs": {}}
+    configs = {"batched": {}, "chunked-48": {"max_num_batched_tokens": 48},
+               "preempted": {"num_kv_blocks": max(2, math.ceil(longest / block_size) + 2)}}
+    for name, kw in configs.items():
+        outs, preemptions = run(range(len(prompts)), **kw)
+        differ = [i for i in range(len(prompts)) if outs[f"r{i}"] != alone[f"r{i}"]]
+        report["configs"][name] = {"differ": len(differ), "preemptions": preemptions, "records": differ[:20]}
+    return report
+
+
+def roofline(shape: dict, work: list[dict], batch: int, bandwidth: float, flops: float, dtype_bytes: int) -> dict:
+    """The workload's ceiling on this GPU: steady decode at `batch` rows, each reading the weights once per step
+    and its own KV, or doing 2 x params FLOPs per token, whichever takes longer; and the read time of one such
+    step at the workload's mean context."""
+    kv_per_token = 2 * shape["layers"] * shape["kv_heads"] * shape["head_dim"] * dtype_bytes
+    weights = shape["params"] * dtype_bytes
+    mean_ctx = sum(len(r["prompt_token_ids"]) + r["max_tokens"] / 2 for r in work) / len(work)
+    read_s = (weights + batch * mean_ctx * kv_per_token) / bandwidth
+    compute_s = 2 * shape["params"] * batch / flops
+    step_s = max(read_s, compute_s)
+    return {"batch": batch, "mean_context": round(mean_ctx, 1), "weights_bytes": weights,
+            "kv_bytes_per_token": kv_per_token, "step_read_s": read_s, "step_compute_s": compute_s,
+            "tok_s": batch / step_s, "bandwidth": bandwidth, "flops": flops}
 
 
 def throughput(folder: Path, device: str, dtype: str, n: int, reps: int, engines: list[str], cap: int | None,
@@ -190,7 +265,7 @@ def throughput(folder: Path, device: str, dtype: str, n: int, reps: int, engines
             for i, p in enumerate(random_prompts(4, vocab, seed=3, lo=8, hi=64))]
     spec = {"model": str(folder), "dtype": dtype, "device": device, "threads": args.threads,
             "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-            "kv_gib": args.kv_gib, "static_batch": 16, "requests": reqs, "warmup": warm}
+            "kv_gib": args.kv_gib, "static_batch": 16, "requests": reqs, "warmup": warm, "backend": args.backend}
     spec_path = folder / f"spec-{dtype}.json"
     spec_path.write_text(json.dumps(spec))
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
@@ -212,7 +287,7 @@ def throughput(folder: Path, device: str, dtype: str, n: int, reps: int, engines
             results.append(r)
             print(f"  {e}: {r['output_tokens']} tok in {r['wall_s']:.2f}s = {r['tok_s']:.0f} tok/s"
                   f"{'' if r['count_ok'] else ' COUNT MISMATCH'}", flush=True)
-    return results
+    return results, reqs
 
 
 def main() -> None:
@@ -232,6 +307,11 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--timeout", type=int, default=600, help="seconds per engine process")
     p.add_argument("--skip-throughput", action="store_true")
+    p.add_argument("--skip-exactness", action="store_true")
+    p.add_argument("--exact-records", type=int, default=16)
+    p.add_argument("--backend", default="auto", help="conveyor's backend (default: cuda on a GPU)")
+    p.add_argument("--bandwidth", type=float, default=4.3e12, help="bytes/s (H200, measured copy)")
+    p.add_argument("--flops", type=float, default=790e12, help="bf16 FLOP/s (H200, measured)")
     p.add_argument("--out", type=Path, default=None, help="JSON report (default: $OUT/gpu_check.json or none)")
     a = p.parse_args()
     if a.tiny:
@@ -240,6 +320,11 @@ def main() -> None:
         a.eq_tokens = min(a.eq_tokens, 16)
         a.kv_gib = min(a.kv_gib, 0.25)
         a.max_num_seqs = min(a.max_num_seqs, 64)
+        a.max_num_batched_tokens = min(a.max_num_batched_tokens, 512)
+        a.exact_records = min(a.exact_records, 6)
+        if a.device == "cpu" and a.backend == "auto":  # the dry run takes the cuda backend's code in Triton's
+            os.environ.setdefault("TRITON_INTERPRET", "1")  # interpreter
+            a.backend = "cuda"
     a.n = a.n or 256
 
     import torch
@@ -258,12 +343,13 @@ def main() -> None:
         folder = Path(tmp) / "random-llama"
         shape, tok_kind = build_model_folder(folder, a.tiny)
         report["model"] = {**shape, "tokenizer": tok_kind}
-        print(f"model: random Llama {shape}, tokenizer {tok_kind}", flush=True)
+        print(f"model (checks): random Llama {shape}, tokenizer {tok_kind}", flush=True)
 
         t0 = time.perf_counter()
-        eq = equivalence(folder, a.device, a.prompts, a.eq_tokens, a.tiny)
+        eq = equivalence(folder, a.device, a.prompts, a.eq_tokens, a.tiny, a.backend)
         report["equivalence"] = eq
         ok &= eq["ok"]
+        print(f"backend: {eq.get('backend')}")
         for name, run in eq["runs"].items():
             matched = sum(r["match"] for r in run["rows"])
             print(f"equivalence float32 [{name}: {run['num_kv_blocks']} blocks, {run['preemptions']} preemptions, "
@@ -277,10 +363,25 @@ def main() -> None:
             print(f"   note: {eq['note']}")
         print(f"   ({time.perf_counter() - t0:.0f}s)", flush=True)
 
+        if not a.skip_exactness:
+            t0 = time.perf_counter()
+            ex = exactness(folder, a.device, a.exact_records, a.eq_tokens, a.tiny, a.backend)
+            report["exactness_bf16"] = ex
+            for name, c in ex["configs"].items():
+                print(f"exactness bfloat16 [{name}, {c['preemptions']} preemptions]: {ex['records'] - c['differ']}/"
+                      f"{ex['records']} records equal to themselves alone", flush=True)
+            print(f"   ({time.perf_counter() - t0:.0f}s)", flush=True)
+
         if not a.skip_throughput:
+            folder = Path(tmp) / "random-llama-throughput"
+            t0 = time.perf_counter()
+            shape, tok_kind = build_model_folder(folder, a.tiny, "throughput", a.dtype,
+                                                 "cuda" if a.device.startswith("cuda") else "cpu")
+            report["throughput_model"] = {**shape, "tokenizer": tok_kind}
+            print(f"model (throughput): random Llama {shape} ({time.perf_counter() - t0:.0f}s)", flush=True)
             engines = [e.strip() for e in a.engines.split(",") if e.strip()]
             print(f"throughput {a.dtype}, {a.n} requests, reps {a.reps}:", flush=True)
-            runs = throughput(folder, a.device, a.dtype, a.n, a.reps, engines, a.max_tokens_cap, a)
+            runs, reqs = throughput(folder, a.device, a.dtype, a.n, a.reps, engines, a.max_tokens_cap, a)
             report["throughput"] = runs
             good = [r for r in runs if "error" not in r]
             ok &= len(good) == len(runs) and all(r["count_ok"] for r in good)
@@ -289,12 +390,31 @@ def main() -> None:
                 tps = sorted(r["tok_s"] for r in good if r["engine"] == e)
                 if tps:
                     med[e] = tps[len(tps) // 2]
+            roof = roofline(shape, reqs, a.max_num_seqs, a.bandwidth, a.flops, 2 if a.dtype == "bfloat16" else 4)
+            report["roofline"] = roof
             base = med.get("conveyor")
-            print(f"{'engine':<10} {'tok/s':>10} {'x conveyor':>11} {'GPU MiB':>9}")
+            print(f"roofline ({a.bandwidth / 1e12:.1f} TB/s, {a.flops / 1e12:.0f} TFLOP/s; decode at {roof['batch']} "
+                  f"rows, mean context {roof['mean_context']}): {roof['tok_s']:.0f} tok/s")
+            print(f"{'engine':<10} {'tok/s':>10} {'conveyor/x':>11} {'of roofline':>12} {'GPU MiB':>9}")
             for e, v in med.items():
                 gpu = max((r.get("gpu_peak_allocated_mib") or 0) for r in good if r["engine"] == e)
-                print(f"{e:<10} {v:>10.0f} {(f'{v / base:.2f}x' if base else '-'):>11} {gpu:>9.0f}")
+                print(f"{e:<10} {v:>10.0f} {(f'{base / v:.2f}x' if base else '-'):>11} "
+                      f"{v / roof['tok_s']:>11.1%} {gpu:>9.0f}")
             report["throughput_median_tok_s"] = med
+            if "hf-cb" in med and base:
+                print(f"conveyor vs transformers generate_batch: {base / med['hf-cb']:.2f}x (target >= 5x)")
+            full = [r.get("full_batch_steps") for r in good if r["engine"] == "conveyor"]
+            full = [f for f in full if f and f.get("steps")]
+            if full:
+                f = full[0]
+                per_step = f["seconds"] / f["steps"]
+                ctx = f.get("decode_context") or 0
+                read = (roof["weights_bytes"] + a.max_num_seqs * ctx * roof["kv_bytes_per_token"]) / a.bandwidth
+                report["full_batch_step"] = {"seconds": per_step, "read_s": read, "ratio": per_step / read,
+                                             "decode_context": ctx, "steps": f["steps"]}
+                print(f"conveyor full-batch steps ({f['steps']} at {a.max_num_seqs} rows, mean context {ctx:.0f}): "
+                      f"{per_step * 1e3:.2f} ms vs {read * 1e3:.2f} ms weight+KV read = {per_step / read:.2f}x "
+                      "(target <= 2x)")
     report["ok"] = bool(ok)
     out = a.out or (Path(os.environ["OUT"]) / "gpu_check.json" if os.environ.get("OUT") else None)
     if out:

@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
-# One prepared check for a machine with a CUDA GPU and no network (installs nothing):
-#   1. greedy equivalence, float32, conveyor vs transformers `generate`, random Llama (1024 hidden, 16 layers,
-#      16 heads, 4 KV heads), with and without forced preemption;
-#   2. bf16 throughput of conveyor, hf-static and hf-cb on that model (a couple of minutes in all).
-# Assumes torch with CUDA and transformers are installed. conveyor itself need not be: when `import conveyor`
-# fails, a shim on PYTHONPATH maps conveyor.{core,io,cli} to this checkout's folders.
+# One prepared check for a machine with a CUDA GPU and no network (installs nothing), about 5 minutes on an H200:
+#   1. greedy equivalence, float32, conveyor's cuda backend vs transformers `generate`, random Llama (0.28B),
+#      with a roomy pool, forced preemption and forced chunking;
+#   2. bf16 exactness: seeded records alone vs batched, chunked and preempted (reported, not failed: the cuda
+#      backend's cuBLAS linears are not batch-invariant);
+#   3. bf16 throughput of conveyor, transformers' static batches and `generate_batch` on a random 0.63B Llama with
+#      SmolLM2's tokenizer (256 requests of the benchmark workload's shape), with roofline fractions.
+# Assumes torch with CUDA, Triton and transformers are installed. conveyor itself need not be: when `import
+# conveyor` fails, a shim on PYTHONPATH maps conveyor.{core,io,cli} to this checkout's folders.
 #
 #   bash benchmarks/gpu_check.sh                          # on the GPU machine; report also in $OUT if set
-#   bash benchmarks/gpu_check.sh --device cpu --tiny      # CPU dry run of every code path
+#   bash benchmarks/gpu_check.sh --device cpu --tiny      # CPU dry run of every code path (Triton interpreted)
 # Any other option is passed to benchmarks/gpu_check.py (see its --help), e.g. --n 256 --reps 2.
 set -uo pipefail
 

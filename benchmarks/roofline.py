@@ -62,7 +62,7 @@ _ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")  # what decides whic
 def cpu_signature() -> str:
     """Model name and the matmul-relevant instruction sets, e.g. "AMD EPYC (avx2 avx512f avx512_bf16)":
     two machines with the same signature run the same kernels; rates from another signature do not apply."""
-    from conveyor.core.cpu_kernels import cpu_identity
+    from conveyor.core.backends.cpu.kernels import cpu_identity
 
     model, flags = cpu_identity()
     return f"{model} ({' '.join(f for f in _ISA_FLAGS if f in flags) or 'flags unknown'})"
@@ -130,8 +130,8 @@ def _linear_impl(torch, impl: str, dtype, m: int):
                 (lambda x, pw: torch.ops.mkldnn._linear_pointwise(x, pw, None, "none", [], "")))
     if impl in ("panels", "pairs", "amx"):  # conveyor's own kernels, where built (and the CPU has the instructions)
         try:
-            from conveyor.core.cpu_kernels import cpu_kernels
-            from conveyor.core import fused_llama
+            from conveyor.core.backends.cpu.kernels import cpu_kernels
+            from conveyor.core.backends.cpu import fused_llama
         except ImportError:
             return None
         ops = cpu_kernels()

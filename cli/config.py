@@ -22,6 +22,7 @@ class RunConfig:
     model: str = "smollm2-135m-instruct"
     dtype: str = "auto"
     device: str = "auto"
+    backend: str = "auto"  # core/backends: auto, cpu, cuda or torch
     max_tokens: int = 256
     temperature: float = 1.0
     top_p: float = 1.0
@@ -44,10 +45,11 @@ class RunConfig:
     input_format: str | None = None
     output_format: str | None = None
     split: str | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_num_seqs: int | None = None  # None: 64 on the CPU, 256 on a GPU (DEVICE_DEFAULTS)
+    max_num_batched_tokens: int | None = None  # None: 2048 on the CPU, 8192 on a GPU
     num_kv_blocks: int | None = None
-    kv_cache_memory: str = "2GiB"
+    kv_cache_memory: str | None = None  # None: 2GiB on the CPU; on a GPU from gpu_memory_utilization
+    gpu_memory_utilization: float = 0.9  # on a GPU: the fraction of its memory weights, activations and KV may take
     max_record_bytes: int = 4 << 20  # a bigger record is an error row, never parsed
     block_size: int = 16
     limit: int | None = None
@@ -86,10 +88,15 @@ class RunConfig:
                              "give a file holding a JSON schema") from None
 
 
+# Engine sizes whose default depends on the device: a GPU step has room for far more rows.
+DEVICE_DEFAULTS = {"cpu": {"max_num_seqs": 64, "max_num_batched_tokens": 2048},
+                   "cuda": {"max_num_seqs": 256, "max_num_batched_tokens": 8192}}
+
 FIELDS = {f.name: f for f in dataclasses.fields(RunConfig)}
 _FILE_KEYS = set(FIELDS) - {"input", "output", "restart"}
 _CHOICES = {
     "dtype": ("auto", "float32", "bfloat16", "float16"),
+    "backend": ("auto", "cpu", "cuda", "torch"),
     "on_error": ("record", "skip", "fail"),
     "input_format": (None, "jsonl", "json", "parquet", "csv", "datasets"),
     "output_format": (None, "parquet", "jsonl", "openai-batch"),
@@ -178,8 +185,8 @@ def _as_str_tuple(key: str, value: Any) -> tuple[str, ...]:
     return tuple(items)
 
 
-_STR_KEYS = {"input", "output", "model", "dtype", "device", "system_prompt", "prompt_field", "messages_field",
-             "id_field", "input_format", "output_format", "split", "on_error", "summary_json", "run_dir",
+_STR_KEYS = {"input", "output", "model", "dtype", "device", "backend", "system_prompt", "prompt_field",
+             "messages_field", "id_field", "input_format", "output_format", "split", "on_error", "summary_json", "run_dir",
              "json_schema", "regex"}
 
 
@@ -215,7 +222,7 @@ def _check_device(device: str) -> None:
 
 _INT_KEYS = {"max_tokens", "top_k", "seed", "min_tokens", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks",
              "block_size", "limit", "checkpoint_every", "logprobs"}
-_FLOAT_KEYS = {"temperature", "top_p", "min_p", "checkpoint_seconds", "log_every"}
+_FLOAT_KEYS = {"temperature", "top_p", "min_p", "checkpoint_seconds", "log_every", "gpu_memory_utilization"}
 _BOOL_KEYS = {"ignore_eos", "quiet", "restart", "profile", "prompt_logprobs"}
 _POSITIVE = {"max_tokens", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "block_size",
              "checkpoint_every", "checkpoint_seconds", "log_every"}
@@ -238,6 +245,8 @@ def _check_types(values: dict[str, Any]) -> None:
             raise UsageError(f"{opt}: must be positive, got {value!r}")
         if key == "limit" and value < 0:
             raise UsageError(f"{opt}: must be >= 0, got {value!r}")
+        if key == "gpu_memory_utilization" and not 0 < value <= 1:
+            raise UsageError(f"{opt}: a fraction of the GPU's memory in (0, 1], e.g. 0.9; got {value!r}")
         if key == "logprobs" and not 0 <= value <= 20:
             raise UsageError(f"{opt}: the number of alternatives must be from 0 to 20, got {value!r}")
     if "block_size" in values and values["block_size"] not in (1, 2, 4, 8, 16, 32, 64, 128):

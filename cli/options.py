@@ -23,6 +23,9 @@ DtypeOpt = Annotated[Optional[str], typer.Option(help="auto, float32, bfloat16 o
                                                  rich_help_panel=ENG)]
 DeviceOpt = Annotated[Optional[str], typer.Option(help="auto, cpu, cuda or cuda:N. [default: auto]",
                                                   rich_help_panel=ENG)]
+BackendOpt = Annotated[Optional[str], typer.Option(help="auto, cpu (conveyor's C++ kernels), cuda (Triton) or torch "
+                                                       "(plain torch, any device). [default: auto]",
+                                                  rich_help_panel=ENG)]
 MaxTokensOpt = Annotated[Optional[int], typer.Option(help="Most tokens to generate per record. [default: 256]",
                                                      rich_help_panel=GEN)]
 TemperatureOpt = Annotated[Optional[float], typer.Option(help="0 = greedy. [default: 1.0]", rich_help_panel=GEN)]
@@ -71,14 +74,19 @@ MaxRecordBytesOpt = Annotated[Optional[str], typer.Option(help="A record bigger 
                                                           rich_help_panel=DATA)]
 OnErrorOpt = Annotated[Optional[str], typer.Option(help="Bad records: record (error row), skip (no row) or fail "
                                                         "(stop). [default: record]", rich_help_panel=DATA)]
-MaxNumSeqsOpt = Annotated[Optional[int], typer.Option(help="Requests running at once. [default: 64]",
+MaxNumSeqsOpt = Annotated[Optional[int], typer.Option(help="Requests running at once. [default: 64; on a GPU 256]",
                                                       rich_help_panel=ENG)]
-MaxBatchedTokensOpt = Annotated[Optional[int], typer.Option(help="Tokens per forward pass. [default: 2048]",
+MaxBatchedTokensOpt = Annotated[Optional[int], typer.Option(help="Tokens per forward pass. [default: 2048; on a GPU "
+                                                                 "8192]",
                                                             rich_help_panel=ENG)]
 NumKvBlocksOpt = Annotated[Optional[int], typer.Option(help="KV cache size in blocks (overrides "
                                                             "--kv-cache-memory).", rich_help_panel=ENG)]
-KvMemoryOpt = Annotated[Optional[str], typer.Option(help="KV cache budget, e.g. 2GiB. [default: 2GiB]",
+KvMemoryOpt = Annotated[Optional[str], typer.Option(help="KV cache budget, e.g. 2GiB. [default: 2GiB on the CPU; "
+                                                         "on a GPU what --gpu-memory-utilization leaves]",
                                                     rich_help_panel=ENG)]
+GpuMemoryOpt = Annotated[Optional[float], typer.Option(help="On a GPU: the fraction of its memory conveyor may take "
+                                                            "(weights, activations, KV cache). [default: 0.9]",
+                                                       rich_help_panel=ENG)]
 BlockSizeOpt = Annotated[Optional[int], typer.Option(help="Tokens per KV block. [default: 16]", rich_help_panel=ENG)]
 QuietOpt = Annotated[Optional[bool], typer.Option("--quiet/--no-quiet", "-q", help="No progress display.",
                                                   rich_help_panel=RUN)]

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from conveyor.cli.config import RunConfig
+from conveyor.cli.config import DEVICE_DEFAULTS, RunConfig
 from conveyor.cli.exit_codes import ExitCode, UsageError
 from conveyor.cli.run_info import write_run_info
 from conveyor.cli.stop_signals import StopController
@@ -102,16 +102,25 @@ def sampling_defaults(cfg: RunConfig) -> SamplingParams:
 
 
 def _with_resolved_device(cfg: RunConfig) -> RunConfig:
-    """The device checked (a usage error, before any model work, where it is not available) and `--dtype
-    auto` made concrete for it before the manifest records it, so that a run resumed where auto means
-    another dtype (another CPU, a GPU) is refused instead of mixing two arithmetics."""
+    """The device and backend checked (a usage error, before any model work, where they are not available),
+    the device's engine sizes filled in where not given, and `--dtype auto` made concrete for the device before
+    the manifest records it, so that a run resumed where auto means another dtype (another CPU, a GPU) is
+    refused instead of mixing two arithmetics."""
+    from conveyor.core.backends import available_backends
     from conveyor.core.model_loader import ModelLoadError, auto_dtype, resolve_device
 
     try:
         device = resolve_device(cfg.device)
     except ModelLoadError as e:
         raise UsageError(str(e)) from None
-    return cfg if cfg.dtype != "auto" else dataclasses.replace(cfg, dtype=auto_dtype(device))
+    if cfg.backend != "auto" and cfg.backend not in available_backends(device):
+        raise UsageError(f"--backend {cfg.backend}: does not run on {device} here; backends that do: "
+                         f"{', '.join(available_backends(device))} (or --backend auto)")
+    sizes = {k: v for k, v in DEVICE_DEFAULTS["cuda" if device.type == "cuda" else "cpu"].items()
+             if getattr(cfg, k) is None}
+    if cfg.dtype == "auto":
+        sizes["dtype"] = auto_dtype(device)
+    return dataclasses.replace(cfg, **sizes) if sizes else cfg
 
 
 def check_summary_path(path: str | None) -> None:
@@ -223,7 +232,9 @@ class Pipeline:
         engine_config = EngineConfig(block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
                                      max_num_batched_tokens=cfg.max_num_batched_tokens,
                                      num_kv_blocks=cfg.num_kv_blocks, kv_cache_memory=cfg.kv_cache_memory,
-                                     max_waiting=max(2 * cfg.max_num_seqs, 64), device=cfg.device, dtype=cfg.dtype)
+                                     gpu_memory_utilization=cfg.gpu_memory_utilization,
+                                     max_waiting=max(2 * cfg.max_num_seqs, 64), device=cfg.device, dtype=cfg.dtype,
+                                     backend=cfg.backend)
         self.engine = Engine.from_pretrained(cfg.model, engine_config)
         if cfg.profile:
             self.engine.enable_profiling()

@@ -8,13 +8,14 @@ from pathlib import Path
 
 from conveyor.cli.config import RunConfig, build_config
 from conveyor.cli.exit_codes import ExitCode
-from conveyor.cli.options import (BlockSizeOpt, CheckpointEveryOpt, ChoiceOpt, ConfigOpt, DeviceOpt, DtypeOpt, IdFieldOpt,
-                                  IgnoreEosOpt, InputArg, InputFormatOpt, JsonSchemaOpt, LogprobsOpt, PromptLogprobsOpt, RegexOpt, KeepFieldsOpt, KvMemoryOpt, LimitOpt,
-                                  MaxBatchedTokensOpt, MaxNumSeqsOpt, MaxRecordBytesOpt, MaxRuntimeOpt, MaxTokensOpt, MessagesFieldOpt,
-                                  MinPOpt, MinTokensOpt, ModelOpt, NumKvBlocksOpt, OnErrorOpt, OutputFormatOpt,
-                                  OutputOpt, ProfileOpt, PromptFieldOpt, QuietOpt, RestartOpt, RunDirOpt, SeedOpt,
-                                  SplitOpt, StopOpt, SummaryJsonOpt, SystemPromptOpt, TemperatureOpt, TopKOpt,
-                                  TopPOpt)
+from conveyor.cli.options import (BackendOpt, BlockSizeOpt, CheckpointEveryOpt, ChoiceOpt, ConfigOpt, DeviceOpt,
+                                  DtypeOpt, GpuMemoryOpt, IdFieldOpt, IgnoreEosOpt, InputArg, InputFormatOpt,
+                                  JsonSchemaOpt, KeepFieldsOpt, KvMemoryOpt, LimitOpt, LogprobsOpt,
+                                  MaxBatchedTokensOpt, MaxNumSeqsOpt, MaxRecordBytesOpt, MaxRuntimeOpt, MaxTokensOpt,
+                                  MessagesFieldOpt, MinPOpt, MinTokensOpt, ModelOpt, NumKvBlocksOpt, OnErrorOpt,
+                                  OutputFormatOpt, OutputOpt, ProfileOpt, PromptFieldOpt, PromptLogprobsOpt,
+                                  QuietOpt, RegexOpt, RestartOpt, RunDirOpt, SeedOpt, SplitOpt, StopOpt,
+                                  SummaryJsonOpt, SystemPromptOpt, TemperatureOpt, TopKOpt, TopPOpt)
 
 EXAMPLES = """
 Examples:
@@ -42,6 +43,7 @@ def run_command(
     model: ModelOpt = None,
     dtype: DtypeOpt = None,
     device: DeviceOpt = None,
+    backend: BackendOpt = None,
     max_tokens: MaxTokensOpt = None,
     temperature: TemperatureOpt = None,
     top_p: TopPOpt = None,
@@ -71,6 +73,7 @@ def run_command(
     max_num_batched_tokens: MaxBatchedTokensOpt = None,
     num_kv_blocks: NumKvBlocksOpt = None,
     kv_cache_memory: KvMemoryOpt = None,
+    gpu_memory_utilization: GpuMemoryOpt = None,
     block_size: BlockSizeOpt = None,
     quiet: QuietOpt = None,
     summary_json: SummaryJsonOpt = None,

@@ -31,12 +31,16 @@ class EngineConfig:
     max_num_seqs: int = 64  # requests running in one step
     max_num_batched_tokens: int = 2048  # tokens fed to one forward pass
     num_kv_blocks: int | None = None  # pool size; None = derive from kv_cache_memory
-    kv_cache_memory: str | int = "2GiB"  # budget for the KV pool when num_kv_blocks is None
+    # budget for the KV pool when num_kv_blocks is None; None = the backend's default: 2 GiB on the CPU, on a
+    # GPU what gpu_memory_utilization of its memory leaves after the weights and activations
+    kv_cache_memory: str | int | None = None
+    gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     max_waiting: int = 256  # backpressure: requests held in WAITING by generate()
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
     dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16"
-    fused_forward: bool = True  # Llama-family models on the CPU: the fused forward instead of transformers'
+    backend: str = "auto"  # "auto" | "cpu" | "cuda" | "torch" (core/backends)
+    fused_forward: bool = True  # the cpu backend, Llama-family models: the fused forward instead of transformers'
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting"):
@@ -45,6 +49,12 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 1):
             raise ValueError(f"num_kv_blocks must be a positive integer, got {self.num_kv_blocks!r}")
-        parse_memory(self.kv_cache_memory)
+        if self.kv_cache_memory is not None:
+            parse_memory(self.kv_cache_memory)
+        u = self.gpu_memory_utilization
+        if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
+            raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1], got {u!r}")
+        if self.backend not in ("auto", "cpu", "cuda", "torch"):
+            raise ValueError(f"backend must be one of auto, cpu, cuda, torch; got {self.backend!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}")

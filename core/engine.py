@@ -13,12 +13,12 @@ from dataclasses import dataclass
 
 import torch
 
-from conveyor.core import attention
 from conveyor.core.block_manager import BlockManager
-from conveyor.core.config import EngineConfig
+from conveyor.core.backends import select_backend
+from conveyor.core.config import EngineConfig, parse_memory
 from conveyor.core.detokenizer import IncrementalDetokenizer
 from conveyor.core.grammar import Grammars
-from conveyor.core.kv_cache import KVCache
+from conveyor.core.kv_cache import KVCache, kv_bytes_per_block
 from conveyor.core.logits_state import LogitsState
 from conveyor.core.model_runner import ModelRunner
 from conveyor.core.outputs import GenerationRequest, RequestOutput
@@ -78,22 +78,27 @@ class Engine:
         num_kv_heads = getattr(mc, "num_key_value_heads", None) or mc.num_attention_heads
         head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
         param = next(model.parameters())
-        num_blocks = config.num_kv_blocks or KVCache.num_blocks_for_budget(
-            config.kv_cache_memory, num_layers, num_kv_heads, head_dim, config.block_size, param.dtype)
-        layout = "plain"
-        if param.device.type == "cpu":
-            from conveyor.core.cpu_kernels import kv_layout
-
-            layout = kv_layout(param.dtype, head_dim, config.block_size, mc.num_attention_heads // num_kv_heads)
-        self.kv_cache = KVCache(num_layers, num_kv_heads, head_dim, num_blocks, config.block_size,
-                                param.dtype, param.device, layout)
+        self.backend = select_backend(model, config.backend, config.fused_forward, config.max_num_seqs,
+                                      config.max_num_batched_tokens)
+        per_block = kv_bytes_per_block(num_layers, num_kv_heads, head_dim, config.block_size, param.dtype)
+        num_blocks = config.num_kv_blocks
+        if num_blocks is None:
+            budget = self.backend.kv_budget(
+                None if config.kv_cache_memory is None else parse_memory(config.kv_cache_memory),
+                config.gpu_memory_utilization)
+            num_blocks = budget // per_block
+            if num_blocks < 1:
+                raise ValueError(f"the KV cache budget ({budget} bytes) holds no block; one block needs "
+                                 f"{per_block} bytes (--kv-cache-memory)")
+        layout = self.backend.kv_layout(head_dim, config.block_size, mc.num_attention_heads // num_kv_heads)
+        # The backend's own blocks (a scratch block for padding rows) come after the block manager's.
+        self.kv_cache = KVCache(num_layers, num_kv_heads, head_dim, num_blocks + self.backend.spare_blocks(),
+                                config.block_size, param.dtype, param.device, layout)
         self.eos_token_ids = eos_ids_of(model, tokenizer)
-        attention.register()
-        model.set_attn_implementation(attention.ATTN_IMPLEMENTATION)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.eos_token_ids)
-        self.runner = ModelRunner(model, self.kv_cache, self.eos_token_ids, config.fused_forward)
+        self.runner = ModelRunner(self.backend, self.kv_cache, self.eos_token_ids)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._grammars: Grammars | None = None  # made on the first request with a grammar
         self._logprobs: dict[str, list[TokenLogprobs]] = {}  # req_id -> one per output token so far

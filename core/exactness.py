@@ -18,20 +18,21 @@ norms, rotary, the LM head, the sampler):
    position, not per step).
 4. Sampling draws from (seed, output index) and the row's own logits only (`sampler.uniform_for`).
 
-Routes, and whether they meet it: the C++ CPU kernels in float32 and bfloat16 do, tested bitwise in
-tests/core/test_exactness_kernels.py (each kernel, random row counts) and
-tests/core/test_exactness_engine.py (real records through the engine in every configuration). The plain
-torch route (`INEXACT_ROUTES`) does not: it runs only where the kernels cannot (no compiler, a CPU
-without AVX-512, CONVEYOR_NO_KERNELS=1, a GPU), and says so when it is chosen (`inexact_reason`).
+Backends (`core/backends`), and whether they meet it: the cpu backend (conveyor's C++ kernels) in float32
+and bfloat16 does, tested bitwise in tests/core/test_exactness_kernels.py (each kernel, random row counts)
+and tests/core/test_exactness_engine.py (real records through the engine in every configuration). The
+torch and cuda backends (`INEXACT_ROUTES`) do not, and say so when chosen (`inexact_reason`).
 """
 
 from __future__ import annotations
 
-# route -> why it does not meet the contract; routes not listed meet it.
+# backend -> why it does not meet the contract; backends not listed meet it.
 INEXACT_ROUTES: dict[str, str] = {
     "torch": "torch's matmul and attention kernels choose their blocking by the shape of the step (a one-row "
              "matmul takes another kernel than a 64-row one; fresh prompts go to SDPA, other rows gather), so a "
              "record's output can change with the records batched around it",
+    "cuda": "cuBLAS chooses a matmul's kernel, and so its reduction order, by the step's row count (its paged "
+            "attention is batch-invariant), so a record's output can change with the records batched around it",
 }
 
 

@@ -1,9 +1,11 @@
-"""(torch) The paged K/V pool: one tensor per layer, addressed by slot = block_id * block_size + offset."""
+"""(torch) The paged K/V pool: one key and one value tensor per layer, in the layout of the engine's backend
+(`backends.base.KVLayout`); token slot s lives in block s // block_size at offset s % block_size."""
 
 from __future__ import annotations
 
 import torch
 
+from conveyor.core.backends.base import KVLayout
 from conveyor.core.config import parse_memory
 
 
@@ -14,32 +16,16 @@ def kv_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_
 
 
 class KVCache:
-    """One K and one V tensor per layer, in the layout the attention kernel reads (`layout`):
-
-    - "plain": keys [num_blocks, num_kv_heads, head_dim, block_size] (each block transposed, for the
-      CPU kernel's vector loop over a block's keys), values [num_blocks * block_size, num_kv_heads,
-      head_dim]; token slot s lives in block s // block_size at offset s % block_size.
-    - "pairs" (bf16 on CPUs with bf16 products, `cpu_kernels.kv_layout`): keys [num_blocks,
-      num_kv_heads, head_dim / 2, block_size, 2] and values [num_blocks, num_kv_heads, block_size / 2,
-      head_dim, 2], bf16 pairs side by side as AMX tiles and VDPBF16PS read them.
-    """
-
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device, layout: str = "plain") -> None:
+                 dtype: torch.dtype, device: torch.device, layout: KVLayout) -> None:
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.layout = layout
-        if layout == "plain":
-            key_shape = (num_blocks, num_kv_heads, head_dim, block_size)
-            value_shape = (num_blocks * block_size, num_kv_heads, head_dim)
-        elif layout == "pairs":
-            key_shape = (num_blocks, num_kv_heads, head_dim // 2, block_size, 2)
-            value_shape = (num_blocks, num_kv_heads, block_size // 2, head_dim, 2)
-        else:
-            raise ValueError(f"unknown KV layout {layout!r}")
+        key_shape = layout.key_shape(num_blocks, block_size, num_kv_heads, head_dim)
+        value_shape = layout.value_shape(num_blocks, block_size, num_kv_heads, head_dim)
         # Zeroed, not empty: masked-out slots still enter attention's weighted sum with weight 0,
         # and 0 * NaN from uninitialised memory would poison the output.
         self.keys = [torch.zeros(key_shape, dtype=dtype, device=device) for _ in range(num_layers)]

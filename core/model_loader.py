@@ -65,7 +65,7 @@ def auto_dtype(device) -> str:
     would be widened to float at every step, no faster and less precise."""
     if device.type == "cuda":
         return "bfloat16"
-    from conveyor.core.cpu_kernels import native_bf16
+    from conveyor.core.backends.cpu.kernels import native_bf16
 
     return "bfloat16" if native_bf16() else "float32"
 

@@ -91,10 +91,20 @@ def write_output(rows: Iterable[dict], path: str, output_format: str, keep_field
         return _write_openai_batch(rows, f, model_name)
 
 
+# Characters that JSON leaves raw but that line splitters (Python's str.splitlines, JavaScript) treat as line
+# ends; escaped, so that one row is one line for every reader.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def json_line(value, **kw) -> str:
+    """`value` as one line of JSON (UTF-8 kept), ending in a newline."""
+    return json.dumps(value, ensure_ascii=False, **kw).translate(_LINE_BREAKS) + "\n"
+
+
 def _write_jsonl(rows: Iterable[dict], f: IO[str], columns: tuple[str, ...]) -> int:
     num_rows = 0
     for row in rows:
-        f.write(json.dumps({c: row.get(c) for c in columns}, ensure_ascii=False, default=str) + "\n")
+        f.write(json_line({c: row.get(c) for c in columns}, default=str))
         num_rows += 1
     return num_rows
 
@@ -103,7 +113,7 @@ def _write_openai_batch(rows: Iterable[dict], f: IO[str], model_name: str) -> in
     created = int(time.time())
     num_rows = 0
     for row in rows:
-        f.write(json.dumps(_openai_line(row, model_name, created), ensure_ascii=False) + "\n")
+        f.write(json_line(_openai_line(row, model_name, created)))
         num_rows += 1
     return num_rows
 

@@ -19,7 +19,7 @@ import pytest
 from cli_helpers import (Child, assert_same_rows, journal_state, num_committed, read_rows, run_in_process,
                          tiny_args, write_jsonl)
 
-from conveyor.core.cpu_kernels import native_bf16
+from conveyor.core.backends.cpu.kernels import native_bf16
 
 TOPICS = ["the moon", "bread", "rivers", "chess", "bees", "volcanoes", "libraries", "trains", "owls", "glass",
           "tea", "bridges", "maps", "snow", "violins", "deserts"]

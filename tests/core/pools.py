@@ -1,10 +1,11 @@
-"""Test helper (torch): a KV pool in either layout of KVCache, filled from dense per-slot K/V, and the
+"""Test helper (torch): a KV pool in either layout of the cpu backend, filled from dense per-slot K/V, and the
 dense reference attention the kernels are checked against."""
 
 from __future__ import annotations
 
 import torch
 
+from conveyor.core.backends.cpu.backend import LAYOUTS
 from conveyor.core.kv_cache import KVCache
 
 
@@ -13,7 +14,7 @@ def filled_pool(keys: torch.Tensor, values: torch.Tensor, block_size: int, layou
     slot s's K/V at slot s, in `layout`."""
     slots, hkv, d = keys.shape
     num_blocks = slots // block_size
-    kv = KVCache(1, hkv, d, num_blocks, block_size, keys.dtype, torch.device("cpu"), layout)
+    kv = KVCache(1, hkv, d, num_blocks, block_size, keys.dtype, torch.device("cpu"), LAYOUTS[layout])
     k = keys.view(num_blocks, block_size, hkv, d)
     v = values.view(num_blocks, block_size, hkv, d)
     if layout == "plain":
@@ -29,7 +30,7 @@ def pool_slot(kv: KVCache, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(K, V) [Hkv, D] stored at `slot` of layer 0, whatever the layout."""
     bs = kv.block_size
     block, off = divmod(slot, bs)
-    if kv.layout == "plain":
+    if kv.layout.name == "plain":
         return kv.keys[0][block, :, :, off], kv.values[0][slot]
     k = kv.keys[0][block, :, :, off, :].reshape(kv.num_kv_heads, kv.head_dim)
     v = kv.values[0][block, :, off // 2, :, off % 2]

@@ -142,7 +142,7 @@ def test_a_fresh_process_loads_the_cached_kernels_past_a_stale_torch_lock_file()
     """The kernels cache as built by this machine's earlier tests (or built here): a later process
     imports the library directly, whatever lock file a killed process left in its folder."""
     pytest.importorskip("torch")
-    from conveyor.core.cpu_kernels import _NAME, build_tag, cpu_kernels
+    from conveyor.core.backends.cpu.kernels import _NAME, build_tag, cpu_kernels
     from conveyor.core.model_loader import cache_dir
 
     if cpu_kernels() is None:
@@ -151,7 +151,7 @@ def test_a_fresh_process_loads_the_cached_kernels_past_a_stale_torch_lock_file()
     assert (folder / f"{_NAME}.so").exists()
     (folder / "lock").write_text("")  # torch's load() waited on this forever
     try:
-        child = subprocess.run([sys.executable, "-c", "from conveyor.core.cpu_kernels import cpu_kernels; "
+        child = subprocess.run([sys.executable, "-c", "from conveyor.core.backends.cpu.kernels import cpu_kernels; "
                                 "m = cpu_kernels(); print(m.__name__, callable(m.paged_attention))"],
                                capture_output=True, text=True, timeout=120)
     finally:

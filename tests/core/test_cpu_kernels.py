@@ -9,9 +9,9 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from conveyor.core.attention import PagedBatch
-from conveyor.core.cpu_kernels import cpu_kernels, kv_layout
-from conveyor.core.fused_llama import FusedLlama
+from conveyor.core.backends.cpu.backend import LAYOUTS, CpuAttention, kv_layout
+from conveyor.core.backends.cpu.kernels import cpu_kernels
+from conveyor.core.backends.cpu.fused_llama import FusedLlama
 from conveyor.core.kv_cache import KVCache
 from pools import pool_slot
 
@@ -50,7 +50,8 @@ def test_rope_store_is_bit_identical_to_transformers_and_fills_the_pool(layout, 
     k = qkv[:, H * D:(H + Hkv) * D].view(T, Hkv, D).transpose(0, 1).unsqueeze(0)
     want_q, want_k = apply_rotary_pos_emb(q, k, cos.unsqueeze(0), sin.unsqueeze(0))
     v = qkv[:, (H + Hkv) * D:].view(T, Hkv, D).clone()
-    kv = KVCache(1, Hkv, D, num_blocks=8, block_size=bs, dtype=dtype, device=torch.device("cpu"), layout=layout)
+    kv = KVCache(1, Hkv, D, num_blocks=8, block_size=bs, dtype=dtype, device=torch.device("cpu"),
+                 layout=LAYOUTS[layout])
     kv.values[0].fill_(float("nan"))  # what an earlier owner might have left
     slots = [9, 10, 11, 12, 30, 2, 13]
     work = qkv.clone()
@@ -70,7 +71,8 @@ def test_store_kv_writes_what_rope_store_writes(layout, dtype):
     g = torch.Generator().manual_seed(4)
     T, Hkv, D, bs = 5, 2, 32, 4
     k, v = (torch.randn(T, Hkv, D, generator=g).to(dtype) for _ in range(2))
-    kv = KVCache(1, Hkv, D, num_blocks=8, block_size=bs, dtype=dtype, device=torch.device("cpu"), layout=layout)
+    kv = KVCache(1, Hkv, D, num_blocks=8, block_size=bs, dtype=dtype, device=torch.device("cpu"),
+                 layout=LAYOUTS[layout])
     slots = [4, 5, 17, 30, 0]
     ops.store_kv(k, v, torch.tensor(slots), kv.keys[0], kv.values[0])
     for t, slot in enumerate(slots):
@@ -142,7 +144,7 @@ def _fused_logits(model, prompts, block_size=16):
     dtype = next(model.parameters()).dtype
     layout = kv_layout(dtype, head_dim, block_size, mc.num_attention_heads // mc.num_key_value_heads)
     kv = KVCache(mc.num_hidden_layers, mc.num_key_value_heads, head_dim, num_blocks=64, block_size=block_size,
-                 dtype=dtype, device=torch.device("cpu"), layout=layout)
+                 dtype=dtype, device=torch.device("cpu"), layout=LAYOUTS[layout])
     fused = FusedLlama.build(model, ops)
     assert fused is not None
     tables = [list(range(1 + 8 * i, 9 + 8 * i)) for i in range(len(prompts))]
@@ -168,11 +170,8 @@ def _fused_logits(model, prompts, block_size=16):
 
 def _batch(kv, slots, block_size, tables, reqs, ctxs):
     """Every row through the paged kernel: row i of request reqs[i] sees its first ctxs[i] keys."""
-    s = torch.tensor(slots)
-    return PagedBatch(keys=kv.keys, values=kv.values, slot_mapping=s, slot_block=s // block_size,
-                      slot_offset=s % block_size, block_size=block_size, kernel=ops.paged_attention,
-                      store_kv=ops.store_kv, tables=torch.tensor(tables), token_req=torch.tensor(list(reqs)),
-                      token_ctx=torch.tensor(list(ctxs)))
+    return CpuAttention(ops, kv, torch.tensor(slots), torch.tensor(tables), torch.tensor(list(reqs)),
+                        torch.tensor(list(ctxs)))
 
 
 @pytest.mark.parametrize("make", [

@@ -2,7 +2,7 @@
 
 import platform
 
-from conveyor.core.cpu_kernels import cpu_identity, cpu_tag, kernels_pay_off
+from conveyor.core.backends.cpu.kernels import cpu_identity, cpu_tag, kernels_pay_off
 
 XEON = "processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: Intel(R) Xeon(R) Platinum\nflags\t\t: fpu avx2 avx512f amx_tile\n" \
        "\nprocessor\t: 1\nmodel name\t: Intel(R) Xeon(R) Platinum\nflags\t\t: fpu avx2 avx512f amx_tile\n"

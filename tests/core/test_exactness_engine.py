@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conveyor.core import EngineConfig, GenerationRequest, SamplingParams
-from conveyor.core.cpu_kernels import cpu_identity, cpu_kernels
+from conveyor.core.backends.cpu.kernels import cpu_identity, cpu_kernels
 from conveyor.core.engine import Engine
 
 pytestmark = pytest.mark.slow

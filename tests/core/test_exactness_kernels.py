@@ -17,8 +17,8 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from conveyor.core.cpu_kernels import cpu_kernels
-from conveyor.core.fused_llama import pack_amx, pack_pairs, pack_panels
+from conveyor.core.backends.cpu.kernels import cpu_kernels
+from conveyor.core.backends.cpu.fused_llama import pack_amx, pack_pairs, pack_panels
 from pools import filled_pool
 
 ops = cpu_kernels()

@@ -10,7 +10,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from conveyor.core import EngineConfig, GenerationRequest, Grammar, SamplingParams
-from conveyor.core.cpu_kernels import cpu_kernels
+from conveyor.core.backends.cpu.kernels import cpu_kernels
 from conveyor.core.engine import Engine
 from conveyor.core.logits_processors import Processors
 from conveyor.core.logits_state import LogitsState

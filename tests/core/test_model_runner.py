@@ -8,18 +8,20 @@ can no longer run without the engine.
 from __future__ import annotations
 
 import copy
-import dataclasses
+import os
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from conveyor.core import EngineConfig, GenerationRequest, SamplingParams
-from conveyor.core.attention import ATTN_IMPLEMENTATION
+from conveyor.core.backends import select_backend
+from conveyor.core.backends.transformers_forward import ATTN_IMPLEMENTATION
 from conveyor.core.engine import Engine
 from conveyor.core.kv_cache import KVCache
 from conveyor.core.model_runner import ModelRunner
 from conveyor.core.schedule_types import ScheduledRequest, SchedulerOutput
+from routes import ROUTES, route_config
 
 VOCAB = 256
 MAX_TOKENS = 16
@@ -82,29 +84,21 @@ def references(ref_model):
     return {tuple(p): _generate(ref_model, p) for p in PROMPTS + PREFIX_PROMPTS}
 
 
-@pytest.fixture(params=["fused", "fused-fallback", "eager", "eager-fallback"])
-def attention_path(request):
-    """The forward (fused Llama forward, or transformers' own with the paged attention) and the
-    attention over the pool (C++ kernel, or "fallback": gather + SDPA)."""
+@pytest.fixture(params=ROUTES)
+def route(request):
+    """The backend and forward the engine takes (tests/core/routes.py)."""
     return request.param
 
 
-def _use_path(runner: ModelRunner, attention_path: str) -> None:
-    if attention_path.startswith("fused") and runner.fused is None:
-        pytest.skip("the fused forward is unavailable here (no C++ kernels): the eager runs cover it")
-    if attention_path.endswith("fallback"):
-        if getattr(runner, "kernel", None) is None:
-            pytest.skip("the runner has no C++ kernel here: the default run already used the fallback")
-        runner.kernel = None
+def _engine(model, config: EngineConfig, route: str = "cpu") -> Engine:
+    """An engine on the tiny model along `route` (skips where it does not run here)."""
+    return Engine(model, CharTokenizer(), route_config(route, config))
 
 
-def _engine(model, config: EngineConfig, attention_path: str = "fused") -> Engine:
-    """An engine on the tiny model along one of the `attention_path` routes."""
-    if attention_path.startswith("eager"):
-        config = dataclasses.replace(config, fused_forward=False)
-    engine = Engine(model, CharTokenizer(), config)
-    _use_path(engine.runner, attention_path)
-    return engine
+def _interpreted_once(route: str, chosen: bool) -> None:
+    """The cuda route runs in Triton's interpreter here (~15 s an engine run): one case of each test is enough."""
+    if route == "cuda" and not chosen and os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("the cuda route in Triton's interpreter: another case of this test covers it")
 
 
 def _run(engine: Engine, prompts: list[list[int]], sampling=GREEDY) -> list[list[int]]:
@@ -144,16 +138,14 @@ def _last_logits(ref_model, tokens):
     return ref_model(torch.tensor([tokens])).logits[0, -1]
 
 
-def test_runner_logits_match_the_model_across_prefills_chunks_decodes_and_shared_blocks(model, ref_model,
-                                                                                        attention_path):
-    from conveyor.core.attention import register
-    register()
-    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+def test_runner_logits_match_the_model_across_prefills_chunks_decodes_and_shared_blocks(model, ref_model, route):
+    config = route_config(route, EngineConfig())
+    backend = select_backend(model, config.backend, config.fused_forward)
     mc = model.config
-    kv = KVCache(mc.num_hidden_layers, mc.num_key_value_heads, mc.hidden_size // mc.num_attention_heads,
-                 num_blocks=24, block_size=4, dtype=torch.float32, device=torch.device("cpu"))
-    runner = ModelRunner(model, kv, eos_token_ids=(), fused_forward=attention_path.startswith("fused"))
-    _use_path(runner, attention_path)
+    head_dim = mc.hidden_size // mc.num_attention_heads
+    kv = KVCache(mc.num_hidden_layers, mc.num_key_value_heads, head_dim, num_blocks=24, block_size=4,
+                 dtype=torch.float32, device=torch.device("cpu"), layout=backend.kv_layout(head_dim, 4, 2))
+    runner = ModelRunner(backend, kv, eos_token_ids=())
     capture = _CapturingSampler()
     runner.sampler = capture
     g = torch.Generator().manual_seed(7)
@@ -185,7 +177,7 @@ def test_bf16_pools_are_bf16_pairs_where_the_cpu_has_bf16_products_and_every_row
     """bf16 on CPUs with AMX or AVX512-BF16: the engine's pool is in the pair layout and every row, prompts
     from position 0 included, goes through the kernel's bf16 products; logits stay close to transformers'
     own bf16 forward."""
-    from conveyor.core.cpu_kernels import cpu_kernels
+    from conveyor.core.backends.cpu.kernels import cpu_kernels
 
     ops = cpu_kernels()
     if not (ops and ops.kv_pairs(True, 64, 16, 2)):
@@ -199,11 +191,11 @@ def test_bf16_pools_are_bf16_pairs_where_the_cpu_has_bf16_products_and_every_row
     model = LlamaForCausalLM(copy.deepcopy(cfg)).eval().to(torch.bfloat16)  # its own config: the engine changes it
     model.load_state_dict(ref.state_dict())
     engine = Engine(model, CharTokenizer(), EngineConfig(num_kv_blocks=32))
-    assert engine.kv_cache.layout == "pairs" and engine.runner.fused is not None
-    assert Engine(model, CharTokenizer(), EngineConfig(num_kv_blocks=32, block_size=8)).kv_cache.layout == "plain"
+    assert engine.kv_cache.layout.name == "pairs" and engine.backend.fused is not None
+    assert Engine(model, CharTokenizer(), EngineConfig(num_kv_blocks=32, block_size=8)).kv_cache.layout.name == "plain"
     runner = engine.runner
-    _, _, batch, _, _ = runner._prepare([_entry("a", [1, 2, 3], 0, [4])])
-    assert batch.fresh_chunks == [] and batch.token_ctx.tolist() == [1, 2, 3]
+    step = engine.backend.prepare(runner.flatten([_entry("a", [1, 2, 3], 0, [4])]))
+    assert step.attention.token_ctx.tolist() == [1, 2, 3]
     capture = _CapturingSampler()
     runner.sampler = capture
     g = torch.Generator().manual_seed(3)
@@ -222,8 +214,9 @@ def test_bf16_pools_are_bf16_pairs_where_the_cpu_has_bf16_products_and_every_row
     dict(block_size=4, num_kv_blocks=1024),
     dict(block_size=16, num_kv_blocks=256, max_num_seqs=3),
 ], ids=["block16", "block4", "max_num_seqs=3"])
-def test_engine_greedy_equals_generate(model, references, kw, attention_path):
-    engine = _engine(model, EngineConfig(**kw), attention_path)
+def test_engine_greedy_equals_generate(model, references, kw, route):
+    _interpreted_once(route, False)  # the tests below run every prompt through it
+    engine = _engine(model, EngineConfig(**kw), route)
     outs = _run(engine, PROMPTS)
     assert outs == [references[tuple(p)] for p in PROMPTS]
     assert engine.stats().num_preemptions == 0
@@ -231,34 +224,37 @@ def test_engine_greedy_equals_generate(model, references, kw, attention_path):
 
 @pytest.mark.parametrize("block_size, num_kv_blocks", [(4, 32), (16, 9)])
 def test_engine_greedy_equals_generate_with_a_pool_that_forces_preemption(model, references, block_size,
-                                                                        num_kv_blocks, attention_path):
-    engine = _engine(model, EngineConfig(block_size=block_size, num_kv_blocks=num_kv_blocks), attention_path)
+                                                                        num_kv_blocks, route):
+    _interpreted_once(route, block_size == 4)
+    engine = _engine(model, EngineConfig(block_size=block_size, num_kv_blocks=num_kv_blocks), route)
     outs = _run(engine, PROMPTS)
     assert engine.stats().num_preemptions > 0
     assert outs == [references[tuple(p)] for p in PROMPTS]
 
 
 @pytest.mark.parametrize("budget", [16, 5])
-def test_engine_greedy_equals_generate_with_chunked_prefill(model, references, budget, attention_path):
+def test_engine_greedy_equals_generate_with_chunked_prefill(model, references, budget, route):
+    _interpreted_once(route, budget == 16)
     assert max(map(len, PROMPTS)) > 4 * budget
     engine = _engine(model, EngineConfig(block_size=4, num_kv_blocks=512, max_num_batched_tokens=budget),
-                     attention_path)
+                     route)
     outs = _run(engine, PROMPTS)
     assert outs == [references[tuple(p)] for p in PROMPTS]
 
 
-def test_engine_greedy_equals_generate_with_prefix_sharing(model, references, attention_path):
-    engine = _engine(model, EngineConfig(block_size=4, num_kv_blocks=512, max_num_seqs=2), attention_path)
+def test_engine_greedy_equals_generate_with_prefix_sharing(model, references, route):
+    _interpreted_once(route, False)  # the next test shares prefixes too
+    engine = _engine(model, EngineConfig(block_size=4, num_kv_blocks=512, max_num_seqs=2), route)
     outs = _run(engine, PREFIX_PROMPTS)
     stats = engine.stats()
     assert stats.num_cached_prompt_tokens >= 8 * 40 and stats.prefix_cache_hit_rate > 0.5
     assert outs == [references[tuple(p)] for p in PREFIX_PROMPTS]
 
 
-def test_engine_greedy_equals_generate_with_prefix_sharing_and_preemption(model, references, attention_path):
+def test_engine_greedy_equals_generate_with_prefix_sharing_and_preemption(model, references, route):
     prompts = PREFIX_PROMPTS + PROMPTS[:6]
     engine = _engine(model, EngineConfig(block_size=4, num_kv_blocks=40, max_num_batched_tokens=24),
-                     attention_path)
+                     route)
     outs = _run(engine, prompts)
     stats = engine.stats()
     assert stats.num_preemptions > 0 and stats.num_cached_prompt_tokens > 0
@@ -368,7 +364,7 @@ def test_generate_pulls_requests_lazily(model):
 
 def test_the_engine_owns_the_attention_implementation_of_its_model(model, references):
     engine = Engine(model, CharTokenizer(), EngineConfig(block_size=4, num_kv_blocks=64, fused_forward=False))
-    with pytest.raises(RuntimeError, match="PagedBatch"):  # plain forward passes no longer work
+    with pytest.raises(RuntimeError, match="metadata"):  # plain forward passes no longer work
         _generate(model, PROMPTS[0], 2)
     model.set_attn_implementation("sdpa")  # switching back would silently give wrong tokens
     engine.add_request(GenerationRequest("x", PROMPTS[0], GREEDY))

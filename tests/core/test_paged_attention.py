@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conveyor.core.cpu_kernels import cpu_identity, cpu_kernels, kernel_arch
+from conveyor.core.backends.cpu.kernels import cpu_identity, cpu_kernels, kernel_arch
 from pools import filled_pool, reference_attention
 
 ops = cpu_kernels()

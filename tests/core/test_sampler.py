@@ -30,7 +30,7 @@ def sampler(request) -> Sampler:
     """The torch ops, and conveyor's C++ kernels (argmax and sampling) where they build."""
     if request.param == "torch":
         return Sampler([EOS])
-    from conveyor.core.cpu_kernels import cpu_kernels
+    from conveyor.core.backends.cpu.kernels import cpu_kernels
 
     ops = cpu_kernels()
     if ops is None:

@@ -97,6 +97,17 @@ def test_jsonl(tmp_path):
     assert lines[1] == {**{k: v for k, v in error_row(1).items() if k != KIND_KEY}, "category": None}
 
 
+@pytest.mark.parametrize("fmt", ["jsonl", "openai-batch"])
+def test_a_row_is_one_line_for_every_line_splitter(tmp_path, fmt):
+    """U+0085, U+2028 and U+2029 are legal raw in JSON strings but end lines for str.splitlines and JavaScript:
+    they are written escaped."""
+    path = tmp_path / "out.jsonl"
+    text = "a\x85b\u2028c\u2029d"
+    write_output(iter([ok_row(0, output=text), ok_row(1)]), str(path), fmt)
+    lines = path.read_text(encoding="utf-8").splitlines()
+    assert len(lines) == 2 and text in json.dumps(json.loads(lines[0]), ensure_ascii=False)
+
+
 def test_openai_batch(tmp_path):
     path = tmp_path / "out.jsonl"
     rows = [ok_row(0), error_row(1), {**ok_row(2), KIND_KEY: "completion", "finish_reason": "length"}]

@@ -5,15 +5,15 @@ the Llama-family forward (`fused_ops.cpp`), the sampler's greedy argmax and temp
 (`sampling.cpp`), and the linears: float multiply-adds over weight panels (`panel_gemm.cpp`), bf16
 pair products (`pair_gemm.cpp`, compiled in where the compiler targets AVX512-BF16) and bf16 on AMX
 tiles (`amx_gemm.cpp`, where it targets AMX). The build needs a C++
-compiler and ninja; where either is missing, `cpu_kernels()` returns None: attention falls back to
-gathering K/V for torch's SDPA, the model runs its eager transformers forward and the sampler its
-torch ops (correct, slower). CPUs without AVX-512 run that fallback too (`kernels_pay_off`).
+compiler and ninja; where either is missing, `cpu_kernels()` returns None and the engine takes the torch
+backend (`core/backends/sdpa.py`: correct, slower, not batch-invariant). CPUs without AVX-512 take it too
+(`kernels_pay_off`).
 The build is tuned for the CPU it runs on (`-march=native`), so it is cached per CPU, torch version
 and source (`kernels/py311-<build tag>`): a cache directory shared between machines (a home
 directory on a cluster) never hands one CPU a build with another's instructions, which would die of
 SIGILL. It is built once under a lock that a killed builder cannot leave behind (`cache_build.py`),
 and later runs import the cached library directly.
-Set CONVEYOR_NO_KERNELS=1 to force that fallback, CONVEYOR_KERNEL_ARCH to build for a named -march
+Set CONVEYOR_NO_KERNELS=1 to force the torch backend, CONVEYOR_KERNEL_ARCH to build for a named -march
 instead of this CPU, CONVEYOR_NO_AMX=1 to run the routes of CPUs without AMX tiles on one that has them. The kernel sources include only the ATen headers
 they use, not torch/extension.h: the first build takes ~35 s on 2 cores instead of ~80.
 """
@@ -91,17 +91,6 @@ def native_bf16() -> bool:
     AVX512-BF16 pair products (elsewhere bf16 is widened to float at every step: no faster than float32)."""
     ops = cpu_kernels()
     return ops is not None and bool(ops.amx_gemm_available() or ops.pair_gemm_available())
-
-
-def kv_layout(dtype, head_dim: int, block_size: int, group: int) -> str:
-    """The KV pool layout the kernels read for this model shape: "pairs" where bf16 attention runs as bf16
-    products (AMX tiles or AVX512-BF16; head_dim 64, block size 16), else "plain"."""
-    import torch
-
-    ops = cpu_kernels()
-    if ops is not None and ops.kv_pairs(dtype == torch.bfloat16, head_dim, block_size, group):
-        return "pairs"
-    return "plain"
 
 
 def kernels_pay_off(flags: list[str]) -> bool:

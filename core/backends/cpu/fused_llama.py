@@ -10,7 +10,7 @@ step (the exactness contract, `conveyor.core.exactness`).
 
 `FusedLlama.build(model)` returns None for anything it does not cover (other architectures,
 biases in norms, sliding windows, non-SiLU MLPs, devices other than the CPU, missing kernels); the
-runner then uses the transformers forward with the "conveyor_paged" attention instead.
+CPU backend then runs the model's transformers forward with its attention instead.
 """
 
 from __future__ import annotations
@@ -18,13 +18,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from conveyor.core.attention import PagedBatch, attend
+from typing import TYPE_CHECKING
 
-# Architectures whose decoder layer is exactly: RMSNorm -> q/k/v (optional bias) -> rotary ->
-# causal attention -> o_proj -> +residual -> RMSNorm -> SiLU-gated MLP -> +residual.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-ROPE_BLOCK = 4096  # positions per extension of the rotary tables
+from conveyor.core.backends.llama_family import RotaryTable, is_plain_llama
 
+if TYPE_CHECKING:
+    from conveyor.core.backends.cpu.backend import CpuAttention
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     """W [N, K] -> [ceil(N / 32), K, 32]: 32-column panels of W.T, each contiguous (zero-padded)."""
@@ -130,7 +129,6 @@ class FusedLlama:
         inner = model.model
         self.ops = ops
         self.embed = inner.embed_tokens.weight.detach()
-        self.rotary = inner.rotary_emb
         self.layers = [_Layer(layer, ops) for layer in inner.layers]
         self.norm = inner.norm.weight.detach()
         self.norm_eps = float(inner.norm.variance_epsilon)
@@ -140,56 +138,28 @@ class FusedLlama:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.scale = inner.layers[0].self_attn.scaling
         self.logit_scale = getattr(cfg, "logits_scaling", None)
-        self.cos = self.embed.new_empty(0, self.head_dim)  # rotary tables, grown by _rotary_rows
-        self.sin = self.embed.new_empty(0, self.head_dim)
+        self.rotary = RotaryTable(inner.rotary_emb, self.embed)
 
     @classmethod
     def build(cls, model: torch.nn.Module, ops) -> FusedLlama | None:
         """A FusedLlama over `model`'s weights, or None where this forward does not apply."""
         if ops is None or not hasattr(ops, "rms_norm"):
             return None
-        cfg = model.config
-        if getattr(cfg, "model_type", None) not in SUPPORTED_MODEL_TYPES:
-            return None
-        if next(model.parameters()).device.type != "cpu":
-            return None
-        if getattr(cfg, "hidden_act", "silu") != "silu":
-            return None
-        if getattr(cfg, "sliding_window", None) is not None and getattr(cfg, "use_sliding_window", True):
-            return None
-        inner = getattr(model, "model", None)
-        try:
-            layers = list(inner.layers)
-            expected = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
-            for layer in layers:
-                if {name for name, _ in layer.named_children()} != expected:
-                    return None  # extra norms (q_norm, k_norm, ...): not this architecture
-                if {name for name, _ in layer.self_attn.named_children()} != {"q_proj", "k_proj", "v_proj", "o_proj"}:
-                    return None
-                if {name for name, _ in layer.mlp.named_children()} != {"gate_proj", "up_proj", "down_proj", "act_fn"}:
-                    return None
-                for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-                    if {name for name, _ in norm.named_parameters()} != {"weight"}:
-                        return None
-            if not hasattr(inner, "rotary_emb") or not hasattr(inner.norm, "variance_epsilon"):
-                return None
-        except AttributeError:
-            return None
-        if getattr(cfg, "logits_scaling", None) is not None or getattr(cfg, "final_logit_softcapping", None):
+        if next(model.parameters()).device.type != "cpu" or not is_plain_llama(model):
             return None
         return cls(model, ops)
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: PagedBatch,
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: CpuAttention,
                  sample_rows: torch.Tensor) -> torch.Tensor:
         ops = self.ops
         H = self.num_heads
         h = F.embedding(input_ids, self.embed)  # [T, hidden]; the residual stream, updated in place
-        cos, sin = self._rotary_rows(positions)
+        cos, sin = self.rotary(positions)
         delta = None
         for i, layer in enumerate(self.layers):
             x = ops.rms_norm(h, delta, layer.norm_in, layer.eps_in)  # h += delta (the last MLP's output)
             qkv = layer.qkv(x)
-            ops.rope_store(qkv, cos, sin, batch.slot_mapping, batch.keys[i], batch.values[i], H)
+            ops.rope_store(qkv, cos, sin, batch.slot_mapping, batch.kv.keys[i], batch.kv.values[i], H)
             attn = self._attention(qkv, batch, i)
             x = ops.rms_norm(h, layer.o(attn), layer.norm_post, layer.eps_post)  # h += attention output
             delta = layer.down(ops.silu_mul(layer.gate_up(x)))
@@ -197,19 +167,7 @@ class FusedLlama:
         x = ops.rms_norm(rows, delta.index_select(0, sample_rows), self.norm, self.norm_eps)
         return self.lm_head(x)
 
-    def _rotary_rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, head_dim] of each position, looked up in a table of every position so far: computed by
-        the model's own rotary module ROPE_BLOCK positions at a time, so a position's values never depend on
-        the step it comes in (torch's vectorized cos/sin would round a step's tail elements apart)."""
-        need = int(positions.max()) + 1
-        while self.cos.shape[0] < need:
-            start = self.cos.shape[0]
-            cos, sin = self.rotary(self.embed[:1], torch.arange(start, start + ROPE_BLOCK).unsqueeze(0))
-            self.cos = torch.cat([self.cos, cos[0]])
-            self.sin = torch.cat([self.sin, sin[0]])
-        return self.cos.index_select(0, positions), self.sin.index_select(0, positions)
-
-    def _attention(self, qkv: torch.Tensor, batch: PagedBatch, layer: int) -> torch.Tensor:
+    def _attention(self, qkv: torch.Tensor, batch: CpuAttention, layer: int) -> torch.Tensor:
         """qkv [T, (H + 2 Hkv) D] (rotated, K/V already in the pool) -> attention output [T, H D]; the kernel
         reads q in place from qkv."""
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
@@ -217,4 +175,4 @@ class FusedLlama:
         q = qkv[:, :H * D].view(T, H, D)
         k = qkv[:, H * D:(H + Hkv) * D].view(T, Hkv, D)
         v = qkv[:, (H + Hkv) * D:].view(T, Hkv, D)
-        return attend(q, k, v, batch.keys[layer], batch.values[layer], batch, self.scale).reshape(T, H * D)
+        return batch.attend(layer, q, k, v, self.scale).reshape(T, H * D)

@@ -1,0 +1,137 @@
+"""(torch) The backend seam: what differs between devices, behind one interface the model runner calls.
+
+A backend owns
+- the KV pool's layout (`kv_layout`) and how much memory the pool may take (`kv_budget`);
+- the per-step metadata built from the scheduler's plan (`prepare`: `StepRows` of plain lists in, a
+  `Step` of device tensors out, whose `attention` stores each layer's new K/V and attends through the pool);
+- the forward pass (`forward`: a `Step` in, logits at its logit rows out);
+- the sampler's device ops (`sampler_ops`) and whether it meets the exactness contract (`exact`,
+  `conveyor.core.exactness`).
+
+The model runner and the engine know no kernel: they ask their backend. Backends: `cpu` (conveyor's C++
+kernels and fused forward), `cuda` (Triton paged attention, CUDA graphs), `torch` (plain torch: SDPA
+over gathered K/V, any device, the reference everything else is checked against).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from conveyor.core.schedule_types import ScheduledRequest
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Shapes of one layer's key and value tensors in a pool of `num_blocks` blocks."""
+
+    name: str
+    key_shape: Callable[[int, int, int, int], tuple[int, ...]]  # (num_blocks, block_size, kv_heads, head_dim)
+    value_shape: Callable[[int, int, int, int], tuple[int, ...]]
+
+
+# keys and values alike [num_blocks, block_size, kv_heads, head_dim]: a token slot's K (or V) is one row
+# of a [num_blocks * block_size, kv_heads, head_dim] view. The torch and CUDA backends read it.
+FLASH = KVLayout("flash", lambda n, bs, h, d: (n, bs, h, d), lambda n, bs, h, d: (n, bs, h, d))
+
+
+@dataclass
+class StepRows:
+    """One step flattened, as plain lists (built by the model runner from the plan, the same for every
+    backend): the step's rows are the scheduled entries' tokens, in entry order."""
+
+    entries: list[ScheduledRequest]
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]  # where each row's K/V goes: block_id * block_size + offset
+    logit_rows: list[int]  # rows whose logits are wanted: the sampled ones, then prompt-logprob rows
+    num_sampled: int  # logit_rows[:num_sampled] are sampled
+
+
+class StepAttention(ABC):
+    """Per-step attention metadata, shared by every layer."""
+
+    @abstractmethod
+    def store(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+        """Write the step's new keys / values [T, kv_heads, head_dim] into the pool at their slots."""
+
+    @abstractmethod
+    def attend(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        """q [T, heads, head_dim] (already stored: k_new / v_new) -> each row attending to its request's keys
+        up to its own position, [T, heads, head_dim] in q's dtype."""
+
+
+@dataclass
+class Step:
+    """One step on the device: what `Backend.forward` reads."""
+
+    rows: StepRows
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    logit_rows: torch.Tensor  # [L]
+    attention: StepAttention
+    extra: dict = field(default_factory=dict)  # backend-specific
+
+
+@dataclass(frozen=True)
+class SamplerOps:
+    """The sampler's faster exact routines for this device, or None for torch's (see `core/sampler.py`)."""
+
+    argmax: Callable | None = None
+    sample_rows: Callable | None = None
+    apply_bitmask: Callable | None = None
+
+
+class Backend(ABC):
+    name: str = "?"
+    exact: bool = False  # meets the exactness contract
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+
+    @abstractmethod
+    def kv_layout(self, head_dim: int, block_size: int, group: int) -> KVLayout:
+        """The pool layout for this model shape (group: query heads per KV head)."""
+
+    def kv_budget(self, kv_cache_memory: int | None, gpu_memory_utilization: float) -> int:
+        """Bytes the KV pool may take: `kv_cache_memory` where given, else the backend's default (2 GiB; on a
+        GPU, what `gpu_memory_utilization` of its memory leaves free)."""
+        return kv_cache_memory if kv_cache_memory is not None else 2 << 30
+
+    def spare_blocks(self) -> int:
+        """Pool blocks the backend keeps for itself beyond the block manager's (padding rows' scratch)."""
+        return 0
+
+    def bind(self, kv_cache) -> None:
+        """Called once with the engine's pool, before the first step."""
+        self.kv_cache = kv_cache
+
+    @abstractmethod
+    def prepare(self, rows: StepRows) -> Step:
+        """The step's tensors and attention metadata on the device."""
+
+    @abstractmethod
+    def forward(self, step: Step) -> torch.Tensor:
+        """Logits [len(step.rows.logit_rows), vocab] of the step's logit rows."""
+
+    def sampler_ops(self) -> SamplerOps:
+        return SamplerOps()
+
+    def inexact_reason(self) -> str | None:
+        """Why this backend does not meet the exactness contract, or None where it does."""
+        from conveyor.core.exactness import inexact_reason
+
+        return None if self.exact else inexact_reason(self.name)
+
+    def describe(self) -> str:
+        return self.name
+
+
+def tensor(values: list, device: torch.device, dtype=torch.long) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype, device=device)

@@ -1,0 +1,123 @@
+"""(torch) The torch backend: plain torch on any device, the reference the other backends are checked against.
+
+The model's transformers forward with this attention: a fresh prompt chunk (nothing cached before it) attends
+within itself in one causal SDPA call; every other row gathers its request's K/V from the pool into padded
+tensors for SDPA (one gather for all decodes, one per continuing chunk). KV pool: the "flash" layout. It does
+not meet the exactness contract (torch picks its kernels by the step's shape) and says so when chosen; the
+engine takes it where no other backend runs (no C++ compiler, a CPU without AVX-512, CONVEYOR_NO_KERNELS=1,
+`--backend torch`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from conveyor.core.backends.base import FLASH, Backend, KVLayout, Step, StepAttention, StepRows, tensor
+from conveyor.core.backends.transformers_forward import register, transformers_forward
+from conveyor.core.schedule_types import ScheduledRequest
+
+
+@dataclass
+class GatheredRows:
+    """K/V gathered from the pool into padded tensors for SDPA: either n one-token queries (decodes: mask
+    [n, 1, 1, L]) or one prefill chunk continuing a cached prefix (rows [start, end), slots [1, L], mask
+    [1, 1, n, L])."""
+
+    rows: torch.Tensor | slice  # rows of the flat batch
+    slots: torch.Tensor  # [b, L] pool slots to gather (padded with slot 0)
+    mask: torch.Tensor  # bool, True = attend
+    is_decode: bool
+
+
+class SdpaAttention(StepAttention):
+    def __init__(self, kv_cache, slot_mapping: torch.Tensor, fresh_chunks: list[tuple[int, int]],
+                 gathered: list[GatheredRows]) -> None:
+        self.kv = kv_cache
+        self.slot_mapping = slot_mapping
+        self.fresh_chunks = fresh_chunks  # [start, end) rows of prompt chunks with nothing cached
+        self.gathered = gathered  # every other row
+
+    def _flat(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = self.kv.keys[layer], self.kv.values[layer]
+        return k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:])  # [slots, Hkv, D]
+
+    def store(self, layer, k_new, v_new) -> None:
+        k, v = self._flat(layer)
+        k.index_copy_(0, self.slot_mapping, k_new.to(k.dtype))
+        v.index_copy_(0, self.slot_mapping, v_new.to(v.dtype))
+
+    def attend(self, layer, q, k_new, v_new, scale) -> torch.Tensor:
+        k_pool, v_pool = self._flat(layer)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        for g in self.gathered:
+            k = k_pool[g.slots].transpose(1, 2).to(q.dtype)  # [b, Hkv, L, D]
+            v = v_pool[g.slots].transpose(1, 2).to(q.dtype)
+            qb = q[g.rows].unsqueeze(2) if g.is_decode else q[g.rows].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qb, k, v, attn_mask=g.mask, scale=scale, enable_gqa=True)
+            out[g.rows] = o.squeeze(2) if g.is_decode else o[0].transpose(0, 1)
+        for start, end in self.fresh_chunks:
+            qc, kc, vc = (t[start:end].transpose(0, 1).unsqueeze(0).to(q.dtype) for t in (q, k_new, v_new))
+            o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=scale, enable_gqa=True)
+            out[start:end] = o[0].transpose(0, 1)
+        return out
+
+
+class TorchBackend(Backend):
+    name = "torch"
+    exact = False
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__(model)
+        register(model)
+
+    def kv_layout(self, head_dim: int, block_size: int, group: int) -> KVLayout:
+        return FLASH
+
+    def prepare(self, rows: StepRows) -> Step:
+        fresh: list[tuple[int, int]] = []
+        paged: list[tuple[int, ScheduledRequest]] = []  # (first row, entry) attending through the pool
+        row = 0
+        for e in rows.entries:
+            if e.start_pos == 0 and e.num_tokens > 1:
+                fresh.append((row, row + e.num_tokens))
+            else:
+                paged.append((row, e))
+            row += e.num_tokens
+        dev = self.device
+        attention = SdpaAttention(self.kv_cache, tensor(rows.slots, dev), fresh, self._gathered(paged))
+        return Step(rows, tensor(rows.input_ids, dev), tensor(rows.positions, dev), tensor(rows.logit_rows, dev),
+                    attention)
+
+    def forward(self, step: Step) -> torch.Tensor:
+        return transformers_forward(self.model, step)
+
+    def _gathered(self, paged: list[tuple[int, ScheduledRequest]]) -> list[GatheredRows]:
+        dev = self.device
+        out = []
+        decodes = [(row, e) for row, e in paged if e.num_tokens == 1]
+        if decodes:
+            lens = [e.context_len for _, e in decodes]
+            slots = self._slots([e.block_ids for _, e in decodes], max(lens))
+            mask = torch.arange(max(lens), device=dev).unsqueeze(0) < tensor(lens, dev).unsqueeze(1)
+            out.append(GatheredRows(tensor([row for row, _ in decodes], dev), slots, mask[:, None, None, :], True))
+        for row, e in paged:
+            if e.num_tokens == 1:
+                continue
+            ctx = e.context_len
+            q_pos = torch.arange(e.start_pos, ctx, device=dev).unsqueeze(1)
+            mask = torch.arange(ctx, device=dev).unsqueeze(0) <= q_pos  # query at p sees keys [0, p]
+            out.append(GatheredRows(slice(row, row + e.num_tokens), self._slots([e.block_ids], ctx), mask[None, None],
+                                    False))
+        return out
+
+    def _slots(self, tables: list[tuple[int, ...]], length: int) -> torch.Tensor:
+        """[len(tables), length] pool slots of the first `length` tokens of each table (padded with 0)."""
+        bs = self.kv_cache.block_size
+        num_blocks = -(-length // bs)
+        padded = tensor([list(t[:num_blocks]) + [0] * (num_blocks - len(t[:num_blocks])) for t in tables],
+                        self.device)
+        offsets = torch.arange(bs, device=self.device)
+        return (padded.unsqueeze(2) * bs + offsets).reshape(len(tables), num_blocks * bs)[:, :length]

@@ -1,0 +1,58 @@
+"""(torch) A model's own transformers forward over the paged pool: the route for architectures a backend has
+no forward of its own for.
+
+The model runs one flat batch [1, num_tokens] per step with attention implementation "conveyor_paged",
+registered with transformers' AttentionInterface: for each layer it hands the layer's new K/V and queries
+to the step's `StepAttention` (the backend's: the C++ kernel, Triton or SDPA), which stores them in the pool
+and attends. The step reaches it as the `conveyor_batch` keyword through the unmodified model's forward;
+transformers builds no mask (the causal structure is in the metadata).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from conveyor.core.backends.base import Step, StepAttention
+
+ATTN_IMPLEMENTATION = "conveyor_paged"
+
+
+def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            attention_mask: torch.Tensor | None, scaling: float | None = None,
+                            dropout: float = 0.0, conveyor_batch: StepAttention | None = None, **kwargs):
+    """query [1, H, T, D], key/value [1, Hkv, T, D] -> (output [1, T, H, D], None)."""
+    if conveyor_batch is None:
+        raise RuntimeError("conveyor_paged attention needs the step's metadata (run the model via ModelRunner)")
+    layer = module.layer_idx
+    k_new = key[0].transpose(0, 1)  # [T, Hkv, D]
+    v_new = value[0].transpose(0, 1)
+    conveyor_batch.store(layer, k_new, v_new)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    q = query[0].transpose(0, 1)  # [T, H, D]
+    return conveyor_batch.attend(layer, q, k_new, v_new, scale).to(query.dtype).unsqueeze(0), None
+
+
+def _no_mask(*args, **kwargs):
+    """The causal structure lives in the step's metadata; transformers need not build a mask."""
+    return None
+
+
+def register(model: torch.nn.Module) -> None:
+    """Register "conveyor_paged" with transformers and switch `model` to it."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+
+
+def transformers_forward(model: torch.nn.Module, step: Step) -> torch.Tensor:
+    """Logits at the step's logit rows through the model's own forward."""
+    impl = getattr(model.config, "_attn_implementation", None)
+    # Any other attention would ignore the paged cache: wrong tokens, silently.
+    if impl != ATTN_IMPLEMENTATION:
+        raise RuntimeError(f"the model's attention implementation is {impl!r}, not {ATTN_IMPLEMENTATION!r}; "
+                           "it was changed after the engine was built")
+    return model(input_ids=step.input_ids.unsqueeze(0), position_ids=step.positions.unsqueeze(0), use_cache=False,
+                 logits_to_keep=step.logit_rows, conveyor_batch=step.attention).logits[0]
