@@ -70,7 +70,9 @@ def run_conveyor(spec: dict):
     config = EngineConfig(dtype=spec["dtype"], device=_device(spec), max_num_seqs=spec["max_num_seqs"],
                           max_num_batched_tokens=spec["max_num_batched_tokens"],
                           kv_cache_memory=int(spec["kv_gib"] * 1024**3),
-                          max_waiting=max(256, len(spec["requests"])), backend=spec.get("backend", "auto"))
+                          max_waiting=max(256, len(spec["requests"])),
+                          # (only when asked: --baseline runs this file against revisions without backends)
+                          **({"backend": spec["backend"]} if spec.get("backend", "auto") != "auto" else {}))
     engine = Engine.from_pretrained(spec["model"], config)
     load_s = time.perf_counter() - t0
 
@@ -100,11 +102,12 @@ def run_conveyor(spec: dict):
     wall_s = time.perf_counter() - t0
     produced = {o.req_id: o.num_output_tokens for o in outs}
     st = engine.stats()
-    extra = {"backend": engine.backend.describe(), "num_kv_blocks": engine.num_kv_blocks,
+    backend = getattr(engine, "backend", None)
+    extra = {"backend": backend.describe() if backend else None, "num_kv_blocks": engine.num_kv_blocks,
              "preemptions": st.num_preemptions,
              "prefix_cache_hit_rate": round(st.prefix_cache_hit_rate, 4), "steps": st.num_steps,
              "full_batch_steps": full.as_dict(), "grammar_masks": dict(grammar_s),
-             "graph_replays": getattr(engine.backend, "graph_replays", None)}
+             "graph_replays": getattr(backend, "graph_replays", None)}
     if engine._grammars is not None:
         extra["grammar_compile_s"] = dict(engine._grammars.compile_s)
     if spec.get("return_texts"):
