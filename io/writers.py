@@ -1,4 +1,5 @@
-"""Output writers: Parquet, JSONL and OpenAI-batch files, streamed row by row in input order.
+"""Output writers: Parquet, JSONL and OpenAI-batch files, streamed row by row in input order, with the columns
+of `rows.py`.
 
 The file appears by atomic rename after an fsync (`conveyor.io.atomic`); on any error the temp file is
 removed and the error propagates unchanged (ENOSPC included). pyarrow is imported only when a schema is needed.
@@ -13,37 +14,11 @@ import time
 from typing import IO, Any, Iterable
 
 from conveyor.io.atomic import atomic_file
+from conveyor.io.rows import KIND_KEY, OPTIONAL_COLUMNS, OUTPUT_COLUMNS, base_schema, optional_schema
 
-# Rows may carry the request kind ("chat" or "completion") under this key, for openai-batch output.
-KIND_KEY = "__conveyor_kind"
-OUTPUT_COLUMNS = ("id", "index", "status", "output", "finish_reason", "prompt_tokens", "completion_tokens",
-                  "error", "seed", "queue_s", "ttft_s", "latency_s")
-# Columns a run has where its records asked for them (the caller says which), between the fixed ones and the
-# keep fields: per token {token, id, logprob, top: [{token, id, logprob}]}.
-OPTIONAL_COLUMNS = ("logprobs", "prompt_logprobs", "prompt_logprob_sum")
 OUTPUT_FORMATS = ("parquet", "jsonl", "openai-batch")
 _EXTENSIONS = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl"}
 _INT64 = (-2**63, 2**63)
-
-
-def base_schema():
-    """The Arrow schema of the fixed output columns (keep fields are appended per file)."""
-    import pyarrow as pa
-
-    string, int64, float64 = pa.string(), pa.int64(), pa.float64()
-    types = (string, int64, string, string, string, int64, int64, string, int64, float64, float64, float64)
-    return pa.schema(list(zip(OUTPUT_COLUMNS, types)))
-
-
-def optional_schema(name: str):
-    """The Arrow type of an optional column."""
-    import pyarrow as pa
-
-    if name == "prompt_logprob_sum":
-        return pa.float64()
-    alternative = pa.struct([("token", pa.string()), ("id", pa.int64()), ("logprob", pa.float64())])
-    return pa.list_(pa.struct([("token", pa.string()), ("id", pa.int64()), ("logprob", pa.float64()),
-                               ("top", pa.list_(alternative))]))
 
 
 def infer_output_format(path: str, output_format: str | None) -> str:
