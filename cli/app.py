@@ -57,6 +57,19 @@ def status_command(
     return show_status(output, run_dir)
 
 
+@app.command("merge")
+def merge_command(
+    output: str = typer.Option(..., "--output", "-o", help="The output file the shards were run for."),
+    run_dir: str = typer.Option(None, help="The run directory the shards used (default: <output>.conveyor)."),
+    output_format: str = typer.Option(None, help="parquet, jsonl or openai-batch (default: the shards')."),
+) -> int:
+    """Write OUTPUT from the shards of `conveyor run ... --shard I/N`, in input order; refuses while a shard is
+    missing, unfinished or run with other settings."""
+    from conveyor.cli.merge import merge_shards
+
+    return merge_shards(output, run_dir, output_format)
+
+
 @app.command("models")
 def models_command() -> int:
     """List the embedded models and whether each is cached."""

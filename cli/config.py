@@ -61,6 +61,9 @@ class RunConfig:
     checkpoint_seconds: float = 30.0
     max_runtime: float | None = None  # seconds
     restart: bool = False
+    shard: str | None = None  # "I/N": answer the records whose index is I mod N (io/shards.py)
+    executor: str = "local"  # "local" (this process) or "ray" (cli/ray_executor.py)
+    num_workers: int | None = None  # --executor ray: engines, one per GPU where there are GPUs
     profile: bool = False
     log_every: float = 10.0  # seconds between plain progress lines without a TTY
 
@@ -97,6 +100,7 @@ _FILE_KEYS = set(FIELDS) - {"input", "output", "restart"}
 _CHOICES = {
     "dtype": ("auto", "float32", "bfloat16", "float16"),
     "backend": ("auto", "cpu", "cuda", "torch"),
+    "executor": ("local", "ray"),
     "on_error": ("record", "skip", "fail"),
     "input_format": (None, "jsonl", "json", "parquet", "csv", "datasets"),
     "output_format": (None, "parquet", "jsonl", "openai-batch"),
@@ -187,7 +191,7 @@ def _as_str_tuple(key: str, value: Any) -> tuple[str, ...]:
 
 _STR_KEYS = {"input", "output", "model", "dtype", "device", "backend", "system_prompt", "prompt_field",
              "messages_field", "id_field", "input_format", "output_format", "split", "on_error", "summary_json", "run_dir",
-             "json_schema", "regex"}
+             "json_schema", "regex", "shard", "executor"}
 
 
 def _check_strings(values: dict[str, Any]) -> None:
@@ -221,10 +225,10 @@ def _check_device(device: str) -> None:
 
 
 _INT_KEYS = {"max_tokens", "top_k", "seed", "min_tokens", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks",
-             "block_size", "limit", "checkpoint_every", "logprobs"}
+             "block_size", "limit", "checkpoint_every", "logprobs", "num_workers"}
 _FLOAT_KEYS = {"temperature", "top_p", "min_p", "checkpoint_seconds", "log_every", "gpu_memory_utilization"}
 _BOOL_KEYS = {"ignore_eos", "quiet", "restart", "profile", "prompt_logprobs"}
-_POSITIVE = {"max_tokens", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "block_size",
+_POSITIVE = {"max_tokens", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "block_size", "num_workers",
              "checkpoint_every", "checkpoint_seconds", "log_every"}
 
 

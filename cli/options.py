@@ -100,6 +100,14 @@ MaxRuntimeOpt = Annotated[Optional[str], typer.Option(help="Stop cleanly after t
                                                       rich_help_panel=RUN)]
 RestartOpt = Annotated[bool, typer.Option("--restart", help="Discard the run directory's state and start over.",
                                           rich_help_panel=RUN)]
+ShardOpt = Annotated[Optional[str], typer.Option(help="I/N: answer only the records whose index is I mod N, in a "
+                                                     "run directory of this shard's own; the last shard to finish "
+                                                     "writes the output (or `conveyor merge`).", rich_help_panel=RUN)]
+ExecutorOpt = Annotated[Optional[str], typer.Option(help="local (this process) or ray (one engine per worker on a Ray "
+                                                        "cluster: RAY_ADDRESS, or a local one). [default: local]",
+                                                   rich_help_panel=RUN)]
+NumWorkersOpt = Annotated[Optional[int], typer.Option(help="--executor ray: engines to run [default: the cluster's "
+                                                          "GPUs, else 1].", rich_help_panel=RUN)]
 ProfileOpt = Annotated[Optional[bool], typer.Option("--profile/--no-profile",
                                                     help="Print where step time goes.", rich_help_panel=RUN)]
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks.", rich_help_panel=RUN)]

@@ -7,15 +7,16 @@ import sys
 from pathlib import Path
 
 from conveyor.cli.config import RunConfig, build_config
-from conveyor.cli.exit_codes import ExitCode
+from conveyor.cli.exit_codes import ExitCode, UsageError
 from conveyor.cli.options import (BackendOpt, BlockSizeOpt, CheckpointEveryOpt, ChoiceOpt, ConfigOpt, DeviceOpt,
-                                  DtypeOpt, GpuMemoryOpt, IdFieldOpt, IgnoreEosOpt, InputArg, InputFormatOpt,
-                                  JsonSchemaOpt, KeepFieldsOpt, KvMemoryOpt, LimitOpt, LogprobsOpt,
+                                  DtypeOpt, ExecutorOpt, GpuMemoryOpt, IdFieldOpt, IgnoreEosOpt, InputArg,
+                                  InputFormatOpt, JsonSchemaOpt, KeepFieldsOpt, KvMemoryOpt, LimitOpt, LogprobsOpt,
                                   MaxBatchedTokensOpt, MaxNumSeqsOpt, MaxRecordBytesOpt, MaxRuntimeOpt, MaxTokensOpt,
-                                  MessagesFieldOpt, MinPOpt, MinTokensOpt, ModelOpt, NumKvBlocksOpt, OnErrorOpt,
-                                  OutputFormatOpt, OutputOpt, ProfileOpt, PromptFieldOpt, PromptLogprobsOpt,
-                                  QuietOpt, RegexOpt, RestartOpt, RunDirOpt, SeedOpt, SplitOpt, StopOpt,
-                                  SummaryJsonOpt, SystemPromptOpt, TemperatureOpt, TopKOpt, TopPOpt)
+                                  MessagesFieldOpt, MinPOpt, MinTokensOpt, ModelOpt, NumKvBlocksOpt, NumWorkersOpt,
+                                  OnErrorOpt, OutputFormatOpt, OutputOpt, ProfileOpt, PromptFieldOpt,
+                                  PromptLogprobsOpt, QuietOpt, RegexOpt, RestartOpt, RunDirOpt, SeedOpt, ShardOpt,
+                                  SplitOpt, StopOpt, SummaryJsonOpt, SystemPromptOpt, TemperatureOpt, TopKOpt,
+                                  TopPOpt)
 
 EXAMPLES = """
 Examples:
@@ -81,6 +82,9 @@ def run_command(
     checkpoint_every: CheckpointEveryOpt = None,
     max_runtime: MaxRuntimeOpt = None,
     restart: RestartOpt = False,
+    shard: ShardOpt = None,
+    executor: ExecutorOpt = None,
+    num_workers: NumWorkersOpt = None,
     profile: ProfileOpt = None,
 ) -> int:
     """Generate a completion for every record of INPUT into OUTPUT; resumable: rerun to continue."""
@@ -94,6 +98,14 @@ def run_command(
 def execute(cfg: RunConfig) -> int:
     from conveyor.cli.pipeline import BadRecordStop, Pipeline
     from conveyor.cli.progress import make_progress
+
+    if cfg.executor == "ray":
+        from conveyor.cli.ray_executor import run_on_ray
+
+        return run_on_ray(cfg)
+    if cfg.num_workers is not None:
+        raise UsageError("--num-workers: only with --executor ray (one engine per worker); without it, run shards "
+                         "with --shard I/N")
 
     _quiet_libraries()
     progress = make_progress(cfg.quiet, cfg.log_every)

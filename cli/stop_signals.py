@@ -1,4 +1,5 @@
-"""Stopping early on purpose: SIGTERM, SIGHUP, SIGINT and --max-runtime set a flag the run loop checks.
+"""Stopping early on purpose: SIGTERM, SIGHUP, SIGINT, --max-runtime (and, in a Ray worker, the driver's stop
+file) set a flag the run loop checks.
 
 The first SIGINT, SIGTERM or SIGHUP (a cron wrapper or ssh session losing its terminal) asks for a clean
 stop: stop admitting, commit, exit 75. A second SIGINT exits at once with 130 (the journal's last commit
@@ -29,6 +30,8 @@ class StopController:
         self._pipe: tuple[int, int] | None = None
         self._interrupts = 0
         self._lock = threading.Lock()
+        self._stop_file: tuple[str, str] | None = None  # (path, reason): stop once it exists
+        self._next_look = 0.0
 
     def install(self) -> None:
         if self._previous:  # already installed: keep the handlers that were there before us
@@ -91,7 +94,16 @@ class StopController:
                          "(press Ctrl-C again to stop at once)\n")
         sys.stderr.flush()
 
+    def stop_when_exists(self, path: str, reason: str) -> None:
+        """Also stop once `path` exists (looked for at most every 0.1 s): how a Ray driver that got a signal
+        stops its workers, which run in other processes, maybe on other nodes."""
+        self._stop_file = (path, reason)
+
     def should_stop(self) -> bool:
         if self.reason is None and self.deadline is not None and time.monotonic() >= self.deadline:
             self.reason = "max-runtime"
+        if self.reason is None and self._stop_file is not None and time.monotonic() >= self._next_look:
+            self._next_look = time.monotonic() + 0.1
+            if os.path.exists(self._stop_file[0]):
+                self.reason = self._stop_file[1]
         return self.reason is not None

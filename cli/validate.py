@@ -1,19 +1,63 @@
-"""`conveyor validate`: parse, template and tokenize every record without running the model."""
+"""`conveyor validate`: parse, template and tokenize every record without running the model.
+
+The records go through `run_records` without an engine, into a sink that counts them, checks ids and compiles
+grammars: the same building and checks as a run, no generation.
+"""
 
 from __future__ import annotations
 
+import itertools
 import sys
 
 from conveyor.cli.config import build_config
 from conveyor.cli.exit_codes import ExitCode
+from conveyor.io.request_builder import BuiltRequest
+from conveyor.io.sink import RecordSink, record_location
+from conveyor.io.rows import duplicate_id_message
+
+
+class ValidationSink(RecordSink):
+    def __init__(self, tokenizer, show_errors: int) -> None:
+        self.tokenizer = tokenizer
+        self.show_errors = show_errors
+        self.records = 0
+        self.lengths: list[int] = []
+        self.errors: list[str] = []
+        self.num_errors = 0
+        self.seen: dict[str, int] = {}
+        self.grammars = None  # made on the first record with a grammar
+
+    def admit(self, raw, built):
+        self.records += 1
+        if not isinstance(built, BuiltRequest):
+            return self._error(built.error)
+        if built.sampling.grammar is not None:
+            from conveyor.core.grammar import Grammars
+
+            self.grammars = self.grammars or Grammars(self.tokenizer, len(self.tokenizer))
+            try:
+                self.grammars.compiled(built.sampling.grammar)
+            except ValueError as e:
+                return self._error(f"{record_location(raw)}: {e}")
+        if built.id_given and self.seen.setdefault(built.id, built.index) != built.index:
+            return self._error(duplicate_id_message(record_location(raw), built.id))
+        self.lengths.append(len(built.prompt_token_ids))
+        return None  # built and checked; nothing to generate
+
+    def _error(self, message: str) -> None:
+        self.num_errors += 1
+        if len(self.errors) < self.show_errors:
+            self.errors.append(message)
+        return None
 
 
 def validate(flags: dict, config_path: str | None, show_errors: int) -> int:
-    from conveyor.cli.pipeline import sampling_defaults, record_location
+    from conveyor.cli.pipeline import sampling_defaults
     from conveyor.cli.run import _quiet_libraries
     from conveyor.core.model_loader import load_tokenizer
     from conveyor.io.readers import open_reader
-    from conveyor.io.request_builder import BuildOptions, BuiltRequest, RequestBuilder
+    from conveyor.io.records_run import run_records
+    from conveyor.io.request_builder import BuildOptions, RequestBuilder
 
     cfg = build_config(flags, config_path)
     reader = open_reader(cfg.input, cfg.input_format, cfg.split, cfg.max_record_bytes)
@@ -23,48 +67,19 @@ def validate(flags: dict, config_path: str | None, show_errors: int) -> int:
         sampling=sampling_defaults(cfg), seed=cfg.seed, system_prompt=cfg.system_prompt,
         prompt_field=cfg.prompt_field, messages_field=cfg.messages_field, id_field=cfg.id_field,
         max_model_len=max_model_len))
-    lengths: list[int] = []
-    errors: list[str] = []
-    num_errors = 0
-    seen: dict[str, int] = {}
-    grammars = None  # made on the first record with a grammar
-    records = 0
-    for raw in reader:
-        if cfg.limit is not None and raw.index >= cfg.limit:
-            break
-        records += 1
-        built = builder.build(raw)
-        if isinstance(built, BuiltRequest) and built.sampling.grammar is not None:
-            from conveyor.core.grammar import Grammars
-
-            grammars = grammars or Grammars(tokenizer, len(tokenizer))
-            try:
-                grammars.compiled(built.sampling.grammar)
-            except ValueError as e:
-                num_errors += 1
-                if len(errors) < show_errors:
-                    errors.append(f"{record_location(raw)}: {e}")
-                continue
-        if isinstance(built, BuiltRequest):
-            if built.id_given and seen.setdefault(built.id, built.index) != built.index:
-                num_errors += 1
-                if len(errors) < show_errors:
-                    errors.append(f"{record_location(raw)}: duplicate id {built.id!r}")
-                continue
-            lengths.append(len(built.prompt_token_ids))
-        else:
-            num_errors += 1
-            if len(errors) < show_errors:
-                errors.append(built.error)
+    sink = ValidationSink(tokenizer, show_errors)
+    records = itertools.takewhile(lambda raw: cfg.limit is None or raw.index < cfg.limit, reader)
+    run_records(records, builder, None, sink)
     out = sys.stdout
-    out.write(f"{cfg.input}: {records} records, {len(lengths)} ok, {num_errors} errors\n")
+    lengths = sink.lengths
+    out.write(f"{cfg.input}: {sink.records} records, {len(lengths)} ok, {sink.num_errors} errors\n")
     if lengths:
         lengths.sort()
         pct = lambda q: lengths[min(len(lengths) - 1, int(q * len(lengths)))]  # noqa: E731
         out.write(f"prompt tokens: min {lengths[0]}, median {pct(0.5)}, p95 {pct(0.95)}, max {lengths[-1]}, "
                   f"total {sum(lengths)} (model context {max_model_len})\n")
-    for message in errors:
+    for message in sink.errors:
         out.write(f"  error: {message}\n")
-    if num_errors > len(errors):
-        out.write(f"  ... and {num_errors - len(errors)} more\n")
-    return int(ExitCode.SOME_ERRORS if num_errors else ExitCode.OK)
+    if sink.num_errors > len(sink.errors):
+        out.write(f"  ... and {sink.num_errors - len(sink.errors)} more\n")
+    return int(ExitCode.SOME_ERRORS if sink.num_errors else ExitCode.OK)

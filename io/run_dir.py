@@ -26,7 +26,7 @@ from conveyor.io.journal import Journal, JournalCorrupt
 
 _JOURNAL_FILES = ("journal.sqlite", "journal.sqlite-wal", "journal.sqlite-shm")
 # The files of a run's state besides the manifest and the lock (never deleted: see acquire_lock).
-STATE_FILES = (*_JOURNAL_FILES, "run.json")
+STATE_FILES = (*_JOURNAL_FILES, "run.json", "shard.json")
 _LOCK_TRIES = 5  # a `conveyor status` probe holds a shared lock for microseconds; retry past it
 
 

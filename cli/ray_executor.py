@@ -1,0 +1,229 @@
+"""`conveyor run ... --executor ray`: one dataset over N conveyor engines on a Ray cluster, exactly once,
+resumable.
+
+Each worker is a Ray actor that runs one shard of the run (`--shard I/N`, io/shards.py: the same code as
+`conveyor run --shard`, with its own journal in the shared run directory); the driver waits for them and merges
+their rows into the output. One worker per GPU where the cluster has GPUs (`--num-workers` to use fewer),
+else `--num-workers` engines with the cluster's CPUs split between them (torch threads = CPUs per worker).
+
+Fault tolerance is Ray's own: an actor whose process dies is restarted (max_restarts) and the call it was
+running is retried on it (max_task_retries), which resumes the shard from its journal, so a worker killed
+mid-run loses at most one checkpoint interval. SIGTERM, SIGHUP or Ctrl-C to the driver stops the workers
+cleanly (a stop file in the run directory: they commit and return) and exits 75, as a local run does. A driver
+killed (kill -9, its node lost) takes its actors with it; the same command again resumes every shard from its
+journal.
+
+Cluster: RAY_ADDRESS (for example after `ray start --head`: RAY_ADDRESS=auto, or ray://host:10001) joins that
+cluster; without it a local Ray instance starts on this machine. Every node must see the run directory and the
+input at the same paths (shared storage: NFS, a parallel file system): each worker checks, before any model
+work, that it can read a token the driver wrote into the run directory and open the input.
+
+Why actors over shards rather than Ray Data's `map_batches`: each worker streams the input with conveyor's own
+readers (a bad line is an error row, not a failed block; every input format, record digests), and exactly-once
+comes from each shard's journal (a row is committed once, by input index), which Ray Data's outputs do not give.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from conveyor.cli.config import RunConfig
+from conveyor.cli.exit_codes import ExitCode, UsageError
+from conveyor.cli.stop_signals import StopController
+
+MAX_RESTARTS = 4  # a worker that dies more often than this is a real failure, not bad luck
+
+
+class ShardWorker:
+    """The Ray actor: one engine, one shard at a time."""
+
+    def __init__(self, cfg: RunConfig, threads: int | None) -> None:
+        self.cfg = cfg
+        self.threads = threads
+
+    def check(self, token_path: str, token: str) -> tuple[str, str | None]:
+        """(this node, None) where the run directory and input are shared with the driver, else what is wrong."""
+        node = socket.gethostname()
+        try:
+            if Path(token_path).read_text(encoding="utf-8") != token:
+                return node, f"{token_path} holds another run's token"
+        except OSError as e:
+            return node, f"cannot read {token_path} ({e.strerror or e}): the run directory is not shared storage"
+        if not Path(self.cfg.input).exists():
+            return node, f"cannot see the input {self.cfg.input}"
+        return node, None
+
+    def run(self, shard: str, stop_path: str | None = None) -> dict:
+        """Run shard `shard` ("I/N") to its end, or until it stops (--max-runtime, or `stop_path` exists: the
+        driver got a signal); its summary and exit code."""
+        if self.threads:
+            import torch
+
+            torch.set_num_threads(self.threads)
+        from conveyor.cli.pipeline import Pipeline
+        from conveyor.cli.run import _quiet_libraries
+
+        _quiet_libraries()
+        cfg = dataclasses.replace(self.cfg, shard=shard, executor="local", num_workers=None, quiet=True,
+                                  summary_json=None)
+        pipeline = Pipeline(cfg, handle_signals=False, merge_when_done=False)
+        if stop_path is not None:
+            pipeline.stopper.stop_when_exists(stop_path, "the driver was asked to stop")
+        try:
+            pipeline.prepare()
+            pipeline.load_engine()
+            result = pipeline.run()
+        finally:
+            pipeline.close()
+        return {"shard": shard, "exit_code": int(result.exit_code), "summary": result.summary(),
+                "message": result.message, "node": socket.gethostname()}
+
+
+def run_on_ray(cfg: RunConfig) -> int:
+    try:
+        import ray
+    except ImportError:
+        raise UsageError("--executor ray needs Ray: pip install 'conveyor[ray]'") from None
+    from conveyor.cli.pipeline import check_summary_path
+    from conveyor.cli.run import _print_summary
+    from conveyor.io.paths import check_run_paths
+    from conveyor.io.run_dir import STATE_FILES, RunDir
+    from conveyor.io.shards import merge
+    from conveyor.io.writers import infer_output_format
+
+    if cfg.shard is not None:
+        raise UsageError("--shard: not with --executor ray, which runs every shard itself")
+    if cfg.input == "-":
+        raise UsageError("--executor ray: every worker reads the input, so it must be a file or dataset, not stdin")
+    try:
+        output_format = infer_output_format(cfg.output, cfg.output_format)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    run_dir = Path(cfg.run_dir or RunDir.default_for(cfg.output))
+    check_run_paths(cfg.input, cfg.output, run_dir, STATE_FILES)
+    check_summary_path(cfg.summary_json)
+    if not Path(cfg.input).exists():
+        raise UsageError(f"{cfg.input}: no such input file or directory")
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+    address = os.environ.get("RAY_ADDRESS") or None
+    stopper = StopController()  # the deadline of --max-runtime is each worker's own
+    stop_path = None
+    owned = not ray.is_initialized()  # a caller (a notebook, a test) may have joined a cluster already
+    if owned:
+        ray.init(address=address, include_dashboard=False, log_to_driver=not cfg.quiet, logging_level="warning")
+    try:
+        resources = ray.cluster_resources()
+        gpus = int(resources.get("GPU", 0))
+        use_gpus = (gpus > 0 and cfg.device in ("auto", "cuda")) or cfg.device.startswith("cuda:")
+        workers_n = cfg.num_workers or (gpus if use_gpus else 1)
+        if use_gpus and workers_n > gpus:
+            raise UsageError(f"--num-workers {workers_n}: the cluster has {gpus} GPUs, one per worker")
+        cpus = int(resources.get("CPU", 1))
+        per_worker = max(1, cpus // workers_n)
+        options = dict(num_cpus=0 if use_gpus else per_worker, num_gpus=1 if use_gpus else 0,
+                       max_restarts=MAX_RESTARTS, max_task_retries=MAX_RESTARTS)
+        worker_cfg = dataclasses.replace(cfg, run_dir=str(run_dir.resolve()), input=_absolute(cfg.input),
+                                         output=str(Path(cfg.output).resolve()))
+        actor = ray.remote(ShardWorker)
+        token = uuid.uuid4().hex[:12]
+        workers = [actor.options(name=worker_name(token, i, workers_n), **options).remote(
+            worker_cfg, None if use_gpus else per_worker) for i in range(workers_n)]
+        _check_storage(ray, workers, run_dir)
+        if not cfg.quiet:
+            where = f"cluster {address}" if address else "a local Ray instance" if owned else "the Ray cluster joined"
+            sys.stderr.write(f"conveyor: {workers_n} workers on {where} "
+                             f"({'1 GPU' if use_gpus else f'{per_worker} CPUs'} each)\n")
+        stop_path = run_dir.resolve() / f"ray-stop-{token}"
+        stopper.install()  # a signal: the workers stop at their next step, commit and return
+        results = _wait(ray, [w.run.remote(f"{i}/{workers_n}", str(stop_path)) for i, w in enumerate(workers)],
+                        cfg, stopper, stop_path)
+    finally:
+        stopper.uninstall()
+        if stop_path is not None:
+            stop_path.unlink(missing_ok=True)
+        if owned:
+            ray.shutdown()
+    totals = _add(results)
+    if any(r["exit_code"] == ExitCode.STOPPED for r in results):
+        reason = stopper.reason or next(r["message"] for r in results if r["exit_code"] == ExitCode.STOPPED)
+        _print_summary({**totals, "status": "stopped"}, f"stopped ({reason}); run the same command again to resume")
+        return int(ExitCode.STOPPED)
+    merged = merge(run_dir, cfg.output, output_format)
+    totals.update(records=merged.rows + (merged.errors if cfg.on_error == "skip" else 0), errors=merged.errors,
+                  ok=merged.rows - (0 if cfg.on_error == "skip" else merged.errors))
+    code = ExitCode.SOME_ERRORS if merged.errors and cfg.on_error != "skip" else ExitCode.OK
+    totals["status"] = code.name.lower()
+    _print_summary(totals, f"{workers_n} workers; merged {merged.shards} shards")
+    if cfg.summary_json:
+        import json
+
+        Path(cfg.summary_json).write_text(json.dumps(totals, indent=2) + "\n", encoding="utf-8")
+    if not cfg.quiet:
+        sys.stderr.write(f"conveyor: wrote {cfg.output}\n")
+    return int(code)
+
+
+def worker_name(token: str, shard: int, count: int) -> str:
+    """The Ray actor name of a run's worker for shard `shard` of `count` (`token`: the run's, random)."""
+    return f"conveyor-{token}-shard-{shard}-of-{count}"
+
+
+def _absolute(path: str) -> str:
+    """A local path made absolute (workers may start elsewhere); a hub dataset name stays as it is."""
+    p = Path(path)
+    return str(p.resolve()) if p.exists() else path
+
+
+def _check_storage(ray, workers, run_dir: Path) -> None:
+    token = uuid.uuid4().hex
+    token_path = run_dir / f"ray-check-{token[:12]}"
+    token_path.write_text(token, encoding="utf-8")
+    try:
+        found = ray.get([w.check.remote(str(token_path.resolve()), token) for w in workers])
+    finally:
+        token_path.unlink(missing_ok=True)
+    bad = [(node, problem) for node, problem in found if problem]
+    if bad:
+        node, problem = bad[0]
+        raise UsageError(f"--executor ray: a worker on {node}: {problem}; the run directory ({run_dir}) and the input "
+                         "must be on storage every node mounts at the same path (or choose --run-dir there)")
+
+
+def _wait(ray, pending: list, cfg: RunConfig, stopper: StopController, stop_path: Path) -> list[dict]:
+    """The workers' results; a worker's error re-raised as itself (its exit code stands). After a signal, the
+    stop file tells the workers to stop; they commit and return."""
+    results = []
+    last = time.monotonic()
+    while pending:
+        if stopper.should_stop() and not stop_path.exists():
+            stop_path.write_text(stopper.reason or "stop", encoding="utf-8")
+        done, pending = ray.wait(pending, timeout=0.2)
+        for ref in done:
+            try:
+                results.append(ray.get(ref))
+            except ray.exceptions.RayTaskError as e:
+                cause = getattr(e, "cause", None)
+                raise (cause if isinstance(cause, BaseException) else e) from None
+        if not cfg.quiet and time.monotonic() - last >= cfg.log_every and pending:
+            sys.stderr.write(f"conveyor: {len(results)} of {len(results) + len(pending)} shards done\n")
+            last = time.monotonic()
+    return results
+
+
+def _add(results: list[dict]) -> dict:
+    keys = ("records", "ok", "errors", "prompt_tokens", "completion_tokens", "preemptions", "resumed_from")
+    out = {k: sum(r["summary"].get(k, 0) for r in results) for k in keys}
+    out["load_s"] = max((r["summary"].get("load_s", 0) for r in results), default=0)
+    out["elapsed_s"] = max((r["summary"].get("elapsed_s", 0) for r in results), default=0)
+    out["prefix_cache_hit_rate"] = (sum(r["summary"].get("prefix_cache_hit_rate", 0) for r in results)
+                                    / max(len(results), 1))
+    # the workers' rates added: the cluster's while they all run
+    out["output_tokens_per_s"] = round(sum(r["summary"].get("output_tokens_per_s", 0) for r in results), 2)
+    return out

@@ -1,0 +1,244 @@
+"""Shards: one dataset split over N independent runs (`--shard I/N`), and the merge of their rows into one
+output in input order (`conveyor merge`, or the shard that finishes last).
+
+Record r belongs to shard r mod N. Round robin rather than contiguous ranges: a shard can start on a stream
+without a count of the input first, every shard gets the same mix of short and long records (inputs are often
+sorted by source or length), so N shards finish together; each shard reads the whole input and skips the
+records of others (reading is cheap beside generation).
+
+Each shard is a run directory of its own, `<run dir>/shard-I-of-N/` (manifest, journal, lock: resumable alone),
+and writes `shard.json` there once every record of its shard has a committed row: the number of input records it
+saw, which every shard must agree on. `ShardSet.check` refuses a merge while a shard is missing, unfinished or
+drifted (another input, model or generation settings than shard 0), naming it. Ids are checked per shard as the
+shards run; an id repeated across shards is found at the merge (a table of the shards' claimed ids on disk, not
+in memory), and every record after the first with it gets the duplicate-id error row a single run gives it.
+Knows nothing of the engine; imports neither torch nor `conveyor.core`.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import os
+import re
+import sqlite3
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from conveyor.io.atomic import atomic_write_text
+from conveyor.io.journal import Journal, JournalCorrupt
+from conveyor.io.rows import duplicate_id_row
+from conveyor.io.run_dir import Manifest, RunDir, RunDirError, _drift
+
+MARKER = "shard.json"
+_DIR = re.compile(r"shard-(\d+)-of-(\d+)")
+
+
+class ShardError(RunDirError):
+    """A merge that cannot happen: a shard missing, unfinished or drifted (the message names it)."""
+
+
+@dataclass(frozen=True)
+class Shard:
+    index: int
+    count: int
+
+    @classmethod
+    def parse(cls, text: str) -> Shard:
+        """"I/N" (0 <= I < N) -> Shard; ValueError naming --shard otherwise."""
+        m = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", str(text))
+        if not m or not 0 <= int(m.group(1)) < int(m.group(2)):
+            raise ValueError(f"--shard: {text!r} is not I/N with 0 <= I < N, e.g. --shard 0/4 (of 4 shards: 0/4, "
+                             "1/4, 2/4, 3/4)")
+        return cls(int(m.group(1)), int(m.group(2)))
+
+    def __str__(self) -> str:
+        return f"{self.index}/{self.count}"
+
+    def owns(self, record_index: int) -> bool:
+        return record_index % self.count == self.index
+
+    @property
+    def dir_name(self) -> str:
+        return f"shard-{self.index}-of-{self.count}"
+
+    def num_records(self, input_records: int) -> int:
+        """How many of `input_records` records are this shard's."""
+        return len(range(self.index, input_records, self.count))
+
+
+def shard_dir(run_dir: str | Path, shard: Shard) -> Path:
+    return Path(run_dir) / shard.dir_name
+
+
+def mark_done(run_dir: Path, shard: Shard, input_records: int, on_error: str) -> None:
+    """Say in the shard's directory that every record of it has a committed row."""
+    atomic_write_text(run_dir / MARKER, json.dumps({"shard": shard.index, "of": shard.count,
+                                                    "input_records": input_records, "on_error": on_error}) + "\n")
+
+
+def clear_done(run_dir: Path) -> None:
+    (run_dir / MARKER).unlink(missing_ok=True)
+
+
+@dataclass
+class _Member:
+    shard: Shard
+    path: Path
+    manifest: Manifest
+    marker: dict
+
+
+class ShardSet:
+    """The shards of one run directory, checked together."""
+
+    def __init__(self, run_dir: str | Path, count: int | None = None) -> None:
+        self.path = Path(run_dir)
+        found: dict[int, set[int]] = {}
+        if self.path.is_dir():
+            for child in self.path.iterdir():
+                m = _DIR.fullmatch(child.name)
+                if m and child.is_dir():
+                    found.setdefault(int(m.group(2)), set()).add(int(m.group(1)))
+        if count is None:
+            if not found:
+                raise ShardError(f"{self.path} holds no shards (folders shard-I-of-N, made by `conveyor run ... "
+                                 "--shard I/N`); run the shards first, or give the --run-dir they used")
+            if len(found) > 1:
+                raise ShardError(f"{self.path} holds shards of more than one split ({', '.join(f'{n} shards' for n in sorted(found))}); "
+                                 "remove the folders of the split you do not want")
+            count = next(iter(found))
+        self.count = count
+        self.shards = [Shard(i, count) for i in range(count)]
+
+    def status(self) -> dict[str, str]:
+        """Shard ("I/N") -> "done", "running or stopped" or "missing"."""
+        out = {}
+        for shard in self.shards:
+            path = shard_dir(self.path, shard)
+            out[str(shard)] = ("done" if (path / MARKER).exists() else
+                               "running or stopped" if path.exists() else "missing")
+        return out
+
+    def check(self) -> list[_Member]:
+        """Every shard present, finished and run with shard 0's input, model and settings; else ShardError naming
+        the first shard that is not, and what to do."""
+        members: list[_Member] = []
+        for shard in self.shards:
+            path = shard_dir(self.path, shard)
+            run_dir = RunDir(path)
+            manifest = run_dir.load_manifest() if path.exists() else None
+            if manifest is None:
+                raise ShardError(f"shard {shard} is missing ({path} holds no run): run `conveyor run ... --shard "
+                                 f"{shard}` with the same input, output and options as the other shards")
+            try:
+                marker = json.loads((path / MARKER).read_text(encoding="utf-8"))
+            except FileNotFoundError:
+                raise ShardError(f"shard {shard} has not finished ({path} has no {MARKER}): run its command "
+                                 f"(`conveyor run ... --shard {shard}`) again to resume it") from None
+            except (OSError, ValueError) as e:
+                raise ShardError(f"shard {shard}: {path / MARKER} is unreadable ({e}); run the shard again") from None
+            if members:
+                changed, message = _drift(members[0].manifest, manifest)
+                if changed:
+                    raise ShardError(f"shard {shard} ({path}) was run with other settings than shard "
+                                     f"{members[0].shard}: {message.replace('since this run started', 'between them')}"
+                                     f"; rerun it with the same input and options (--restart --shard {shard})")
+                if marker.get("input_records") != members[0].marker.get("input_records"):
+                    raise ShardError(f"shard {shard} saw {marker.get('input_records')} input records, shard "
+                                     f"{members[0].shard} {members[0].marker.get('input_records')}: they did not read "
+                                     "the same input; rerun the shards with the same input and --limit")
+            members.append(_Member(shard, path, manifest, marker))
+        total = members[0].marker["input_records"]
+        for m in members:
+            with Journal(m.path / "journal.sqlite", read_only=True, verify=False) as journal:
+                have, want = journal.num_committed(), m.shard.num_records(total)
+            if have != want:
+                raise ShardError(f"shard {m.shard} holds {have} rows where its share of the {total} input records "
+                                 f"is {want}; run it again (`conveyor run ... --shard {m.shard}`)")
+        return members
+
+    def rows(self, members: list[_Member]) -> Iterator[dict]:
+        """Every shard's rows in input order, ids repeated across shards made duplicate-id error rows."""
+        firsts = self._repeated_ids(members)
+        journals = [Journal(m.path / "journal.sqlite", read_only=True, verify=False) for m in members]
+        try:
+            for row in heapq.merge(*(j.iter_rows() for j in journals), key=lambda r: r["index"]):
+                first = firsts.get(row["id"])
+                if first is not None and first != row["index"] and row["status"] == "ok":
+                    row = duplicate_id_row(row)
+                yield row
+        finally:
+            for j in journals:
+                j.close()
+
+    def columns(self, members: list[_Member]) -> set[str]:
+        out: set[str] = set()
+        for m in members:
+            with Journal(m.path / "journal.sqlite", read_only=True, verify=False) as journal:
+                out |= journal.columns()
+        return out
+
+    def _repeated_ids(self, members: list[_Member]) -> dict[str, int]:
+        """id -> the first index holding it, for the ids more than one shard claimed (usually none)."""
+        # A file of this merge's own: two shards finishing together may both merge (each output by atomic rename).
+        fd, name = tempfile.mkstemp(prefix="merge-ids-", suffix=".sqlite", dir=self.path)
+        os.close(fd)
+        scratch = Path(name)
+        db = sqlite3.connect(scratch)
+        try:
+            db.execute("CREATE TABLE ids (id TEXT NOT NULL, idx INTEGER NOT NULL)")
+            for m in members:
+                db.execute("ATTACH DATABASE ? AS shard", (str(m.path / "journal.sqlite"),))
+                db.execute("INSERT INTO ids SELECT id, idx FROM shard.ids")
+                db.commit()
+                db.execute("DETACH DATABASE shard")
+            db.execute("CREATE INDEX ids_by_id ON ids (id)")
+            return {rid: first for rid, first in
+                    db.execute("SELECT id, MIN(idx) FROM ids GROUP BY id HAVING COUNT(*) > 1")}
+        except sqlite3.DatabaseError as e:
+            raise JournalCorrupt(scratch, str(e)) from e
+        finally:
+            db.close()
+            scratch.unlink(missing_ok=True)
+
+
+@dataclass
+class MergeResult:
+    rows: int  # written
+    errors: int  # error rows (written, or left out under --on-error skip)
+    shards: int
+    skipped_errors: bool  # the shards ran with --on-error skip
+
+    @property
+    def has_error_rows(self) -> bool:
+        """Whether the output holds error rows (exit code 3)."""
+        return bool(self.errors) and not self.skipped_errors
+
+
+def merge(run_dir: str | Path, output: str, output_format: str | None = None) -> MergeResult:
+    """Write `output` from the finished shards under `run_dir`, in input order, as the shards' runs would have
+    (their keep fields, model name, --on-error); ShardError while a shard is missing, unfinished or drifted."""
+    from conveyor.io.writers import write_output
+
+    shards = ShardSet(run_dir)
+    members = shards.check()
+    first = members[0]
+    skip = first.marker.get("on_error") == "skip"
+    counts = {"rows": 0, "errors": 0}
+
+    def rows() -> Iterator[dict]:
+        for row in shards.rows(members):
+            if row["status"] == "error":
+                counts["errors"] += 1
+                if skip:
+                    continue
+            counts["rows"] += 1
+            yield row
+
+    write_output(rows(), output, output_format or first.manifest.output_format,
+                 tuple(first.manifest.generation_config.get("keep_fields") or ()), model_name=first.manifest.model,
+                 optional=shards.columns(members))
+    return MergeResult(counts["rows"], counts["errors"], len(members), skip)
