@@ -10,6 +10,7 @@ import typer
 
 from conveyor.cli.exit_codes import ExitCode, code_for
 from conveyor.cli.run import EXAMPLES, run_command
+from conveyor.cli.run_info import set_command_line
 
 app = typer.Typer(
     name="conveyor",
@@ -96,6 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     if "--debug" in args:
         args.remove("--debug")
         debug = True
+    set_command_line(args)
     command = typer.main.get_command(app)
     try:
         code = command.main(args=args, prog_name="conveyor", standalone_mode=False)

@@ -18,7 +18,7 @@ from typing import Any
 
 from conveyor.cli.config import DEVICE_DEFAULTS, RunConfig
 from conveyor.cli.exit_codes import ExitCode, UsageError
-from conveyor.cli.run_info import write_run_info
+from conveyor.cli.run_info import command_line, write_run_info
 from conveyor.cli.stop_signals import StopController
 from conveyor.core import SamplingParams
 from conveyor.io.readers import InputError, RawRecord, fingerprint, fingerprints_content, open_reader
@@ -120,8 +120,9 @@ class Pipeline:
     """One `conveyor run`: owns the run directory, journal, reader, builder and engine."""
 
     def __init__(self, cfg: RunConfig, on_progress: Callable[["Pipeline"], None] | None = None,
-                 handle_signals: bool = True, merge_when_done: bool = True) -> None:
+                 handle_signals: bool = True, merge_when_done: bool = True, command: str | None = None) -> None:
         self.cfg = cfg
+        self.command = command or command_line()  # how to resume this run, for `conveyor status`
         self.on_progress = on_progress
         self.handle_signals = handle_signals  # False where the caller owns them (a Ray worker)
         self.merge_when_done = merge_when_done  # a shard: the last to finish writes the output
@@ -184,7 +185,7 @@ class Pipeline:
         if self.reader.with_digests and self.totals.resumed_from:  # read the answered prefix now, before the
             first = next(self.records, None)  # model loads: a different input is refused at once
             self.records = itertools.chain([first] if first is not None else [], self.records)
-        write_run_info(self.run_dir.path, self.totals.total)
+        write_run_info(self.run_dir.path, self.totals.total, self.command)
 
     def load_engine(self) -> None:
         from conveyor.core import EngineConfig

@@ -43,9 +43,10 @@ MAX_RESTARTS = 4  # a worker that dies more often than this is a real failure, n
 class ShardWorker:
     """The Ray actor: one engine, one shard at a time."""
 
-    def __init__(self, cfg: RunConfig, threads: int | None) -> None:
+    def __init__(self, cfg: RunConfig, threads: int | None, command: str | None = None) -> None:
         self.cfg = cfg
         self.threads = threads
+        self.command = command  # the driver's: the command that resumes this shard
 
     def check(self, token_path: str, token: str) -> tuple[str, str | None]:
         """(this node, None) where the run directory and input are shared with the driver, else what is wrong."""
@@ -72,7 +73,7 @@ class ShardWorker:
         _quiet_libraries()
         cfg = dataclasses.replace(self.cfg, shard=shard, executor="local", num_workers=None, quiet=True,
                                   summary_json=None)
-        pipeline = Pipeline(cfg, handle_signals=False, merge_when_done=False)
+        pipeline = Pipeline(cfg, handle_signals=False, merge_when_done=False, command=self.command)
         if stop_path is not None:
             pipeline.stopper.stop_when_exists(stop_path, "the driver was asked to stop")
         try:
@@ -92,6 +93,7 @@ def run_on_ray(cfg: RunConfig) -> int:
         raise UsageError("--executor ray needs Ray: pip install 'conveyor[ray]'") from None
     from conveyor.cli.pipeline import check_summary_path
     from conveyor.cli.run import _print_summary
+    from conveyor.cli.run_info import command_line
     from conveyor.io.paths import check_run_paths
     from conveyor.io.run_dir import STATE_FILES, RunDir
     from conveyor.io.shards import merge
@@ -134,7 +136,7 @@ def run_on_ray(cfg: RunConfig) -> int:
         actor = ray.remote(ShardWorker)
         token = uuid.uuid4().hex[:12]
         workers = [actor.options(name=worker_name(token, i, workers_n), **options).remote(
-            worker_cfg, None if use_gpus else per_worker) for i in range(workers_n)]
+            worker_cfg, None if use_gpus else per_worker, command_line()) for i in range(workers_n)]
         _check_storage(ray, workers, run_dir)
         if not cfg.quiet:
             where = f"cluster {address}" if address else "a local Ray instance" if owned else "the Ray cluster joined"

@@ -1,10 +1,13 @@
-"""`conveyor status OUTPUT`: how far a run got, whether it is running, and how to resume it."""
+"""`conveyor status OUTPUT`: how far a run got (each shard's, for a run split by --shard or --executor ray),
+whether it is running, and how to resume it."""
 
 from __future__ import annotations
 
+import re
 import shlex
 import sys
 import time
+from pathlib import Path
 
 from conveyor.cli.exit_codes import UsageError
 from conveyor.cli.run_info import read_run_info
@@ -12,11 +15,14 @@ from conveyor.cli.run_info import read_run_info
 
 def show_status(output: str, run_dir: str | None) -> int:
     from conveyor.io.run_dir import RunDir
+    from conveyor.io.shards import SHARD_DIR
 
     path = run_dir or RunDir.default_for(output)
     rd = RunDir(path)
     if not rd.path.exists():
         raise UsageError(f"{path}: no run directory here; has `conveyor run ... -o {output}` been started?")
+    if not rd.manifest_path.exists() and any(SHARD_DIR.fullmatch(p.name) for p in rd.path.iterdir()):
+        return _show_shards(rd.path, output)
     info = rd.summary()
     info.update(read_run_info(rd.path))
     out = sys.stdout
@@ -42,3 +48,60 @@ def show_status(output: str, run_dir: str | None) -> int:
         else:
             out.write(f"resume with: the same `conveyor run ... -o {shlex.quote(output)}` command as before\n")
     return 0
+
+
+def _show_shards(path: Path, output: str) -> int:
+    """A run split by --shard (or --executor ray): one line per shard, then the whole."""
+    from conveyor.io.run_dir import RunDir
+    from conveyor.io.shards import MARKER, ShardError, ShardSet, shard_dir
+
+    try:
+        shards = ShardSet(path)
+    except ShardError as e:
+        raise UsageError(str(e)) from None
+    out = sys.stdout
+    out.write(f"run directory: {path} ({shards.count} shards)\n")
+    done = errors = finished = running = 0
+    total: int | None = 0
+    missing = []
+    known: str | None = None  # a shard's command line
+    for shard in shards.shards:
+        folder = shard_dir(path, shard)
+        if not folder.exists():
+            total = None
+            out.write(f"shard {shard}: not started\n")
+            missing.append(shard)
+            continue
+        info = {**RunDir(folder).summary(), **read_run_info(folder)}
+        known = known or info.get("command")
+        n, e, t = info.get("num_committed", 0), info.get("num_errors", 0), info.get("total")
+        done, errors = done + n, errors + e
+        total = None if t is None or total is None else total + t
+        holder = info.get("lock_holder")
+        state = ("finished" if (folder / MARKER).exists() else
+                 f"running (process {holder.get('pid')})" if holder else "stopped")
+        finished += state == "finished"
+        running += holder is not None
+        problem = f"; journal: {info['journal_error']}" if info.get("journal_error") else ""
+        out.write(f"shard {shard}: {n}" + (f" / {t}" if t is not None else "") + f" done (errors {e}), {state}"
+                  f"{problem}\n")
+        if state == "stopped" and info.get("command"):
+            out.write(f"  resume with: {info['command']}\n")
+    out.write(f"all:    {done}" + (f" / {total}" if total is not None else "") + f"  (errors {errors}); "
+              f"{finished} of {shards.count} shards finished, {running} running\n")
+    if finished == shards.count:
+        out.write(f"output: {output} {'written' if Path(output).exists() else 'not written yet'} "
+                  f"(`conveyor merge -o {shlex.quote(output)}` writes it from the shards)\n")
+    else:  # (stopped shards said theirs above)
+        if known and _SHARD_ARG.search(known):
+            for shard in missing:  # another shard's command, with this shard's --shard
+                out.write(f"start shard {shard} with: {_SHARD_ARG.sub(f'--shard {shard}', known, count=1)}\n")
+        elif known and missing:
+            out.write(f"resume with: {known}\n")
+        elif not known:
+            out.write("resume with: each unfinished shard's `conveyor run ... --shard I/N` command (or the same "
+                      "`--executor ray` command)\n")
+    return 0
+
+
+_SHARD_ARG = re.compile(r"--shard[= ]\d+/\d+")

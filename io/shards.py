@@ -33,7 +33,7 @@ from conveyor.io.rows import duplicate_id_row
 from conveyor.io.run_dir import Manifest, RunDir, RunDirError, _drift
 
 MARKER = "shard.json"
-_DIR = re.compile(r"shard-(\d+)-of-(\d+)")
+SHARD_DIR = re.compile(r"shard-(\d+)-of-(\d+)")  # a shard's folder: shard-I-of-N
 
 
 class ShardError(RunDirError):
@@ -99,7 +99,7 @@ class ShardSet:
         found: dict[int, set[int]] = {}
         if self.path.is_dir():
             for child in self.path.iterdir():
-                m = _DIR.fullmatch(child.name)
+                m = SHARD_DIR.fullmatch(child.name)
                 if m and child.is_dir():
                     found.setdefault(int(m.group(2)), set()).add(int(m.group(1)))
         if count is None:

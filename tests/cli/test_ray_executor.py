@@ -91,6 +91,9 @@ def test_a_driver_stopped_by_sigterm_or_killed_with_kill_9_resumes_to_the_same_o
     assert stopped.code == 75 and "SIGTERM" in stopped.err, stopped.err
     assert 2 <= committed() < len(records) and not out.exists()
     assert not list(run_dir.glob("ray-stop-*"))
+    status = run_in_process("status", out)  # each shard resumes with the driver's command
+    assert "(2 shards)" in status.out and "0 of 2 shards finished" in status.out, status.out
+    assert status.out.count("resume with: conveyor run") == 2 and "--executor ray" in status.out, status.out
     child = Child(args, tmp_path, "resumed")
     child.wait_until(lambda: committed() >= 8, timeout=180, what="more commits")
     child.kill9()

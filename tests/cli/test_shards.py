@@ -62,9 +62,18 @@ def test_each_shard_resumes_alone_and_parquet_merges(tmp_path, tiny_model, singl
     assert result.code == 75  # stopped early
     result = run_in_process("merge", "-o", out)
     assert result.code == 2 and "shard 0/2 has not finished" in result.err and "shard 1/2" not in result.err
+    status = run_in_process("status", out)
+    assert status.code == 0 and "(2 shards)" in status.out, status.out
+    assert "shard 0/2: " in status.out and "/ 9 done (errors 0), stopped" in status.out, status.out
+    assert "resume with: conveyor run" in status.out and "shard 1/2: not started" in status.out
+    assert "start shard 1/2 with: conveyor run" in status.out and "--shard 1/2 --max-runtime" in status.out
     for i in (0, 1):
         assert _run(tmp_path, tiny_model, src, out, "--shard", f"{i}/2").code == 3
     assert stable(read_rows(out)) == stable(single)
+    status = run_in_process("status", out)
+    assert "shard 0/2: 9 / 9 done (errors 2), finished" in status.out and "shard 1/2: 8 / 8 done" in status.out
+    assert "all:    17 / 17  (errors 3); 2 of 2 shards finished, 0 running" in status.out, status.out
+    assert "written" in status.out
 
 
 def test_on_error_skip_leaves_every_error_row_out_of_the_merge(tmp_path, tiny_model, single):
