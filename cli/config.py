@@ -49,7 +49,8 @@ class RunConfig:
     max_num_batched_tokens: int | None = None  # None: 2048 on the CPU, 8192 on a GPU
     num_kv_blocks: int | None = None
     kv_cache_memory: str | None = None  # None: 2GiB on the CPU; on a GPU from gpu_memory_utilization
-    gpu_memory_utilization: float = 0.9  # on a GPU: the fraction of its memory weights, activations and KV may take
+    gpu_memory_utilization: float | None = None  # on a GPU: the fraction of its memory weights, activations and KV
+    # may take (None: 0.9, DEVICE_DEFAULTS); on the CPU, --kv-cache-memory sizes the KV cache instead
     max_record_bytes: int = 4 << 20  # a bigger record is an error row, never parsed
     block_size: int = 16
     limit: int | None = None
@@ -93,7 +94,7 @@ class RunConfig:
 
 # Engine sizes whose default depends on the device: a GPU step has room for far more rows.
 DEVICE_DEFAULTS = {"cpu": {"max_num_seqs": 64, "max_num_batched_tokens": 2048},
-                   "cuda": {"max_num_seqs": 256, "max_num_batched_tokens": 8192}}
+                   "cuda": {"max_num_seqs": 256, "max_num_batched_tokens": 8192, "gpu_memory_utilization": 0.9}}
 
 FIELDS = {f.name: f for f in dataclasses.fields(RunConfig)}
 _FILE_KEYS = set(FIELDS) - {"input", "output", "restart"}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -91,6 +92,10 @@ def _with_resolved_device(cfg: RunConfig) -> RunConfig:
     if cfg.backend != "auto" and cfg.backend not in available_backends(device):
         raise UsageError(f"--backend {cfg.backend}: does not run on {device} here; backends that do: "
                          f"{', '.join(available_backends(device))} (or --backend auto)")
+    if cfg.gpu_memory_utilization is not None and (device.type != "cuda" or cfg.kv_cache_memory is not None):
+        sys.stderr.write(f"conveyor: --gpu-memory-utilization {cfg.gpu_memory_utilization} is not used: "
+                         + (f"this run is on {device}, where " if device.type != "cuda" else "")
+                         + f"--kv-cache-memory ({cfg.kv_cache_memory or '2GiB'}) sizes the KV cache\n")
     sizes = {k: v for k, v in DEVICE_DEFAULTS["cuda" if device.type == "cuda" else "cpu"].items()
              if getattr(cfg, k) is None}
     if cfg.dtype == "auto":
@@ -196,7 +201,7 @@ class Pipeline:
         engine_config = EngineConfig(block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
                                      max_num_batched_tokens=cfg.max_num_batched_tokens,
                                      num_kv_blocks=cfg.num_kv_blocks, kv_cache_memory=cfg.kv_cache_memory,
-                                     gpu_memory_utilization=cfg.gpu_memory_utilization,
+                                     gpu_memory_utilization=cfg.gpu_memory_utilization or 0.9,  # (unused on CPUs)
                                      max_waiting=max(2 * cfg.max_num_seqs, 64), device=cfg.device, dtype=cfg.dtype,
                                      backend=cfg.backend)
         self.engine = Engine.from_pretrained(cfg.model, engine_config)

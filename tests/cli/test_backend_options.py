@@ -55,3 +55,10 @@ def test_a_backend_that_is_not_batch_invariant_says_so_once(tmp_path, tiny_model
     assert result.code == 0, result.err
     said = [line for line in result.err_lines if "not batch-invariant" in line]
     assert len(said) == 1 and "the torch backend" in said[0]
+
+
+def test_gpu_memory_utilization_on_the_cpu_is_said_to_be_unused(tmp_path, tiny_model):
+    result, out = _run(tmp_path, tiny_model, "gpu-mem", "--device", "cpu", "--gpu-memory-utilization", "0.5")
+    assert result.code == 0 and len(read_rows(out)) == len(RECORDS), result.err
+    assert ("--gpu-memory-utilization 0.5 is not used: this run is on cpu, where --kv-cache-memory (8MiB) sizes "
+            "the KV cache") in result.err, result.err
