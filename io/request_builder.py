@@ -152,8 +152,14 @@ class RequestBuilder:
             raise _Reject("body.stream is not supported in a batch; remove it")
         unknown = [key for key in body if key not in _BODY_FIELDS]
         if unknown:
+            at_default = request_options.AT_DEFAULT.keys()
             raise _Reject(f"body.{unknown[0]} is not supported by conveyor; remove it (supported: "
-                          f"{', '.join(sorted(_BODY_FIELDS))})")
+                          f"{', '.join(sorted(_BODY_FIELDS - at_default))}; at their defaults only: "
+                          f"{', '.join(sorted(at_default))})")
+        try:
+            request_options.check_at_default(body, "body.", request_options.AT_DEFAULT)
+        except ValueError as e:
+            raise _Reject(str(e)) from None
         return body, "body."
 
     def _seed(self, fields: dict, prefix: str, record_id: str | None, index: int) -> int:
@@ -332,4 +338,5 @@ _OVERRIDES: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
 # What an OpenAI batch body may hold: the request itself, its generation settings (OpenAI's and vLLM's names)
 # and fields that do not change the output ("model": the run's --model answers; "user", "metadata", "store").
 _BODY_FIELDS = frozenset({"messages", "prompt", "seed", "n", "stream", "model", "user", "metadata", "store",
-                          *_OVERRIDES, *request_options.FIELDS})
+                          *_OVERRIDES, *request_options.FIELDS, *request_options.AT_DEFAULT})
+

@@ -21,16 +21,44 @@ GRAMMAR_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choi
 FIELDS = (*GRAMMAR_FIELDS, "logprobs", "top_logprobs", "prompt_logprobs", "logit_bias", "presence_penalty",
           "frequency_penalty", "repetition_penalty", "bad_words")
 # vLLM request fields conveyor does not implement: an error that names them, never silently ignored.
+# (best_of, use_beam_search, truncate_prompt_tokens and spaces_between_special_tokens are accepted at their
+# defaults: AT_DEFAULT.)
 UNSUPPORTED = ("guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern", "structural_tag",
                "allowed_token_ids", "logits_processors", "best_of", "use_beam_search", "length_penalty",
                "truncate_prompt_tokens", "spaces_between_special_tokens")
+# Fields accepted only at a value that asks for nothing other than what conveyor does: their defaults, or a
+# no-op (tool_choice "none" without tools; a service tier, which only schedules). Any other value is an error
+# naming the field and the values it may take, never an option silently dropped. An OpenAI batch body is checked
+# for all of them; a plain record only for the UNSUPPORTED ones (its other fields may be data of any name).
+AT_DEFAULT = {
+    "echo": (False,), "suffix": (None,), "best_of": (None, 1), "use_beam_search": (None, False),
+    "stream_options": (None,), "tools": (None, []), "tool_choice": (None, "none", "auto"),
+    "parallel_tool_calls": (None, True, False), "functions": (None, []), "function_call": (None, "none", "auto"),
+    "modalities": (None, ["text"]), "audio": (None,), "prediction": (None,), "reasoning_effort": (None,),
+    "service_tier": (None, "auto", "default"), "skip_special_tokens": (None, True),
+    "spaces_between_special_tokens": (None, True), "include_stop_str_in_output": (None, False),
+    "add_generation_prompt": (None, True), "continue_final_message": (None, False), "priority": (None, 0),
+    "truncate_prompt_tokens": (None,),
+}
+
+
+def check_at_default(fields: dict, prefix: str, names) -> None:
+    """ValueError naming the first of `names` that `fields` sets to a value AT_DEFAULT does not allow."""
+    for name in names:
+        if name not in fields:
+            continue
+        value, allowed = fields[name], AT_DEFAULT.get(name, (None,))
+        if not any(type(value) is type(a) and value == a for a in allowed):
+            takes = " or ".join(json.dumps(a) for a in allowed if a is not None)
+            shown = json.dumps(value, ensure_ascii=False, default=str)
+            shown = shown if len(shown) <= 60 else shown[:57] + "..."  # (a list of tools can be long)
+            raise ValueError(f"{prefix}{name} is not supported by conveyor" + (
+                f" except at its default (got {shown}; it can only be {takes})" if takes else "") + "; remove it")
 
 
 def changes(fields: dict, prefix: str, tokenizer: Any) -> dict[str, Any]:
     """The SamplingParams fields a record sets, from its own fields; {} where it sets none."""
-    for name in UNSUPPORTED:
-        if fields.get(name) is not None:
-            raise ValueError(f"{prefix}{name} is not supported by conveyor; remove it")
+    check_at_default(fields, prefix, UNSUPPORTED)
     out: dict[str, Any] = {}
     grammar = _grammar(fields, prefix)
     if grammar is not _UNSET:

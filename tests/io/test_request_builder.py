@@ -187,6 +187,29 @@ def test_openai_completion_line_and_errors(tokenizer):
     assert "'body.prompt'" in missing and "'body.messages'" in missing
 
 
+def test_openai_fields_at_their_defaults_are_accepted_and_others_named(tokenizer):
+    defaults = {"echo": False, "stream_options": None, "tools": [], "tool_choice": "none", "parallel_tool_calls":
+                True, "service_tier": "auto", "skip_special_tokens": True, "include_stop_str_in_output": False,
+                "best_of": 1, "use_beam_search": False, "modalities": ["text"], "priority": 0}
+    line = {"custom_id": "c", "url": "/v1/chat/completions",
+            "body": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, **defaults}}
+    built = build(tokenizer, line)
+    assert isinstance(built, BuiltRequest) and built.sampling.max_tokens == 3
+    for name, value, says in [("echo", True, "(got true; it can only be false)"),
+                              ("best_of", 2, "(got 2; it can only be 1)"),
+                              ("skip_special_tokens", False, "it can only be true"),
+                              ("reasoning_effort", "low", "conveyor; remove it"),
+                              ("priority", "0", '(got "0"; it can only be 0)'),
+                              ("tools", [{"type": "function"}], 'got [{"type": "function"}]')]:
+        error = error_of(build(tokenizer, {**line, "body": {**line["body"], name: value}}))
+        assert error.startswith(f"line 5: body.{name} is not supported by conveyor") and says in error, error
+    # in a plain record only the vLLM names are request fields: any other name may be a data column
+    assert isinstance(build(tokenizer, {"prompt": "x", "echo": True, "priority": "high"}), BuiltRequest)
+    assert isinstance(build(tokenizer, {"prompt": "x", "best_of": 1}), BuiltRequest)
+    assert "best_of is not supported by conveyor except at its default (got 3" in error_of(
+        build(tokenizer, {"prompt": "x", "best_of": 3}))
+
+
 def test_sample_data_builds_without_errors(tokenizer):
     builder = make_builder(tokenizer, max_model_len=8192)
     kinds = {}
