@@ -19,7 +19,7 @@ from typing import Any
 
 from conveyor.cli.config import DEVICE_DEFAULTS, RunConfig
 from conveyor.cli.exit_codes import ExitCode, UsageError
-from conveyor.cli.run_info import command_line, write_run_info
+from conveyor.cli.run_info import command_line, read_run_info, write_run_info
 from conveyor.cli.stop_signals import StopController
 from conveyor.core import SamplingParams
 from conveyor.io.readers import InputError, RawRecord, fingerprint, fingerprints_content, open_reader
@@ -138,6 +138,7 @@ class Pipeline:
         self.note: str | None = None  # said once the run directory is open (a run that started over)
         self.shard: Shard | None = None  # --shard: this run answers the records whose index is I mod N
         self.input_records = 0  # input records read so far, every shard's (after --limit)
+        self.arithmetic: str | None = None  # the backend's arithmetic the rows so far were computed with
         self._token_texts: dict[int, str] = {}
 
     # -- setup (usage errors surface here, before any model work) -------------------------------
@@ -190,7 +191,8 @@ class Pipeline:
         if self.reader.with_digests and self.totals.resumed_from:  # read the answered prefix now, before the
             first = next(self.records, None)  # model loads: a different input is refused at once
             self.records = itertools.chain([first] if first is not None else [], self.records)
-        write_run_info(self.run_dir.path, self.totals.total, self.command)
+        self.arithmetic = read_run_info(self.run_dir.path).get("arithmetic") if self.totals.resumed_from else None
+        write_run_info(self.run_dir.path, self.totals.total, self.command, self.arithmetic)
 
     def load_engine(self) -> None:
         from conveyor.core import EngineConfig
@@ -205,6 +207,7 @@ class Pipeline:
                                      max_waiting=max(2 * cfg.max_num_seqs, 64), device=cfg.device, dtype=cfg.dtype,
                                      backend=cfg.backend)
         self.engine = Engine.from_pretrained(cfg.model, engine_config)
+        self._check_arithmetic(self.engine.backend.arithmetic())
         if cfg.profile:
             self.engine.enable_profiling()
         self.totals.load_s = time.monotonic() - start
@@ -213,6 +216,18 @@ class Pipeline:
                                id_field=cfg.id_field, keep_fields=cfg.keep_fields,
                                max_model_len=self.engine.max_model_len)
         self.builder = RequestBuilder(self.engine.tokenizer, options)
+
+    def _check_arithmetic(self, now: str) -> None:
+        """Say so where this run's rows so far were computed with other kernels or another device (a resume on
+        another machine): the rest are right, but need not be bitwise an uninterrupted run's."""
+        before = self.arithmetic
+        if before is not None and before != now:
+            sys.stderr.write(f"conveyor: the first {self.totals.resumed_from} rows of this run were computed with "
+                             f"{before}; it resumes with {now}, so the rest need not equal an uninterrupted run's "
+                             "bit for bit (rerun with --restart, or resume on the machine it started on, to keep "
+                             "one arithmetic)\n")
+        self.arithmetic = now
+        write_run_info(self.run_dir.path, self.totals.total, self.command, now)
 
     # -- the loop ------------------------------------------------------------------------------
 

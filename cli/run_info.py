@@ -1,4 +1,5 @@
-"""`run.json` in the run directory: the record total and the command line, for `conveyor status`."""
+"""`run.json` in the run directory: the record total and the command line, for `conveyor status`, and the
+arithmetic the rows were computed with, to say so when a run resumes with another."""
 
 from __future__ import annotations
 
@@ -25,8 +26,9 @@ def command_line() -> str | None:
     return shlex.join(["conveyor", *args]) if args else None
 
 
-def write_run_info(run_dir: Path, total: int | None, command: str | None) -> None:
-    info = {"total": total, "command": command}
+def write_run_info(run_dir: Path, total: int | None, command: str | None, arithmetic: str | None = None) -> None:
+    """`arithmetic`: the engine backend's (`Backend.arithmetic`) the last rows were computed with."""
+    info = {"total": total, "command": command, "arithmetic": arithmetic}
     atomic_write_text(Path(run_dir) / "run.json", json.dumps(info) + "\n")
 
 

@@ -132,6 +132,11 @@ class Backend(ABC):
     def describe(self) -> str:
         return self.name
 
+    def arithmetic(self) -> str:
+        """What, beyond the model and the run's settings, decides a row's bits here: the kernels and the device
+        they run on. A run resumed where this differs can differ in bits from an uninterrupted one (it says so)."""
+        return self.describe()
+
 
 def tensor(values: list, device: torch.device, dtype=torch.long) -> torch.Tensor:
     return torch.tensor(values, dtype=dtype, device=device)

@@ -346,3 +346,21 @@ def test_disk_full_in_the_journal_exits_1_and_resumes(tiny_model, tmp_path, monk
     resumed = run_in_process(*command)
     assert resumed.code == 0, resumed.err
     assert_same_rows(read_rows(tmp_path / "out.jsonl"), expected)
+
+
+def test_a_resume_with_other_kernels_says_its_rows_may_differ_in_bits(tmp_path, tiny_model):
+    src = write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt": f"w{i} w{i + 1}"} for i in range(4)])
+    out = tmp_path / "out.jsonl"
+    args = ("run", src, "-o", out, *tiny_args(tiny_model), "--max-tokens", "3", "--quiet")
+    assert run_in_process(*args, "--limit", "2").code == 0
+    info_path = tmp_path / "out.jsonl.conveyor" / "run.json"
+    here = json.loads(info_path.read_text())["arithmetic"]
+    assert here  # e.g. "cpu (fused forward), AMX tiles"
+    result = run_in_process(*args, "--limit", "3")  # the same machine: nothing to say
+    assert result.code == 0 and "need not equal" not in result.err, result.err
+    info_path.write_text(json.dumps({**json.loads(info_path.read_text()), "arithmetic": "cpu (another machine)"}))
+    result = run_in_process(*args)
+    assert result.code == 0 and len(read_rows(out)) == 4, result.err
+    assert ("the first 3 rows of this run were computed with cpu (another machine); it resumes with "
+            f"{here}, so the rest need not equal an uninterrupted run's bit for bit") in result.err, result.err
+    assert json.loads(info_path.read_text())["arithmetic"] == here

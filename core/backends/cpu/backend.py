@@ -102,6 +102,14 @@ class CpuBackend(Backend):
     def describe(self) -> str:
         return "cpu (fused forward)" if self.fused is not None else "cpu (transformers forward)"
 
+    def arithmetic(self) -> str:
+        if self.dtype == torch.bfloat16:
+            linears = ("AMX tiles" if self.ops.amx_gemm_available() else
+                       "AVX512-BF16 pair products" if self.ops.pair_gemm_available() else "bf16 widened to float32")
+        else:
+            linears = "float32 FMA panels"
+        return f"{self.describe()}, {linears}"
+
 
 def kv_layout(dtype: torch.dtype, head_dim: int, block_size: int, group: int) -> str:
     """The layout the kernels read for this model shape: "pairs" where bf16 attention runs as bf16 products

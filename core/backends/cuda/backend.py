@@ -167,6 +167,9 @@ class CudaBackend(Backend):
             "lean Llama forward" if self.lean is not None else "transformers forward")
         return f"cuda ({forward})"
 
+    def arithmetic(self) -> str:
+        return f"{self.describe()} on {torch.cuda.get_device_name(self.device)}, torch {torch.__version__}"
+
 
 def _upload(arrays: list[list[int]], device: torch.device) -> list[torch.Tensor]:
     """The lists as int32 tensors on `device`, through one host-to-device copy (a few KiB: pinning a buffer per
