@@ -168,7 +168,8 @@ class CudaBackend(Backend):
         return f"cuda ({forward})"
 
     def arithmetic(self) -> str:
-        return f"{self.describe()} on {torch.cuda.get_device_name(self.device)}, torch {torch.__version__}"
+        where = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "Triton's interpreter"
+        return f"{self.describe()} on {where}, torch {torch.__version__}"
 
 
 def _upload(arrays: list[list[int]], device: torch.device) -> list[torch.Tensor]:
