@@ -8,23 +8,32 @@ from __future__ import annotations
 
 import itertools
 import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
 
 from conveyor.cli.config import build_config
 from conveyor.cli.exit_codes import ExitCode
+from conveyor.io.journal import Journal
 from conveyor.io.request_builder import BuiltRequest
 from conveyor.io.sink import RecordSink, record_location
 from conveyor.io.rows import duplicate_id_message
 
 
 class ValidationSink(RecordSink):
-    def __init__(self, tokenizer, show_errors: int) -> None:
+    """Counts records and errors, keeps the first `show_errors` messages and a histogram of prompt lengths, and
+    checks ids through `ids` (a scratch journal on disk: an input of 100M ids does not fill memory)."""
+
+    COMMIT_EVERY = 50_000  # id claims buffered in memory between writes of the scratch journal
+
+    def __init__(self, tokenizer, show_errors: int, ids: Journal) -> None:
         self.tokenizer = tokenizer
         self.show_errors = show_errors
+        self.ids = ids
         self.records = 0
-        self.lengths: list[int] = []
+        self.lengths: Counter[int] = Counter()  # prompt length -> records (bounded by the model's context)
         self.errors: list[str] = []
         self.num_errors = 0
-        self.seen: dict[str, int] = {}
         self.grammars = None  # made on the first record with a grammar
 
     def admit(self, raw, built):
@@ -39,9 +48,12 @@ class ValidationSink(RecordSink):
                 self.grammars.compiled(built.sampling.grammar)
             except ValueError as e:
                 return self._error(f"{record_location(raw)}: {e}")
-        if built.id_given and self.seen.setdefault(built.id, built.index) != built.index:
-            return self._error(duplicate_id_message(record_location(raw), built.id))
-        self.lengths.append(len(built.prompt_token_ids))
+        if built.id_given:
+            if not self.ids.claim_id(built.id, built.index):
+                return self._error(duplicate_id_message(record_location(raw), built.id))
+            if self.records % self.COMMIT_EVERY == 0:
+                self.ids.commit()
+        self.lengths[len(built.prompt_token_ids)] += 1
         return None  # built and checked; nothing to generate
 
     def _error(self, message: str) -> None:
@@ -49,6 +61,16 @@ class ValidationSink(RecordSink):
         if len(self.errors) < self.show_errors:
             self.errors.append(message)
         return None
+
+    def percentile(self, q: float) -> int:
+        """The prompt length below which a fraction q of the ok records fall (as sorted(lengths)[int(q * n)])."""
+        n = sum(self.lengths.values())
+        rank = min(n - 1, int(q * n))
+        for length in sorted(self.lengths):
+            rank -= self.lengths[length]
+            if rank < 0:
+                return length
+        raise ValueError("no lengths")
 
 
 def validate(flags: dict, config_path: str | None, show_errors: int) -> int:
@@ -67,17 +89,19 @@ def validate(flags: dict, config_path: str | None, show_errors: int) -> int:
         sampling=sampling_defaults(cfg), seed=cfg.seed, system_prompt=cfg.system_prompt,
         prompt_field=cfg.prompt_field, messages_field=cfg.messages_field, id_field=cfg.id_field,
         max_model_len=max_model_len))
-    sink = ValidationSink(tokenizer, show_errors)
     records = itertools.takewhile(lambda raw: cfg.limit is None or raw.index < cfg.limit, reader)
-    run_records(records, builder, None, sink)
+    with tempfile.TemporaryDirectory(prefix="conveyor-validate-") as scratch, \
+            Journal(Path(scratch) / "ids.sqlite") as ids:
+        sink = ValidationSink(tokenizer, show_errors, ids)
+        run_records(records, builder, None, sink)
     out = sys.stdout
     lengths = sink.lengths
-    out.write(f"{cfg.input}: {sink.records} records, {len(lengths)} ok, {sink.num_errors} errors\n")
-    if lengths:
-        lengths.sort()
-        pct = lambda q: lengths[min(len(lengths) - 1, int(q * len(lengths)))]  # noqa: E731
-        out.write(f"prompt tokens: min {lengths[0]}, median {pct(0.5)}, p95 {pct(0.95)}, max {lengths[-1]}, "
-                  f"total {sum(lengths)} (model context {max_model_len})\n")
+    ok = sum(lengths.values())
+    out.write(f"{cfg.input}: {sink.records} records, {ok} ok, {sink.num_errors} errors\n")
+    if ok:
+        out.write(f"prompt tokens: min {min(lengths)}, median {sink.percentile(0.5)}, p95 {sink.percentile(0.95)}, "
+                  f"max {max(lengths)}, total {sum(n * c for n, c in lengths.items())} (model context "
+                  f"{max_model_len})\n")
     for message in sink.errors:
         out.write(f"  error: {message}\n")
     if sink.num_errors > len(sink.errors):
