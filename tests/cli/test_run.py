@@ -337,6 +337,7 @@ def test_help_is_fast_and_shows_examples():
     assert run_help.code == 0
     assert "Examples" in run_help.out and "conveyor run prompts.jsonl -o answers.parquet" in run_help.out
     assert "--max-tokens" in run_help.out and "--max-runtime" in run_help.out
+    assert "[default: 16]" in " ".join(run_help.out.split())  # not eaten as markup (--block-size's)
     probe = ("import sys\nfrom conveyor.cli.app import main\n"
              "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
              "print('LOADED', sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
