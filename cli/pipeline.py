@@ -29,7 +29,7 @@ from conveyor.io.request_builder import BuildOptions, RequestBuilder
 from conveyor.io.request_options import run_grammar
 from conveyor.io.run_dir import STATE_FILES, Manifest, RunDir
 from conveyor.io.shards import Shard, ShardError, ShardSet, clear_done, mark_done, merge, shard_dir
-from conveyor.io.sink import BadRecordStop, CommitPolicy, JournalSink, RunTotals, record_location  # noqa: F401
+from conveyor.io.sink import CommitPolicy, JournalSink, RunTotals
 from conveyor.io.writers import check_keep_fields, infer_output_format, write_output
 
 TOOL_VERSION = "0.1.0"
@@ -200,12 +200,12 @@ class Pipeline:
 
         cfg = self.cfg
         start = time.monotonic()
+        gpu = {} if cfg.gpu_memory_utilization is None else {"gpu_memory_utilization": cfg.gpu_memory_utilization}
         engine_config = EngineConfig(block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
                                      max_num_batched_tokens=cfg.max_num_batched_tokens,
                                      num_kv_blocks=cfg.num_kv_blocks, kv_cache_memory=cfg.kv_cache_memory,
-                                     gpu_memory_utilization=cfg.gpu_memory_utilization or 0.9,  # (unused on CPUs)
                                      max_waiting=max(2 * cfg.max_num_seqs, 64), device=cfg.device, dtype=cfg.dtype,
-                                     backend=cfg.backend)
+                                     backend=cfg.backend, **gpu)  # (None on a CPU: the engine's default, unused)
         self.engine = Engine.from_pretrained(cfg.model, engine_config)
         self._check_arithmetic(self.engine.backend.arithmetic())
         if cfg.profile:

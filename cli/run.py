@@ -96,7 +96,8 @@ def run_command(
 
 
 def execute(cfg: RunConfig) -> int:
-    from conveyor.cli.pipeline import BadRecordStop, Pipeline
+    from conveyor.cli.pipeline import Pipeline
+    from conveyor.io.sink import BadRecordStop
     from conveyor.cli.progress import make_progress
 
     if cfg.executor == "ray":

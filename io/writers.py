@@ -11,7 +11,7 @@ import contextlib
 import json
 import os
 import time
-from typing import IO, Any, Iterable
+from typing import IO, Any, Iterable, Iterator
 
 from conveyor.io.atomic import atomic_file
 from conveyor.io.rows import KIND_KEY, OPTIONAL_COLUMNS, OUTPUT_COLUMNS, base_schema, optional_schema
