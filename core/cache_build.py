@@ -1,5 +1,6 @@
 """Something built once into a shared cache, safe against concurrent and killed builders: the C++
-kernels' library (`cpu_kernels.py`) and the embedded model's converted folder (`model_loader.py`).
+kernels' library (`backends/cpu/kernels.py`) and the embedded model's converted folder (`model_loader.py`).
+The cache is `cache_dir()`: $CONVEYOR_CACHE_DIR, else the user's cache directory.
 
 `cached_build(folder, name, build)` returns `folder/name` (a file or a folder), calling
 `build(scratch)` first when it is not there yet. The build runs in a scratch directory beside
@@ -36,6 +37,15 @@ try:
     import fcntl
 except ImportError:  # pragma: no cover - not POSIX: builds are not serialized
     fcntl = None  # type: ignore[assignment]
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("CONVEYOR_CACHE_DIR")
+    if env:
+        return Path(env)
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("conveyor"))
 
 
 def cached_build(folder: Path, name: str, build: Callable[[Path], Path], wait_s: float = 900.0) -> Path:

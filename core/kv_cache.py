@@ -6,7 +6,6 @@ from __future__ import annotations
 import torch
 
 from conveyor.core.backends.base import KVLayout
-from conveyor.core.config import parse_memory
 
 
 def kv_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
@@ -30,12 +29,3 @@ class KVCache:
         # and 0 * NaN from uninitialised memory would poison the output.
         self.keys = [torch.zeros(key_shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros(value_shape, dtype=dtype, device=device) for _ in range(num_layers)]
-
-    @staticmethod
-    def num_blocks_for_budget(memory: str | int, num_layers: int, num_kv_heads: int, head_dim: int,
-                              block_size: int, dtype: torch.dtype) -> int:
-        per_block = kv_bytes_per_block(num_layers, num_kv_heads, head_dim, block_size, dtype)
-        num_blocks = parse_memory(memory) // per_block
-        if num_blocks < 1:
-            raise ValueError(f"kv_cache_memory={memory!r} holds no block; one block needs {per_block} bytes")
-        return num_blocks

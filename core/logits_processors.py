@@ -96,7 +96,8 @@ class Penalties(LogitsProcessor):
 
 class GrammarMask(LogitsProcessor):
     def __init__(self, apply_bitmask=None) -> None:
-        self.apply_bitmask = apply_bitmask  # the C++ kernel (logits, bitmask, rows), or None: torch below
+        # the cpu backend's C++ kernel (logits, bitmask, rows; its logits are on the CPU), or None: torch below
+        self.apply_bitmask = apply_bitmask
 
     def wants(self, entry, state) -> bool:
         return entry.sampling.grammar is not None
@@ -106,7 +107,7 @@ class GrammarMask(LogitsProcessor):
         bitmask = torch.empty(len(rows), (vocab + 31) // 32, dtype=torch.int32)
         for k, i in enumerate(rows):
             states[i].matcher.fill_next_token_bitmask(bitmask, k)
-        if self.apply_bitmask is not None and logits.device.type == "cpu":
+        if self.apply_bitmask is not None:
             self.apply_bitmask(logits, bitmask, torch.tensor(rows, dtype=torch.long))
         else:
             shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)

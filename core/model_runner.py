@@ -28,12 +28,8 @@ def _warn_inexact(backend: Backend) -> None:
     if backend.name in _warned_inexact:
         return
     _warned_inexact.add(backend.name)
-    why = ""
-    if backend.name == "torch" and backend.device.type == "cpu":
-        from conveyor.core.backends.cpu.kernels import kernels_missing_reason
-
-        reason = kernels_missing_reason()
-        why = f" (conveyor's C++ kernels are not used here: {reason})" if reason else ""
+    note = backend.note()
+    why = f" ({note})" if note else ""
     sys.stderr.write(f"conveyor: the {backend.name} backend{why} is not batch-invariant: "
                      f"{backend.inexact_reason()}\n")
 
@@ -57,8 +53,7 @@ class ModelRunner:
 
     def _tick(self, key: str, since: float) -> float:
         """Charge the time since `since` to `key`; waits for the device so the split is honest."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        self.backend.synchronize()
         now = time.perf_counter()
         self.timings[key] += now - since
         return now

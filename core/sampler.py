@@ -34,9 +34,10 @@ def uniform_for(seed: int, index: int) -> float:
 class Sampler:
     def __init__(self, eos_token_ids: Collection[int], argmax=None, sample_rows=None, apply_bitmask=None) -> None:
         self.eos_token_ids = tuple(eos_token_ids)
-        self.argmax = argmax  # a faster exact `torch.argmax(x, -1)` for CPU tensors, or None
+        # The cpu backend's C++ ops (`Backend.sampler_ops`: its logits are on the CPU), or None: torch below.
+        self.argmax = argmax  # a faster exact `torch.argmax(x, -1)`, or None
         # (logits, rows, temps, draws, top_k, top_p, min_p) -> token ids: both sampling paths below in
-        # one C++ pass per row on the CPU, or None. In the engine, 64 rows x 49152: ~3.5 ms per step
+        # one C++ pass per row, or None. In the engine, 64 rows x 49152: ~3.5 ms per step
         # instead of ~20 ms, and ~9 ms instead of ~150 ms with top-p (torch sorts the whole vocabulary).
         self.sample_rows = sample_rows
         self.processors = Processors(eos_token_ids, apply_bitmask)
@@ -62,13 +63,13 @@ class Sampler:
         return tokens, logprobs
 
     def _sample(self, logits: torch.Tensor, entries: Sequence[ScheduledRequest]) -> list[int]:
-        if self.argmax is not None and logits.device.type == "cpu":
+        if self.argmax is not None:
             tokens = self.argmax(logits.contiguous())  # greedy rows are done here
         else:
             tokens = torch.argmax(logits.float(), dim=-1)
         # Each row's path depends on its own params only, so a token never depends on its batch.
         sampled = [i for i, e in enumerate(entries) if not e.sampling.is_greedy]
-        if sampled and self.sample_rows is not None and logits.device.type == "cpu":
+        if sampled and self.sample_rows is not None:
             tokens[sampled] = self._sample_in_kernel(logits, sampled, [entries[i] for i in sampled])
             return tokens.tolist()
         plain = [i for i in sampled if not _truncates(entries[i])]

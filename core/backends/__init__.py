@@ -1,4 +1,5 @@
-"""(torch) The engine's backends and how one is chosen (see `base.py` for what a backend owns).
+"""(torch) The engine's backends and how one is chosen (see `base.py` for what a backend owns), and what an engine
+config means on this machine (`resolve_engine_config`: `--device auto`, `--dtype auto`, the device's sizes).
 
     cpu    conveyor's C++ kernels and fused forward; exact in float32 and bfloat16     backends/cpu/
     cuda   Triton paged attention, a lean forward, CUDA graphs for small steps        backends/cuda/
@@ -10,13 +11,59 @@ Triton imports, torch elsewhere.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
 
 from conveyor.core.backends.base import Backend
+from conveyor.core.config import BACKENDS, EngineConfig
+from conveyor.core.errors import ConfigError
 
-BACKENDS = ("auto", "cpu", "cuda", "torch")
+
+def resolve_device(device: str) -> torch.device:
+    """The `device` field as a torch.device ("auto": CUDA where there is a device, else the CPU); ConfigError
+    where it names no device, or a CUDA one where none is."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise ConfigError("device", str(e), device) from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device", "no CUDA device is available here; use --device cpu", device)
+    return dev
+
+
+def resolve_engine_config(config: EngineConfig) -> tuple[EngineConfig, tuple[str, ...]]:
+    """(`config` as it will run here, the fields given that change nothing here). As it runs: the device resolved
+    ("auto": a GPU where there is one), that device's default sizes filled in, `dtype="auto"` made concrete (a
+    run's manifest records what ran), the backend checked to run on the device; ConfigError naming the field
+    (device, backend) where it cannot. Changing nothing: gpu_memory_utilization off a GPU, or beside
+    kv_cache_memory."""
+    device = resolve_device(config.device)
+    runs = available_backends(device)
+    if config.backend != "auto" and config.backend not in runs:
+        raise ConfigError("backend", f"does not run on {device} here; backends that do: {', '.join(runs)} (or auto)",
+                          config.backend)
+    dtype = auto_dtype(device) if config.dtype == "auto" else config.dtype
+    resolved = dataclasses.replace(config.for_device(device.type), device=str(device), dtype=dtype)
+    unused = ()
+    if config.gpu_memory_utilization is not None and (device.type != "cuda" or config.kv_cache_memory is not None):
+        unused = ("gpu_memory_utilization",)
+    return resolved, unused
+
+
+def auto_dtype(device: torch.device) -> str:
+    """What `--dtype auto` means on `device`: bfloat16 on a GPU and on CPUs where conveyor's kernels run bf16 on
+    bf16 instructions (AMX tiles or AVX512-BF16: about 2.5-3x float32's speed, and as right as float32 on
+    benchmarks/dtype_check.py's factual questions); float32 on other CPUs, where bf16 would be widened to float
+    at every step, no faster and less precise."""
+    if device.type == "cuda":
+        return "bfloat16"
+    from conveyor.core.backends.cpu.kernels import native_bf16
+
+    return "bfloat16" if native_bf16() else "float32"
 
 
 def available_backends(device: torch.device) -> list[str]:
@@ -48,17 +95,17 @@ def _triton_runs(device: torch.device) -> bool:
 
 def select_backend(model: torch.nn.Module, name: str = "auto", fused_forward: bool = True,
                    max_num_seqs: int = 64, max_num_batched_tokens: int = 2048) -> Backend:
-    """The backend `name` for `model` (on its device); ValueError naming the option where it cannot run."""
+    """The backend `name` for `model` (on its device); ConfigError naming the field where it cannot run."""
     if name not in BACKENDS:
-        raise ValueError(f"--backend: {name!r} is not one of {', '.join(BACKENDS)}")
+        raise ConfigError("backend", f"{name!r} is not one of {', '.join(BACKENDS)}")
     device = next(model.parameters()).device
     runs = available_backends(device)
     if name == "auto":
         name = {"cpu": "cpu" if "cpu" in runs else "torch", "cuda": "cuda" if "cuda" in runs else "torch"}.get(
             device.type, "torch")
     elif name not in runs:
-        raise ValueError(f"--backend {name}: does not run on {device} here ({_why_not(name, device)}); "
-                         f"backends that do: {', '.join(runs)}")
+        raise ConfigError("backend", f"does not run on {device} here ({_why_not(name, device)}); backends that do: "
+                          f"{', '.join(runs)}", name)
     if name == "cpu":
         from conveyor.core.backends.cpu.backend import CpuBackend
 

@@ -5,8 +5,10 @@ A backend owns
 - the per-step metadata built from the scheduler's plan (`prepare`: `StepRows` of plain lists in, a
   `Step` of device tensors out, whose `attention` stores each layer's new K/V and attends through the pool);
 - the forward pass (`forward`: a `Step` in, logits at its logit rows out);
-- the sampler's device ops (`sampler_ops`) and whether it meets the exactness contract (`exact`,
-  `conveyor.core.exactness`).
+- the sampler's device ops (`sampler_ops`), whether it meets the exactness contract (`exact`,
+  `conveyor.core.exactness`) and what the engine's warning says where it does not (`inexact_reason`, `note`);
+- waiting for its device (`synchronize`, for the runner's profiling).
+The model's shape (`ModelShape`: layers, heads, sizes, context) is read from its config here, once.
 
 The model runner and the engine know no kernel: they ask their backend. Backends: `cpu` (conveyor's C++
 kernels and fused forward), `cuda` (Triton paged attention, CUDA graphs), `torch` (plain torch: SDPA
@@ -16,12 +18,42 @@ over gathered K/V, any device, the reference everything else is checked against)
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from conveyor.core.config import DEFAULT_KV_CACHE_MEMORY, parse_memory
 from conveyor.core.schedule_types import ScheduledRequest
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    """What the engine and the backends' own forwards read of a model's config, with its fallbacks in one place."""
+
+    num_layers: int  # decoder layers
+    num_heads: int  # query heads per layer
+    num_kv_heads: int  # key / value heads per layer (fewer than num_heads under grouped-query attention)
+    head_dim: int  # elements per head
+    hidden_size: int  # elements per row of the residual stream
+    intermediate_size: int  # elements per row inside the MLP
+    vocab_size: int  # token ids: logits per row
+    max_model_len: int  # tokens a request may hold, prompt + output: positions the model was trained for
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> ModelShape:
+        cfg = model.config
+        heads = cfg.num_attention_heads
+        return cls(
+            num_layers=cfg.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,  # none given: one per query head
+            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+            hidden_size=cfg.hidden_size,
+            intermediate_size=getattr(cfg, "intermediate_size", 4 * cfg.hidden_size),
+            vocab_size=cfg.vocab_size,
+            max_model_len=int(getattr(cfg, "max_position_embeddings", 1 << 30)),  # none given: no limit of its own
+        )
 
 
 @dataclass(frozen=True)
@@ -36,6 +68,32 @@ class KVLayout:
 # keys and values alike [num_blocks, block_size, kv_heads, head_dim]: a token slot's K (or V) is one row
 # of a [num_blocks * block_size, kv_heads, head_dim] view. The torch and CUDA backends read it.
 FLASH = KVLayout("flash", lambda n, bs, h, d: (n, bs, h, d), lambda n, bs, h, d: (n, bs, h, d))
+
+
+def flash_rows(kv_cache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A FLASH pool's keys and values of `layer` as [slots, kv_heads, head_dim] views: one row per token slot."""
+    k, v = kv_cache.keys[layer], kv_cache.values[layer]
+    return k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:])
+
+
+def store_flash(kv_cache, layer: int, slot_mapping: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+    """Write the step's new keys / values [T, kv_heads, head_dim] into a FLASH pool's rows `slot_mapping` [T]."""
+    k, v = flash_rows(kv_cache, layer)
+    k.index_copy_(0, slot_mapping, k_new.to(k.dtype))
+    v.index_copy_(0, slot_mapping, v_new.to(v.dtype))
+
+
+def padded_tables(tables: Sequence[Sequence[int]], width: int | None = None) -> list[list[int]]:
+    """Block tables as rows of one width (`width`, else the longest table's): cut to it, padded with block 0. A
+    padding entry is never read: a row's keys end before it."""
+    if width is None:
+        width = max(len(t) for t in tables)
+    out = []
+    for t in tables:
+        row = list(t[:width])
+        row.extend([0] * (width - len(row)))
+        out.append(row)
+    return out
 
 
 @dataclass
@@ -94,15 +152,16 @@ class Backend(ABC):
         self.model = model
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
+        self.shape = ModelShape.of(model)
 
     @abstractmethod
     def kv_layout(self, head_dim: int, block_size: int, group: int) -> KVLayout:
         """The pool layout for this model shape (group: query heads per KV head)."""
 
-    def kv_budget(self, kv_cache_memory: int | None, gpu_memory_utilization: float) -> int:
-        """Bytes the KV pool may take: `kv_cache_memory` where given, else the backend's default (2 GiB; on a
-        GPU, what `gpu_memory_utilization` of its memory leaves free)."""
-        return kv_cache_memory if kv_cache_memory is not None else 2 << 30
+    def kv_budget(self, kv_cache_memory: int | None, gpu_memory_utilization: float | None) -> int:
+        """Bytes the KV pool may take: `kv_cache_memory` where given, else the backend's default
+        (DEFAULT_KV_CACHE_MEMORY; on a GPU, what `gpu_memory_utilization` of its memory leaves free)."""
+        return kv_cache_memory if kv_cache_memory is not None else parse_memory(DEFAULT_KV_CACHE_MEMORY)
 
     def spare_blocks(self) -> int:
         """Pool blocks the backend keeps for itself beyond the block manager's (padding rows' scratch)."""
@@ -128,6 +187,16 @@ class Backend(ABC):
         from conveyor.core.exactness import inexact_reason
 
         return None if self.exact else inexact_reason(self.name)
+
+    def note(self) -> str | None:
+        """What the engine's one-line warning about an inexact backend adds after its name (why a faster exact
+        backend does not run here), or None."""
+        return None
+
+    def synchronize(self) -> None:
+        """Wait for the device's queued work (for honest timings): a CUDA device's; nothing to wait for on the CPU."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def describe(self) -> str:
         return self.name

@@ -1,5 +1,5 @@
 """(torch) What the backends' own forwards (the CPU's fused one, the CUDA one) share about Llama-family models:
-which models they cover, and the rotary table.
+which models they cover, the rotary table, and q/k/v (gate/up) as one concatenated linear.
 """
 
 from __future__ import annotations
@@ -40,6 +40,24 @@ def is_plain_llama(model: torch.nn.Module) -> bool:
         return hasattr(inner, "rotary_emb") and hasattr(inner.norm, "variance_epsilon")
     except (AttributeError, TypeError):
         return False
+
+
+def concat_linears(modules: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One [sum(N), K] weight (and bias, zeros for a module that has none; None where none has one) whose slices
+    the modules' parameters become, so the weights are held once: one matmul for q/k/v, one for gate/up."""
+    weight = torch.cat([m.weight.detach() for m in modules])
+    bias = None
+    if any(m.bias is not None for m in modules):
+        bias = torch.cat([m.bias.detach() if m.bias is not None else weight.new_zeros(m.weight.shape[0])
+                          for m in modules])
+    offset = 0
+    for m in modules:
+        n = m.weight.shape[0]
+        m.weight.data = weight[offset:offset + n]
+        if m.bias is not None:
+            m.bias.data = bias[offset:offset + n]
+        offset += n
+    return weight, bias
 
 
 class RotaryTable:

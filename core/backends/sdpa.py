@@ -15,7 +15,18 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from conveyor.core.backends.base import FLASH, Backend, KVLayout, Step, StepAttention, StepRows, tensor
+from conveyor.core.backends.base import (
+    FLASH,
+    Backend,
+    KVLayout,
+    Step,
+    StepAttention,
+    StepRows,
+    flash_rows,
+    padded_tables,
+    store_flash,
+    tensor,
+)
 from conveyor.core.backends.transformers_forward import register, transformers_forward
 from conveyor.core.schedule_types import ScheduledRequest
 
@@ -40,17 +51,11 @@ class SdpaAttention(StepAttention):
         self.fresh_chunks = fresh_chunks  # [start, end) rows of prompt chunks with nothing cached
         self.gathered = gathered  # every other row
 
-    def _flat(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        k, v = self.kv.keys[layer], self.kv.values[layer]
-        return k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:])  # [slots, Hkv, D]
-
     def store(self, layer, k_new, v_new) -> None:
-        k, v = self._flat(layer)
-        k.index_copy_(0, self.slot_mapping, k_new.to(k.dtype))
-        v.index_copy_(0, self.slot_mapping, v_new.to(v.dtype))
+        store_flash(self.kv, layer, self.slot_mapping, k_new, v_new)
 
     def attend(self, layer, q, k_new, v_new, scale) -> torch.Tensor:
-        k_pool, v_pool = self._flat(layer)
+        k_pool, v_pool = flash_rows(self.kv, layer)  # [slots, Hkv, D]
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         for g in self.gathered:
             k = k_pool[g.slots].transpose(1, 2).to(q.dtype)  # [b, Hkv, L, D]
@@ -94,6 +99,14 @@ class TorchBackend(Backend):
     def forward(self, step: Step) -> torch.Tensor:
         return transformers_forward(self.model, step)
 
+    def note(self) -> str | None:
+        if self.device.type != "cpu":
+            return None
+        from conveyor.core.backends.cpu.kernels import kernels_missing_reason
+
+        reason = kernels_missing_reason()  # None where they run: `--backend torch` was asked for
+        return f"conveyor's C++ kernels are not used here: {reason}" if reason else None
+
     def _gathered(self, paged: list[tuple[int, ScheduledRequest]]) -> list[GatheredRows]:
         dev = self.device
         out = []
@@ -117,7 +130,6 @@ class TorchBackend(Backend):
         """[len(tables), length] pool slots of the first `length` tokens of each table (padded with 0)."""
         bs = self.kv_cache.block_size
         num_blocks = -(-length // bs)
-        padded = tensor([list(t[:num_blocks]) + [0] * (num_blocks - len(t[:num_blocks])) for t in tables],
-                        self.device)
+        padded = tensor(padded_tables(tables, num_blocks), self.device)
         offsets = torch.arange(bs, device=self.device)
         return (padded.unsqueeze(2) * bs + offsets).reshape(len(tables), num_blocks * bs)[:, :length]

@@ -143,7 +143,7 @@ def test_a_fresh_process_loads_the_cached_kernels_past_a_stale_torch_lock_file()
     imports the library directly, whatever lock file a killed process left in its folder."""
     pytest.importorskip("torch")
     from conveyor.core.backends.cpu.kernels import _NAME, build_tag, cpu_kernels
-    from conveyor.core.model_loader import cache_dir
+    from conveyor.core.cache_build import cache_dir
 
     if cpu_kernels() is None:
         pytest.skip("no C++ kernels here (no compiler, or a CPU without AVX-512)")

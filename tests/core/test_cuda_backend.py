@@ -7,15 +7,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from pools import reference_attention
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from conveyor.core import ConfigError
 from conveyor.core.backends import available_backends, select_backend
 from conveyor.core.backends.base import FLASH
 from conveyor.core.kv_cache import KVCache
 from conveyor.core.model_runner import ModelRunner
 from conveyor.core.sampling_params import SamplingParams
 from conveyor.core.schedule_types import ScheduledRequest
-from pools import reference_attention
 
 pytestmark = pytest.mark.skipif("cuda" not in available_backends(torch.device("cpu")),
                                 reason="Triton does not run here (not installed, or TRITON_INTERPRET unset)")
@@ -143,7 +144,9 @@ def test_budget_backend_choice_and_errors(monkeypatch):
     assert select_backend(model, "auto").name in ("cpu", "torch")  # auto never takes Triton's interpreter
     monkeypatch.delenv("TRITON_INTERPRET")
     assert "cuda" not in available_backends(torch.device("cpu"))
-    with pytest.raises(ValueError, match="--backend cuda: does not run on cpu"):
+    with pytest.raises(ConfigError) as cuda:  # the field and value travel with it; the CLI names its option
         select_backend(model, "cuda")
-    with pytest.raises(ValueError, match="--backend: 'metal'"):
+    assert cuda.value.named("--backend").startswith("--backend cuda: does not run on cpu")
+    with pytest.raises(ConfigError) as metal:
         select_backend(model, "metal")
+    assert metal.value.named("--backend").startswith("--backend: 'metal'")

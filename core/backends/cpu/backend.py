@@ -15,7 +15,16 @@ from __future__ import annotations
 
 import torch
 
-from conveyor.core.backends.base import Backend, KVLayout, SamplerOps, Step, StepAttention, StepRows, tensor
+from conveyor.core.backends.base import (
+    Backend,
+    KVLayout,
+    SamplerOps,
+    Step,
+    StepAttention,
+    StepRows,
+    padded_tables,
+    tensor,
+)
 from conveyor.core.backends.cpu.fused_llama import FusedLlama
 from conveyor.core.backends.cpu.kernels import cpu_kernels
 from conveyor.core.backends.transformers_forward import register, transformers_forward
@@ -65,10 +74,6 @@ class CpuBackend(Backend):
         if self.fused is None:
             register(model)
 
-    @staticmethod
-    def available() -> bool:
-        return cpu_kernels() is not None
-
     def kv_layout(self, head_dim: int, block_size: int, group: int) -> KVLayout:
         return LAYOUTS[kv_layout(self.dtype, head_dim, block_size, group)]
 
@@ -76,13 +81,11 @@ class CpuBackend(Backend):
         token_req: list[int] = []
         token_ctx: list[int] = []
         entries = rows.entries
-        max_blocks = max(len(e.block_ids) for e in entries)
-        tables = []
         for r, e in enumerate(entries):
             n = e.num_tokens
             token_req.extend([r] * n)
             token_ctx.extend(range(e.start_pos + 1, e.start_pos + n + 1))
-            tables.append(list(e.block_ids) + [0] * (max_blocks - len(e.block_ids)))
+        tables = padded_tables([e.block_ids for e in entries])
         dev = self.device
         slot_mapping = tensor(rows.slots, dev)
         attention = CpuAttention(self.ops, self.kv_cache, slot_mapping, tensor(tables, dev), tensor(token_req, dev),

@@ -15,12 +15,13 @@ CPU backend then runs the model's transformers forward with its attention instea
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
-from typing import TYPE_CHECKING
-
-from conveyor.core.backends.llama_family import RotaryTable, is_plain_llama
+from conveyor.core.backends.base import ModelShape
+from conveyor.core.backends.llama_family import RotaryTable, concat_linears, is_plain_llama
 
 if TYPE_CHECKING:
     from conveyor.core.backends.cpu.backend import CpuAttention
@@ -83,33 +84,12 @@ class _Linear:
         return self.gemm(x, self.packed, self.out_features, self.bias)
 
 
-def _concat_as_views(modules: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One [sum(N), K] weight (and bias); each module's parameters become views into it."""
-    weight = torch.cat([m.weight.detach() for m in modules])
-    offset = 0
-    for m in modules:
-        n = m.weight.shape[0]
-        m.weight.data = weight[offset:offset + n]
-        offset += n
-    if all(m.bias is None for m in modules):
-        return weight, None
-    bias = torch.cat([m.bias.detach() if m.bias is not None else torch.zeros(m.weight.shape[0], dtype=weight.dtype)
-                      for m in modules])
-    offset = 0
-    for m in modules:
-        n = m.weight.shape[0]
-        if m.bias is not None:
-            m.bias.data = bias[offset:offset + n]
-        offset += n
-    return weight, bias
-
-
 class _Layer:
     def __init__(self, layer: torch.nn.Module, ops) -> None:
         attn, mlp = layer.self_attn, layer.mlp
-        self.qkv = _Linear(*_concat_as_views([attn.q_proj, attn.k_proj, attn.v_proj]), ops)
+        self.qkv = _Linear(*concat_linears([attn.q_proj, attn.k_proj, attn.v_proj]), ops)
         self.o = _Linear(attn.o_proj.weight.detach(), _bias(attn.o_proj), ops)
-        self.gate_up = _Linear(*_concat_as_views([mlp.gate_proj, mlp.up_proj]), ops)
+        self.gate_up = _Linear(*concat_linears([mlp.gate_proj, mlp.up_proj]), ops)
         self.down = _Linear(mlp.down_proj.weight.detach(), _bias(mlp.down_proj), ops)
         self.norm_in = layer.input_layernorm.weight.detach()
         self.norm_post = layer.post_attention_layernorm.weight.detach()
@@ -125,7 +105,6 @@ class FusedLlama:
     """Callable: (input_ids [T], positions [T], batch, sample_rows [S]) -> logits [S, vocab]."""
 
     def __init__(self, model: torch.nn.Module, ops) -> None:
-        cfg = model.config
         inner = model.model
         self.ops = ops
         self.embed = inner.embed_tokens.weight.detach()
@@ -133,11 +112,9 @@ class FusedLlama:
         self.norm = inner.norm.weight.detach()
         self.norm_eps = float(inner.norm.variance_epsilon)
         self.lm_head = _Linear(model.lm_head.weight.detach(), _bias(model.lm_head), ops)
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        shape = ModelShape.of(model)
+        self.num_heads, self.num_kv_heads, self.head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
         self.scale = inner.layers[0].self_attn.scaling
-        self.logit_scale = getattr(cfg, "logits_scaling", None)
         self.rotary = RotaryTable(inner.rotary_emb, self.embed)
 
     @classmethod

@@ -29,7 +29,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from conveyor.core.cache_build import cached_build
+from conveyor.core.cache_build import cache_dir, cached_build
 
 _NAME = "conveyor_cpu_kernels"
 _CSRC = Path(__file__).parent / "csrc"
@@ -54,8 +54,6 @@ def cpu_kernels():
         return None
     try:
         import torch  # noqa: F401 - the module links against torch's libraries
-
-        from conveyor.core.model_loader import cache_dir
 
         folder = cache_dir() / "kernels" / f"py{sys.version_info.major}{sys.version_info.minor}-{build_tag()}"
         built: list = []

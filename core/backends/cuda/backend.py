@@ -21,12 +21,22 @@ import bisect
 
 import torch
 
-from conveyor.core.backends.base import FLASH, Backend, KVLayout, Step, StepAttention, StepRows
-from conveyor.core.backends.cuda.forward import LlamaForward
+from conveyor.core.backends.base import (
+    FLASH,
+    Backend,
+    KVLayout,
+    Step,
+    StepAttention,
+    StepRows,
+    padded_tables,
+    store_flash,
+)
+from conveyor.core.backends.cuda.forward import LlamaForward, table_positions
 from conveyor.core.backends.cuda.graphs import GRAPH_BUCKETS, GRAPH_MAX_TOKENS, CapturedStep
 from conveyor.core.backends.cuda.triton_attention import block_shape, paged_attention, query_blocks
 from conveyor.core.backends.llama_family import is_plain_llama
 from conveyor.core.backends.transformers_forward import register, transformers_forward
+from conveyor.core.errors import ConfigError
 
 MARGIN = 512 << 20  # cuBLAS workspaces, Triton, the allocator's slack: kept out of the KV pool
 
@@ -46,9 +56,7 @@ class TritonAttention(StepAttention):
         self.block_q = block_q
 
     def store(self, layer, k_new, v_new) -> None:
-        k, v = self.kv.keys[layer], self.kv.values[layer]
-        k.view(-1, *k.shape[2:]).index_copy_(0, self.slot_mapping, k_new.to(k.dtype))
-        v.view(-1, *v.shape[2:]).index_copy_(0, self.slot_mapping, v_new.to(v.dtype))
+        store_flash(self.kv, layer, self.slot_mapping, k_new, v_new)
 
     def attend(self, layer, q, k_new, v_new, scale) -> torch.Tensor:
         out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
@@ -63,12 +71,9 @@ class CudaBackend(Backend):
 
     def __init__(self, model: torch.nn.Module, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048) -> None:
         super().__init__(model)
-        cfg = model.config
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        self.group = self.num_heads // self.num_kv_heads
+        self.group = self.shape.num_heads // self.shape.num_kv_heads
         self.lean = LlamaForward(model) if is_plain_llama(model) else None
         if self.lean is None:
             register(model)
@@ -83,37 +88,35 @@ class CudaBackend(Backend):
     def spare_blocks(self) -> int:
         return 1  # the scratch block padding rows write to
 
-    def kv_budget(self, kv_cache_memory: int | None, gpu_memory_utilization: float) -> int:
+    def kv_budget(self, kv_cache_memory: int | None, gpu_memory_utilization: float | None) -> int:
         if kv_cache_memory is not None or self.device.type != "cuda":
             return super().kv_budget(kv_cache_memory, gpu_memory_utilization)
         free, total = torch.cuda.mem_get_info(self.device)
         reserve = self.activation_bytes() + MARGIN
         budget = int(total * gpu_memory_utilization) - (total - free) - reserve
         if budget <= 0:
-            raise ValueError(f"--gpu-memory-utilization {gpu_memory_utilization}: {total / 2**30:.1f} GiB x "
-                             f"{gpu_memory_utilization} leaves no room for a KV cache after the memory in use "
-                             f"({(total - free) / 2**30:.1f} GiB) and the activations ({reserve / 2**30:.1f} GiB); "
-                             "raise it, lower --max-num-batched-tokens, or give --kv-cache-memory")
+            raise ConfigError("gpu_memory_utilization",
+                              f"{total / 2**30:.1f} GiB x {gpu_memory_utilization} leaves no room for a KV cache "
+                              f"after the memory in use ({(total - free) / 2**30:.1f} GiB) and the activations "
+                              f"({reserve / 2**30:.1f} GiB); raise it, lower --max-num-batched-tokens, or give "
+                              "--kv-cache-memory", gpu_memory_utilization)
         return budget
 
     def activation_bytes(self) -> int:
         """An upper estimate of one step's activations at max_num_batched_tokens rows (the residual stream and
         a layer's temporaries, float32 norms) and max_num_seqs rows of logits through the sampler."""
-        cfg = self.model.config
+        shape = self.shape
         elem = self.dtype.itemsize
-        hidden = cfg.hidden_size
-        inter = getattr(cfg, "intermediate_size", 4 * hidden)
-        head_dim = getattr(cfg, "head_dim", None) or hidden // self.num_heads
-        qkv = (self.num_heads + 2 * self.num_kv_heads) * head_dim
-        per_row = (4 * hidden + qkv + self.num_heads * head_dim + 3 * inter) * elem + 8 * hidden
-        logits = max(self.max_num_seqs, 1) * cfg.vocab_size * (elem + 12)
+        hidden, inter, head_dim = shape.hidden_size, shape.intermediate_size, shape.head_dim
+        qkv = (shape.num_heads + 2 * shape.num_kv_heads) * head_dim
+        per_row = (4 * hidden + qkv + shape.num_heads * head_dim + 3 * inter) * elem + 8 * hidden
+        logits = max(self.max_num_seqs, 1) * shape.vocab_size * (elem + 12)
         return 2 * self.max_num_batched_tokens * per_row + 2 * logits
 
     def bind(self, kv_cache) -> None:
         super().bind(kv_cache)
         self.scratch_slot = (kv_cache.num_blocks - 1) * kv_cache.block_size
-        self.max_blocks = -(-int(getattr(self.model.config, "max_position_embeddings", 4096) or 4096)
-                            // kv_cache.block_size)
+        self.max_blocks = -(-table_positions(self.model) // kv_cache.block_size)
 
     # -- per step ----------------------------------------------------------------------------------------
 
@@ -128,8 +131,9 @@ class CudaBackend(Backend):
         block_m, block_q = block_shape(self.group, prefill)
         counts = [e.num_tokens for e in entries]
         blocks = query_blocks(counts, block_q)
-        max_blocks = max(len(e.block_ids) for e in entries)
-        tables = [b for e in entries for b in (*e.block_ids, *[0] * (max_blocks - len(e.block_ids)))]
+        padded = padded_tables([e.block_ids for e in entries])
+        max_blocks = len(padded[0])
+        tables = [b for row in padded for b in row]
         q_start = [0]
         for n in counts:
             q_start.append(q_start[-1] + n)

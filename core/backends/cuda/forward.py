@@ -12,27 +12,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from conveyor.core.backends.base import StepAttention
-from conveyor.core.backends.llama_family import RotaryTable
+from conveyor.core.backends.base import ModelShape, StepAttention
+from conveyor.core.backends.llama_family import RotaryTable, concat_linears
 
 MAX_ROTARY_POSITIONS = 1 << 17  # a longer context grows the table outside any graph (`reserve`)
 
 
-def _concat(modules: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One [sum(N), K] weight (and bias) whose slices the modules' parameters become."""
-    weight = torch.cat([m.weight.detach() for m in modules])
-    bias = None
-    if any(m.bias is not None for m in modules):
-        bias = torch.cat([m.bias.detach() if m.bias is not None else weight.new_zeros(m.weight.shape[0])
-                          for m in modules])
-    offset = 0
-    for m in modules:
-        n = m.weight.shape[0]
-        m.weight.data = weight[offset:offset + n]
-        if m.bias is not None:
-            m.bias.data = bias[offset:offset + n]
-        offset += n
-    return weight, bias
+def table_positions(model: torch.nn.Module) -> int:
+    """Positions the backend sizes its tables for up front (the rotary table, a graph's block tables): the config's
+    max_position_embeddings, or 4096 where it gives none (not the engine's unbounded `ModelShape.max_model_len`)."""
+    return int(getattr(model.config, "max_position_embeddings", 4096) or 4096)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -51,10 +40,10 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 class _Layer:
     def __init__(self, layer: torch.nn.Module) -> None:
         attn, mlp = layer.self_attn, layer.mlp
-        self.qkv_w, self.qkv_b = _concat([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.qkv_w, self.qkv_b = concat_linears([attn.q_proj, attn.k_proj, attn.v_proj])
         self.o_w = attn.o_proj.weight.detach()
         self.o_b = None if attn.o_proj.bias is None else attn.o_proj.bias.detach()
-        self.gate_up_w, self.gate_up_b = _concat([mlp.gate_proj, mlp.up_proj])
+        self.gate_up_w, self.gate_up_b = concat_linears([mlp.gate_proj, mlp.up_proj])
         self.down_w = mlp.down_proj.weight.detach()
         self.down_b = None if mlp.down_proj.bias is None else mlp.down_proj.bias.detach()
         self.norm_in = layer.input_layernorm.weight.detach()
@@ -68,7 +57,6 @@ class LlamaForward:
     """Callable: (input_ids [T], positions [T], attention, logit_rows [L]) -> logits [L, vocab]."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        cfg = model.config
         inner = model.model
         self.embed = inner.embed_tokens.weight.detach()
         self.layers = [_Layer(layer) for layer in inner.layers]
@@ -76,13 +64,11 @@ class LlamaForward:
         self.norm_eps = float(inner.norm.variance_epsilon)
         self.lm_head = model.lm_head.weight.detach()
         self.lm_head_b = None if model.lm_head.bias is None else model.lm_head.bias.detach()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        shape = ModelShape.of(model)
+        self.num_heads, self.num_kv_heads, self.head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
         self.scale = inner.layers[0].self_attn.scaling
         self.rotary = RotaryTable(inner.rotary_emb, self.embed)
-        max_len = int(getattr(cfg, "max_position_embeddings", 4096) or 4096)
-        self.rotary.reserve(min(max_len, MAX_ROTARY_POSITIONS))
+        self.rotary.reserve(min(table_positions(model), MAX_ROTARY_POSITIONS))
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: StepAttention,
                  logit_rows: torch.Tensor) -> torch.Tensor:

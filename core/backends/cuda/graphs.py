@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from conveyor.core.backends.base import StepRows
+from conveyor.core.backends.base import StepRows, padded_tables
 from conveyor.core.backends.cuda.triton_attention import block_shape, query_blocks
 
 GRAPH_MAX_TOKENS = 512
@@ -69,10 +69,11 @@ class StaticInputs:
         put("input_ids", rows.input_ids)
         put("positions", rows.positions)
         put("slots", rows.slots)
-        tables = h("tables").view(self.max_seqs, self.max_blocks)
+        padded = padded_tables([e.block_ids for e in entries])  # to the step's longest: the rest stays zero
+        h("tables").view(self.max_seqs, self.max_blocks)[:len(entries), :len(padded[0])] = torch.tensor(
+            padded, dtype=torch.int32)
         q_start = [0]
-        for r, e in enumerate(entries):
-            tables[r, :len(e.block_ids)] = torch.tensor(e.block_ids, dtype=torch.int32)
+        for e in entries:
             q_start.append(q_start[-1] + e.num_tokens)
         put("seq_lens", [e.start_pos + e.num_tokens for e in entries])
         h("q_start").fill_(T)  # requests past the step's are empty
