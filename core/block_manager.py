@@ -50,7 +50,7 @@ class BlockManager:
     @property
     def usage(self) -> float:
         """Fraction of blocks in use by some request."""
-        return 1.0 - len(self.free_queue) / self.num_blocks
+        return 1.0 - self.num_free_blocks / self.num_blocks
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -85,7 +85,7 @@ class BlockManager:
         """Can a new request take `cached_block_ids` plus fresh blocks up to `num_tokens` slots?"""
         num_new = self.blocks_for(num_tokens) - len(cached_block_ids)
         num_revived = sum(1 for b in cached_block_ids if self.blocks[b].ref_count == 0)
-        return num_new + num_revived <= len(self.free_queue)
+        return num_new + num_revived <= self.num_free_blocks
 
     def allocate(self, request: Request, cached_block_ids: list[int], num_tokens: int) -> None:
         assert not request.block_ids, f"{request} already holds blocks"
@@ -100,7 +100,7 @@ class BlockManager:
 
     def can_append(self, request: Request, num_tokens: int) -> bool:
         """Can `request`'s table grow to hold `num_tokens` slots?"""
-        return self.blocks_for(num_tokens) - len(request.block_ids) <= len(self.free_queue)
+        return self.blocks_for(num_tokens) - len(request.block_ids) <= self.num_free_blocks
 
     def append_slots(self, request: Request, num_tokens: int) -> None:
         assert self.can_append(request, num_tokens)

@@ -1,60 +1,89 @@
-"""EngineConfig: the engine's numbers (block size, batch caps, KV pool size), frozen. Pure Python."""
+"""EngineConfig: the engine's numbers (block size, batch caps, KV pool size), frozen, and the defaults that depend
+on the device. Every engine default is written here once. Pure Python.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+
+from conveyor.core.errors import ConfigError
+
+DEFAULT_MODEL = "smollm2-135m-instruct"  # the embedded model (core/model_loader.py), fetched on first use
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+BACKENDS = ("auto", "cpu", "cuda", "torch")  # core/backends
+DEFAULT_KV_CACHE_MEMORY = "2GiB"  # the KV pool's budget on the CPU (a GPU's comes from gpu_memory_utilization)
+# Sizes whose default depends on the device: a GPU step has room for far more rows.
+DEVICE_DEFAULTS = {"cpu": {"max_num_seqs": 64, "max_num_batched_tokens": 2048},
+                   "cuda": {"max_num_seqs": 256, "max_num_batched_tokens": 8192, "gpu_memory_utilization": 0.9}}
+BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)  # tokens per KV block the kernels take
+MIN_WAITING = 64  # backpressure: at least this many requests may wait (max(2 x max_num_seqs, MIN_WAITING))
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
           "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
 
 
-def parse_memory(text: str | int) -> int:
-    """'2GiB' -> 2147483648; '500MB' -> 500000000; plain integers are bytes."""
+def parse_memory(text: str | int, field: str = "kv_cache_memory") -> int:
+    """'2GiB' -> 2147483648; '500MB' -> 500000000; plain integers are bytes. ConfigError naming `field`."""
     if isinstance(text, int):
         return text
     s = str(text).strip().lower().replace(" ", "")
     num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
     unit = s[len(num):]
-    if unit not in _UNITS or not num:
-        raise ValueError(f"kv_cache_memory: cannot read {text!r}; write it like 2GiB, 512MiB or 1000000000")
-    value = float(num) * _UNITS[unit]
+    try:
+        value = float(num) * _UNITS[unit]
+    except (KeyError, ValueError):
+        raise ConfigError(field, f"{field}: cannot read {text!r}; write it like 2GiB, 512MiB or 1000000000") from None
     if value <= 0:
-        raise ValueError(f"kv_cache_memory must be positive, got {text!r}")
+        raise ConfigError(field, f"{field} must be positive, got {text!r}")
     return int(value)
 
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    """Scheduling and memory settings. A value learned at run time (blocks that fit) is returned, not stored."""
+    """Scheduling and memory settings. None means "the device's default" (DEVICE_DEFAULTS), filled in by
+    `for_device`. A value learned at run time (blocks that fit) is returned, not stored."""
 
     block_size: int = 16  # tokens per KV block
-    max_num_seqs: int = 64  # requests running in one step
-    max_num_batched_tokens: int = 2048  # tokens fed to one forward pass
+    max_num_seqs: int | None = None  # requests running in one step
+    max_num_batched_tokens: int | None = None  # tokens fed to one forward pass
     num_kv_blocks: int | None = None  # pool size; None = derive from kv_cache_memory
-    # budget for the KV pool when num_kv_blocks is None; None = the backend's default: 2 GiB on the CPU, on a
-    # GPU what gpu_memory_utilization of its memory leaves after the weights and activations
+    # budget for the KV pool when num_kv_blocks is None; None = the backend's default: DEFAULT_KV_CACHE_MEMORY on
+    # the CPU, on a GPU what gpu_memory_utilization of its memory leaves after the weights and activations
     kv_cache_memory: str | int | None = None
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float | None = None  # on a GPU, the fraction of its memory the engine may take
     enable_prefix_caching: bool = True
-    max_waiting: int = 256  # backpressure: requests held in WAITING by generate()
+    max_waiting: int | None = None  # backpressure: requests held in WAITING; None = max(2 x max_num_seqs, 64)
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
-    dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16"
-    backend: str = "auto"  # "auto" | "cpu" | "cuda" | "torch" (core/backends)
+    dtype: str = "auto"  # one of DTYPES
+    backend: str = "auto"  # one of BACKENDS (core/backends)
     fused_forward: bool = True  # the cpu backend, Llama-family models: the fused forward instead of transformers'
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting", "num_kv_blocks"):
             value = getattr(self, name)
+            if value is None and name != "block_size":
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 1):
-            raise ValueError(f"num_kv_blocks must be a positive integer, got {self.num_kv_blocks!r}")
+                raise ConfigError(name, f"{name} must be a positive integer, got {value!r}")
+        if self.block_size not in BLOCK_SIZES:
+            raise ConfigError("block_size", f"block_size must be a power of two up to 128, got {self.block_size!r}")
         if self.kv_cache_memory is not None:
             parse_memory(self.kv_cache_memory)
         u = self.gpu_memory_utilization
-        if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
-            raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1], got {u!r}")
-        if self.backend not in ("auto", "cpu", "cuda", "torch"):
-            raise ValueError(f"backend must be one of auto, cpu, cuda, torch; got {self.backend!r}")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}")
+        if u is not None and (isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1):
+            raise ConfigError("gpu_memory_utilization",
+                              f"gpu_memory_utilization: a fraction of the GPU's memory in (0, 1], e.g. 0.9; got {u!r}")
+        if self.backend not in BACKENDS:
+            raise ConfigError("backend", f"backend must be one of {', '.join(BACKENDS)}; got {self.backend!r}")
+        if self.dtype not in DTYPES:
+            raise ConfigError("dtype", f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
+
+    def for_device(self, device_type: str) -> EngineConfig:
+        """This config with the defaults of a `device_type` ("cpu" or "cuda") device filled in where not given."""
+        defaults = DEVICE_DEFAULTS.get(device_type, DEVICE_DEFAULTS["cpu"])
+        changes = {k: v for k, v in defaults.items() if getattr(self, k) is None}
+        seqs = changes.get("max_num_seqs", self.max_num_seqs)
+        if self.max_waiting is None:
+            changes["max_waiting"] = max(2 * seqs, MIN_WAITING)
+        return dataclasses.replace(self, **changes) if changes else self

@@ -1,4 +1,5 @@
-"""Incremental detokenization, for stop strings checked while a request runs. Pure Python.
+"""Incremental detokenization, for stop strings checked while a request runs (and its text at the end). Pure
+Python.
 
 Decodes a short window of recent tokens each step (offsets as in vLLM/TGI), so the cost per token
 does not grow with the output. A step whose tokens end mid-character yields no text yet.
@@ -28,3 +29,11 @@ class IncrementalDetokenizer:
             self.text += delta
             return delta
         return ""
+
+    def finish(self, output_token_ids: list[int]) -> str:
+        """The whole output's text: what `update` gave, plus what it held back (a character still incomplete, or
+        tokens it was not shown). Equals decoding every token at once."""
+        decode = self.tokenizer.decode
+        prefix = decode(output_token_ids[self.prefix_offset:self.read_offset], skip_special_tokens=True)
+        full = decode(output_token_ids[self.prefix_offset:], skip_special_tokens=True)
+        return self.text + full[len(prefix):]

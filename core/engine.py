@@ -2,30 +2,33 @@
 
     plan = scheduler.schedule()                     # pure Python
     result = runner.execute(plan)                   # one forward pass, one sampler call
-    finished = scheduler.update_from_output(plan, result)
+    finished = scheduler.update_from_output(plan, result, outputs.check_stop)   # stop strings too
+    [outputs.output(r) for r in finished]           # output_processor.py: text, logprobs, timings
+
+`stream` is the loop every caller runs (the records loop of io/records_run.py, `generate`): requests pulled
+lazily under the backpressure bound, one step at a time.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
 
-from conveyor.core.block_manager import BlockManager
 from conveyor.core.backends import select_backend
+from conveyor.core.block_manager import BlockManager
 from conveyor.core.config import EngineConfig, parse_memory
-from conveyor.core.detokenizer import IncrementalDetokenizer
+from conveyor.core.errors import ConfigError
 from conveyor.core.grammar import Grammars
 from conveyor.core.kv_cache import KVCache, kv_bytes_per_block
 from conveyor.core.logits_state import LogitsState
 from conveyor.core.model_runner import ModelRunner
+from conveyor.core.output_processor import OutputProcessor
 from conveyor.core.outputs import GenerationRequest, RequestOutput
-from conveyor.core.request import FinishReason, Request
-from conveyor.core.schedule_types import TokenLogprobs
+from conveyor.core.request import Request
 from conveyor.core.scheduler import Scheduler
-from conveyor.core.stopping import find_stop_string
 
 
 @dataclass(frozen=True)
@@ -71,16 +74,15 @@ class Engine:
     def __init__(self, model: torch.nn.Module, tokenizer, config: EngineConfig = EngineConfig()) -> None:
         self.model = model
         self.tokenizer = tokenizer
-        self.config = config
-        mc = model.config
-        self.max_model_len = int(getattr(mc, "max_position_embeddings", 1 << 30))
-        num_layers = mc.num_hidden_layers
-        num_kv_heads = getattr(mc, "num_key_value_heads", None) or mc.num_attention_heads
-        head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
+        # The device's defaults filled in (batch caps, backpressure bound).
+        self.config = config = config.for_device(next(model.parameters()).device.type)
         param = next(model.parameters())
         self.backend = select_backend(model, config.backend, config.fused_forward, config.max_num_seqs,
                                       config.max_num_batched_tokens)
-        per_block = kv_bytes_per_block(num_layers, num_kv_heads, head_dim, config.block_size, param.dtype)
+        shape = self.backend.shape
+        self.max_model_len = shape.max_model_len
+        per_block = kv_bytes_per_block(shape.num_layers, shape.num_kv_heads, shape.head_dim, config.block_size,
+                                       param.dtype)
         num_blocks = config.num_kv_blocks
         if num_blocks is None:
             budget = self.backend.kv_budget(
@@ -88,21 +90,20 @@ class Engine:
                 config.gpu_memory_utilization)
             num_blocks = budget // per_block
             if num_blocks < 1:
-                raise ValueError(f"the KV cache budget ({budget} bytes) holds no block; one block needs "
-                                 f"{per_block} bytes (--kv-cache-memory)")
-        layout = self.backend.kv_layout(head_dim, config.block_size, mc.num_attention_heads // num_kv_heads)
+                raise ConfigError("kv_cache_memory", f"the KV cache budget ({budget} bytes) holds no block; one "
+                                  f"block needs {per_block} bytes", config.kv_cache_memory)
+        layout = self.backend.kv_layout(shape.head_dim, config.block_size, shape.num_heads // shape.num_kv_heads)
         # The backend's own blocks (a scratch block for padding rows) come after the block manager's.
-        self.kv_cache = KVCache(num_layers, num_kv_heads, head_dim, num_blocks + self.backend.spare_blocks(),
-                                config.block_size, param.dtype, param.device, layout)
+        self.kv_cache = KVCache(shape.num_layers, shape.num_kv_heads, shape.head_dim,
+                                num_blocks + self.backend.spare_blocks(), config.block_size, param.dtype, param.device,
+                                layout)
         self.eos_token_ids = eos_ids_of(model, tokenizer)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.eos_token_ids)
         self.runner = ModelRunner(self.backend, self.kv_cache, self.eos_token_ids)
-        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.outputs = OutputProcessor(tokenizer)
         self._grammars: Grammars | None = None  # made on the first request with a grammar
-        self._logprobs: dict[str, list[TokenLogprobs]] = {}  # req_id -> one per output token so far
-        self._prompt_logprobs: dict[str, list[TokenLogprobs | None]] = {}  # req_id -> one per prompt token
         self.num_generated_tokens = 0
         # Seconds per phase of step(); perf_counter is cheap enough to keep always on.
         self._timings = {"schedule_s": 0.0, "update_s": 0.0, "output_s": 0.0, "step_s": 0.0, "steps": 0}
@@ -151,12 +152,7 @@ class Engine:
                 matcher = self._grammars.matcher(sampling.grammar)  # ValueError naming the problem
             req.logits_state = LogitsState(sampling, request.prompt_token_ids, matcher)
         self.scheduler.add_request(req)
-        if sampling.stop:
-            self._detokenizers[req.req_id] = IncrementalDetokenizer(self.tokenizer)
-        if sampling.logprobs is not None:
-            self._logprobs[req.req_id] = []
-        if sampling.prompt_logprobs is not None:
-            self._prompt_logprobs[req.req_id] = [None] * len(request.prompt_token_ids)
+        self.outputs.start(req)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -177,18 +173,10 @@ class Engine:
         result = self.runner.execute(plan, states)
         t2 = time.perf_counter()
         self.num_generated_tokens += len(result.sampled_token_ids)
-        for req_id, lp in result.logprobs.items():
-            self._logprobs[req_id].append(lp)
-        for req_id, (first, found) in result.prompt_logprobs.items():
-            slots = self._prompt_logprobs[req_id]
-            for position, lp in enumerate(found, first):
-                if slots[position] is None:  # a recompute after preemption gives the same values again
-                    slots[position] = lp
-        finished = self.scheduler.update_from_output(plan, result)
-        if self._detokenizers:
-            finished += self._check_stop_strings(result.sampled_token_ids, finished)
+        self.outputs.record(result, requests)
+        finished = self.scheduler.update_from_output(plan, result, self.outputs.check_stop)
         t3 = time.perf_counter()
-        outputs = [self._output(r) for r in finished]
+        outputs = [self.outputs.output(r) for r in finished]
         t4 = time.perf_counter()
         t = self._timings
         t["schedule_s"] += t1 - t0
@@ -210,85 +198,37 @@ class Engine:
                         num_decode_rows=len(decodes), decode_keys=sum(e.start_pos + 1 for e in decodes),
                         num_sampled=sampled)
 
-    def _check_stop_strings(self, sampled: dict[str, int], already: list[Request]) -> list[Request]:
-        done = {r.req_id for r in already}
-        stopped = []
-        for req_id in sampled:
-            detok = self._detokenizers.get(req_id)
-            if detok is None or req_id in done:
-                continue
-            request = self.scheduler.requests[req_id]
-            delta = detok.update(request.output_token_ids)
-            if not delta or request.num_output_tokens < request.sampling.min_tokens:
-                continue
-            if find_stop_string(detok.text, request.sampling.stop, len(delta)) is not None:
-                self.scheduler.finish_request(request, FinishReason.STOP)
-                stopped.append(request)
-        return stopped
+    def stream(self, requests: Iterable[GenerationRequest],
+               on_rejected: Callable[[GenerationRequest, ValueError], None] | None = None
+               ) -> Iterator[list[RequestOutput]]:
+        """The requests through the engine: pulled lazily (never more than `max_waiting` waiting: backpressure,
+        so an endless source is fine), one step at a time; yields each step's finished outputs (often none).
 
-    def _output(self, request: Request) -> RequestOutput:
-        self._detokenizers.pop(request.req_id, None)
-        logprobs = self._logprobs.pop(request.req_id, None)
-        prompt_logprobs = self._prompt_logprobs.pop(request.req_id, None)
-        note = None
-        state = request.logits_state
-        if state is not None and state.matcher is not None:
-            if request.finish_reason is FinishReason.LENGTH and not state.grammar_complete:
-                note = (f"max_tokens ({request.sampling.max_tokens}) ran out before the output completed its "
-                        f"{request.sampling.grammar.kind.replace('_', ' ')}: the output is incomplete")
-            elif state.grammar_failed:
-                note = "the grammar allowed no token the model could continue with: the output stops there"
-        output_ids = request.output_token_ids
-        text = self.tokenizer.decode(output_ids, skip_special_tokens=True)
-        if request.sampling.stop:
-            cut = find_stop_string(text, request.sampling.stop, len(text))
-            if cut is not None:
-                text = text[:cut]
-        first_sched = request.first_scheduled_time or request.arrival_time
-        return RequestOutput(
-            req_id=request.req_id,
-            output_token_ids=output_ids,
-            text=text,
-            finish_reason=request.finish_reason.value,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_cached_tokens=request.num_cached_tokens,
-            num_preemptions=request.num_preemptions,
-            arrival_time=request.arrival_time,
-            first_scheduled_time=first_sched,
-            first_token_time=request.first_token_time or request.finish_time,
-            finish_time=request.finish_time,
-            logprobs=None if logprobs is None else tuple(logprobs),
-            prompt_logprobs=None if prompt_logprobs is None else tuple(prompt_logprobs),
-            note=note,
-        )
-
-    def abort(self, req_id: str) -> None:
-        request = self.scheduler.requests.get(req_id)
-        if request is not None:
-            self.scheduler.finish_request(request, FinishReason.ABORT)
-            self._detokenizers.pop(req_id, None)
-            self._logprobs.pop(req_id, None)
-            self._prompt_logprobs.pop(req_id, None)
-
-    def generate(self, requests: Iterable[GenerationRequest]) -> Iterator[RequestOutput]:
-        """Pull requests lazily (never more than `max_waiting` queued), yield results as they finish.
-
-        A request the engine cannot run at all (ValueError from `add_request`) propagates.
-        """
+        A request the engine can never run (ValueError from `add_request`) goes to `on_rejected`, or propagates
+        where there is none. Ends when `requests` is exhausted and every request has finished; a caller that
+        stops iterating stops the engine after the step it last saw."""
         source = iter(requests)
         exhausted = False
         while True:
             while not exhausted and self.num_waiting < self.config.max_waiting:
-                nxt = next(source, None)
-                if nxt is None:
+                request = next(source, None)
+                if request is None:
                     exhausted = True
                     break
-                self.add_request(nxt)
+                try:
+                    self.add_request(request)
+                except ValueError as e:
+                    if on_rejected is None:
+                        raise
+                    on_rejected(request, e)
             if not self.has_unfinished():
-                if exhausted:
-                    return
-                continue
-            yield from self.step()
+                return
+            yield self.step()
+
+    def generate(self, requests: Iterable[GenerationRequest]) -> Iterator[RequestOutput]:
+        """`stream`'s outputs one at a time, as they finish."""
+        for outputs in self.stream(requests):
+            yield from outputs
 
     def stats(self) -> EngineStats:
         s = self.scheduler.stats

@@ -7,20 +7,19 @@ cached as a safetensors folder under the user's cache directory, so later loads 
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from conveyor.core.cache_build import cached_build
+from conveyor.core.cache_build import cache_dir, cached_build
+from conveyor.core.config import DEFAULT_MODEL
+from conveyor.core.errors import ConfigError, ModelLoadError
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
-
-
-class ModelLoadError(RuntimeError):
-    """The model could not be found or loaded; the message says which and what to do."""
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -41,63 +40,37 @@ EMBEDDED_MODELS = {
 }
 
 
-def cache_dir() -> Path:
-    env = os.environ.get("CONVEYOR_CACHE_DIR")
-    if env:
-        return Path(env)
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("conveyor"))
+def models_cache_dir() -> Path:
+    """Where converted models are cached."""
+    return cache_dir() / "models"
 
 
 def embedded_model_dir(name: str) -> Path:
-    return cache_dir() / "models" / name
+    return models_cache_dir() / name
 
 
 def is_embedded_cached(name: str) -> bool:
     return (embedded_model_dir(name) / "config.json").exists()
 
 
-def auto_dtype(device) -> str:
-    """What `--dtype auto` means on `device` (a torch.device): bfloat16 on a GPU and on CPUs where conveyor's
-    kernels run bf16 on bf16 instructions (AMX tiles or AVX512-BF16: about 2.5-3x float32's speed, and as
-    right as float32 on benchmarks/dtype_check.py's factual questions); float32 on other CPUs, where bf16
-    would be widened to float at every step, no faster and less precise."""
-    if device.type == "cuda":
-        return "bfloat16"
-    from conveyor.core.backends.cpu.kernels import native_bf16
-
-    return "bfloat16" if native_bf16() else "float32"
-
-
-def resolve_dtype(dtype: str, device) -> "torch.dtype":
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     import torch
 
     if dtype == "auto":
+        from conveyor.core.backends import auto_dtype
+
         dtype = auto_dtype(device)
     try:
         return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     except KeyError:
-        raise ModelLoadError(f"--dtype: unknown dtype {dtype!r}; use auto, float32, bfloat16 or float16") from None
-
-
-def resolve_device(device: str):
-    import torch
-
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-    except RuntimeError as e:
-        raise ModelLoadError(f"--device: {e}") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ModelLoadError(f"--device {device}: no CUDA device is available here; use --device cpu")
-    return dev
+        raise ConfigError("dtype", f"dtype must be one of auto, float32, bfloat16, float16; got {dtype!r}") from None
 
 
 def load_model(model: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "auto"):
     """Return (model, tokenizer) on `device` in `dtype`, the model in eval mode."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from conveyor.core.backends import resolve_device
 
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)

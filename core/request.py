@@ -47,7 +47,7 @@ class Request:
         "req_id", "token_ids", "num_prompt_tokens", "sampling", "priority", "status",
         "num_computed_tokens", "num_cached_tokens", "block_ids", "block_hashes", "finish_reason",
         "arrival_time", "first_scheduled_time", "first_token_time", "finish_time", "num_preemptions",
-        "stop_text_hit", "logits_state",
+        "logits_state", "output_state",
     )
 
     def __init__(self, req_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
@@ -70,8 +70,8 @@ class Request:
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         self.num_preemptions = 0
-        self.stop_text_hit: str | None = None
         self.logits_state = None  # LogitsState (logits_state.py) where a processor keeps state; advanced on accept
+        self.output_state = None  # OutputState (output_processor.py) where the output needs more than its tokens
 
     @property
     def num_tokens(self) -> int:

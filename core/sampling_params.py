@@ -1,13 +1,15 @@
 """SamplingParams: how one request's tokens are chosen and when it stops; Grammar: what its output must
 match.
 
-Validated on construction; every error is a ValueError that names the field. Pure Python.
+Validated on construction; every error is a ConfigError (a ValueError) that names the field. Pure Python.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+
+from conveyor.core.errors import ConfigError
 
 GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "choice")
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's top_logprobs
@@ -23,9 +25,10 @@ class Grammar:
 
     def __post_init__(self) -> None:
         if self.kind not in GRAMMAR_KINDS:
-            raise ValueError(f"grammar kind must be one of {', '.join(GRAMMAR_KINDS)}, got {self.kind!r}")
+            raise ConfigError("grammar",
+                              f"grammar kind must be one of {', '.join(GRAMMAR_KINDS)}, got {self.kind!r}")
         if not isinstance(self.spec, str):
-            raise ValueError(f"grammar spec must be a string, got {self.spec!r}")
+            raise ConfigError("grammar", f"grammar spec must be a string, got {self.spec!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,74 +86,76 @@ class SamplingParams:
     def validate(self) -> None:
         _check_number("temperature", self.temperature)
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
+            raise ConfigError("temperature", f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
         _check_number("top_p", self.top_p)
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise ConfigError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
         _check_int("top_k", self.top_k)
         if self.top_k < -1:
-            raise ValueError(f"top_k must be >= -1 (0 or -1 turn it off), got {self.top_k}")
+            raise ConfigError("top_k", f"top_k must be >= -1 (0 or -1 turn it off), got {self.top_k}")
         _check_number("min_p", self.min_p)
         if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+            raise ConfigError("min_p", f"min_p must be in [0, 1], got {self.min_p}")
         _check_int("max_tokens", self.max_tokens)
         if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+            raise ConfigError("max_tokens", f"max_tokens must be >= 1, got {self.max_tokens}")
         _check_int("min_tokens", self.min_tokens)
         if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+            raise ConfigError("min_tokens", f"min_tokens must be >= 0, got {self.min_tokens}")
         if self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+            raise ConfigError("min_tokens", f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         if self.seed is not None:
             _check_int("seed", self.seed)
         if not isinstance(self.stop, tuple) or not all(isinstance(s, str) for s in self.stop):
-            raise ValueError(f"stop must be a list of strings, got {self.stop!r}")
+            raise ConfigError("stop", f"stop must be a list of strings, got {self.stop!r}")
         if any(s == "" for s in self.stop):
-            raise ValueError("stop must not contain an empty string")
+            raise ConfigError("stop", "stop must not contain an empty string")
         if not isinstance(self.stop_token_ids, tuple) or not all(
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
         ):
-            raise ValueError(f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
+            raise ConfigError("stop_token_ids", "stop_token_ids must be a list of non-negative integers, got "
+                              f"{self.stop_token_ids!r}")
         if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+            raise ConfigError("ignore_eos", f"ignore_eos must be true or false, got {self.ignore_eos!r}")
         if not isinstance(self.bad_words, tuple) or not all(
             isinstance(w, tuple) and w and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in w)
             for w in self.bad_words
         ):
-            raise ValueError(f"bad_words must be non-empty token id sequences, got {self.bad_words!r}")
+            raise ConfigError("bad_words", f"bad_words must be non-empty token id sequences, got {self.bad_words!r}")
         if not isinstance(self.logit_bias, tuple) or not all(
             isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], int) and p[0] >= 0 for p in self.logit_bias
         ):
-            raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}")
+            raise ConfigError("logit_bias", f"logit_bias must map token ids to numbers, got {self.logit_bias!r}")
         for token, bias in self.logit_bias:
             _check_number(f"logit_bias[{token}]", bias)
             if not -100 <= bias <= 100:
-                raise ValueError(f"logit_bias[{token}] must be in [-100, 100], got {bias}")
+                raise ConfigError("logit_bias", f"logit_bias[{token}] must be in [-100, 100], got {bias}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check_number(name, value)
             if not -2 <= value <= 2:
-                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+                raise ConfigError(name, f"{name} must be in [-2, 2], got {value}")
         _check_number("repetition_penalty", self.repetition_penalty)
         if not 0 < self.repetition_penalty <= 10:
-            raise ValueError(f"repetition_penalty must be in (0, 10] (1 is off), got {self.repetition_penalty}")
+            raise ConfigError("repetition_penalty",
+                              f"repetition_penalty must be in (0, 10] (1 is off), got {self.repetition_penalty}")
         if self.grammar is not None and not isinstance(self.grammar, Grammar):
-            raise ValueError(f"grammar must be a Grammar, got {self.grammar!r}")
+            raise ConfigError("grammar", f"grammar must be a Grammar, got {self.grammar!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
                 _check_int(name, value)
                 if not 0 <= value <= MAX_LOGPROBS:
-                    raise ValueError(f"{name} must be between 0 and {MAX_LOGPROBS} alternatives, got {value}")
+                    raise ConfigError(name, f"{name} must be between 0 and {MAX_LOGPROBS} alternatives, got {value}")
 
 
 def _check_number(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a number, got {value!r}")
+        raise ConfigError(name.split("[")[0], f"{name} must be a number, got {value!r}")
     if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value!r}")
+        raise ConfigError(name.split("[")[0], f"{name} must be finite, got {value!r}")
 
 
 def _check_int(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
+        raise ConfigError(name, f"{name} must be an integer, got {value!r}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections import deque
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from conveyor.core.block_manager import BlockManager
@@ -36,11 +36,10 @@ class SchedulerStats:
 class _Budget:
     """What one step may still spend."""
 
-    __slots__ = ("tokens", "seqs")
+    __slots__ = ("tokens",)
 
-    def __init__(self, tokens: int, seqs: int) -> None:
+    def __init__(self, tokens: int) -> None:
         self.tokens = tokens
-        self.seqs = seqs
 
 
 class Scheduler:
@@ -79,10 +78,6 @@ class Scheduler:
             keys = [r.priority for r in self.waiting]
             self.waiting.insert(bisect.bisect_right(keys, request.priority), request)
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.requests)
-
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
@@ -97,7 +92,7 @@ class Scheduler:
         2. Unless that preempted someone, waiting requests in order while the token budget, the
            sequence cap and free blocks allow; a prompt larger than the budget left is chunked.
         """
-        budget = _Budget(self.max_num_batched_tokens, self.max_num_seqs)
+        budget = _Budget(self.max_num_batched_tokens)
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
         self._schedule_running(budget, scheduled, preempted)
@@ -124,7 +119,6 @@ class Scheduler:
             self.block_manager.append_slots(request, end)
             scheduled.append(self._plan_entry(request, num_new))
             budget.tokens -= num_new
-            budget.seqs -= 1
             i += 1
 
     def _schedule_waiting(self, budget: _Budget, scheduled: list[ScheduledRequest]) -> None:
@@ -150,7 +144,6 @@ class Scheduler:
             self.running.append(request)
             scheduled.append(self._plan_entry(request, num_new))
             budget.tokens -= num_new
-            budget.seqs -= 1
 
     def _plan_entry(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
@@ -184,8 +177,12 @@ class Scheduler:
 
     # -- after the forward pass ----------------------------------------------------------------
 
-    def update_from_output(self, plan: SchedulerOutput, result: RunnerOutput) -> list[Request]:
-        """Advance every scheduled request; append sampled tokens; return those that finished."""
+    def update_from_output(self, plan: SchedulerOutput, result: RunnerOutput,
+                           check_stop: Callable[[Request], FinishReason | None] | None = None) -> list[Request]:
+        """Advance every scheduled request; append sampled tokens; return those that finished.
+
+        A request stops at its grammar's end, at a token stop (EOS, a stop token id, max_tokens), or where
+        `check_stop` (the engine's output processor: stop strings) says so after its token was appended."""
         finished: list[Request] = []
         now = self.clock()
         for entry in plan.scheduled:
@@ -205,6 +202,8 @@ class Scheduler:
                 state.accept(token)  # the processors' state moves with the accepted tokens only
             reason = FinishReason.STOP if state is not None and state.grammar_done else \
                 check_token_stop(request, self.eos_token_ids)
+            if reason is None and check_stop is not None:
+                reason = check_stop(request)
             if reason is not None:
                 self.finish_request(request, reason)
                 finished.append(request)

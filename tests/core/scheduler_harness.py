@@ -141,7 +141,7 @@ def run_to_completion(scheduler: Scheduler, runner: FakeRunner, max_steps: int =
         if not scheduler.has_unfinished():
             return finished
         plan, done = step(scheduler, runner)
-        assert not plan.is_empty, f"stuck: nothing scheduled with {scheduler.num_unfinished} unfinished"
+        assert not plan.is_empty, f"stuck: nothing scheduled with {len(scheduler.requests)} unfinished"
         finished += done
     raise AssertionError(f"not done after {max_steps} steps")
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from scheduler_harness import make_request
 
 from conveyor.core.block_manager import BlockManager
-from scheduler_harness import make_request
 
 
 def test_blocks_for_rounds_up():

@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from pools import pool_slot
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from conveyor.core.backends.cpu.backend import LAYOUTS, CpuAttention, kv_layout
-from conveyor.core.backends.cpu.kernels import cpu_kernels
 from conveyor.core.backends.cpu.fused_llama import FusedLlama
+from conveyor.core.backends.cpu.kernels import cpu_kernels
 from conveyor.core.kv_cache import KVCache
-from pools import pool_slot
 
 ops = cpu_kernels()
 pytestmark = pytest.mark.skipif(ops is None, reason="no C++ kernels here (no compiler, or a CPU without "

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conveyor.core.backends.cpu.kernels import cpu_kernels
 from conveyor.core.backends.cpu.fused_llama import _Linear, pack_amx, pack_pairs, pack_panels
+from conveyor.core.backends.cpu.kernels import cpu_kernels
 
 ops = cpu_kernels()
 pytestmark = pytest.mark.skipif(ops is None, reason="no C++ kernels here (no compiler, or a CPU without "

@@ -12,6 +12,7 @@ import os
 
 import pytest
 import torch
+from routes import ROUTES, route_config
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from conveyor.core import EngineConfig, GenerationRequest, SamplingParams
@@ -21,7 +22,6 @@ from conveyor.core.engine import Engine
 from conveyor.core.kv_cache import KVCache
 from conveyor.core.model_runner import ModelRunner
 from conveyor.core.schedule_types import ScheduledRequest, SchedulerOutput
-from routes import ROUTES, route_config
 
 VOCAB = 256
 MAX_TOKENS = 16
@@ -291,7 +291,7 @@ def test_seeded_sampling_is_the_same_alone_batched_chunked_and_preempted(model):
     assert other_seed[0] != alone
 
 
-# -- stop conditions, aborts, limits -----------------------------------------------------------------
+# -- stop conditions, limits -----------------------------------------------------------------------
 
 def _first_new_token(tokens: list[int]) -> int:
     """An index k > 0 whose token did not appear before it."""
@@ -334,21 +334,6 @@ def test_max_tokens_gives_length(model, references):
     assert out.num_prompt_tokens == len(PROMPTS[2]) and out.text == CharTokenizer().decode(out.output_token_ids)
 
 
-def test_abort_frees_the_request_and_the_rest_finish(model, references):
-    engine = Engine(model, CharTokenizer(), EngineConfig(block_size=4, num_kv_blocks=128))
-    engine.add_request(GenerationRequest("keep", PROMPTS[0], GREEDY))
-    engine.add_request(GenerationRequest("drop", PROMPTS[1], GREEDY))
-    engine.step()
-    engine.abort("drop")
-    engine.abort("missing")  # unknown ids are ignored
-    outs = []
-    while engine.has_unfinished():
-        outs += engine.step()
-    assert [o.req_id for o in outs] == ["keep"]
-    assert outs[0].output_token_ids == references[tuple(PROMPTS[0])]
-    assert engine.stats().kv_usage == 0.0 and engine.block_manager.num_free_blocks == 128
-
-
 def test_engine_rejects_requests_it_can_never_run(model):
     engine = Engine(model, CharTokenizer(), EngineConfig(block_size=4, num_kv_blocks=64))
     with pytest.raises(ValueError, match="'long'.*512"):
@@ -384,7 +369,6 @@ def test_the_engine_owns_the_attention_implementation_of_its_model(model, refere
     with pytest.raises(RuntimeError, match="attention"):
         engine.step()
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    engine.abort("x")
     assert _run(engine, [PROMPTS[0]]) == [references[tuple(PROMPTS[0])]]
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from pools import filled_pool, reference_attention
 
 from conveyor.core.backends.cpu.kernels import cpu_identity, cpu_kernels, kernel_arch
-from pools import filled_pool, reference_attention
 
 ops = cpu_kernels()
 pytestmark = pytest.mark.skipif(ops is None, reason="no C++ kernels here (no compiler, or a CPU without "

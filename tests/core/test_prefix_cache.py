@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+from scheduler_harness import (
+    FakeRunner,
+    assert_no_leaks,
+    check_finished,
+    make_request,
+    make_scheduler,
+    run_to_completion,
+    step,
+)
+
 from conveyor.core.block_manager import BlockManager
 from conveyor.core.prefix_hash import ROOT_HASH, extend_block_hashes, hash_block
-from scheduler_harness import (FakeRunner, assert_no_leaks, check_finished, make_request, make_scheduler,
-                               run_to_completion, step)
 
 PREFIX = list(range(100, 112))  # 3 blocks of 4
 

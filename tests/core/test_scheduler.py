@@ -11,11 +11,19 @@ import sys
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from scheduler_harness import (
+    EOS,
+    FakeRunner,
+    assert_no_leaks,
+    check_finished,
+    make_request,
+    make_scheduler,
+    run_to_completion,
+    step,
+)
 
 from conveyor.core.request import FinishReason, Request, RequestStatus
 from conveyor.core.sampling_params import SamplingParams
-from scheduler_harness import (EOS, FakeRunner, assert_no_leaks, check_finished, make_request, make_scheduler,
-                               run_to_completion, step)
 
 
 def test_importing_the_pure_python_engine_leaves_torch_unloaded():
@@ -319,7 +327,7 @@ def test_random_workloads_finish_with_correct_tokens_and_no_leaks(w):
             if at == t and not is_mid:
                 abort(i)
         if sched.has_unfinished():
-            plan, _ = step(sched, runner, mid_step=lambda: [abort(i) for i in mid])
+            plan, _ = step(sched, runner, mid_step=lambda mid=mid: [abort(i) for i in mid])
             assert not plan.is_empty, "nothing scheduled while requests wait"
         t += 1
 

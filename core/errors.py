@@ -1,0 +1,28 @@
+"""The errors core raises about its configuration and its model. Pure Python.
+
+`ConfigError` carries the name of the field at fault (an `EngineConfig` or `SamplingParams` field, or "model"), so
+a caller names its own option for it without reading the message.
+"""
+
+from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    """A configuration value core cannot use. `str()` is the message alone (it starts with the field's name where
+    that reads well); `field` names the field; `value`, where given, is the value at fault."""
+
+    def __init__(self, field: str, message: str, value: object = None) -> None:
+        self.field = field
+        self.value = value
+        super().__init__(message)
+
+    def named(self, name: str) -> str:
+        """The message with the field called `name` (a command-line option, say): "--max-tokens must be >= 1"."""
+        message = str(self)
+        if message.startswith(self.field):
+            return name + message[len(self.field):]
+        return f"{name}{'' if self.value is None else f' {self.value}'}: {message}"
+
+
+class ModelLoadError(RuntimeError):
+    """The model could not be found or loaded; the message says which and what to do."""

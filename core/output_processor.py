@@ -1,0 +1,108 @@
+"""The one way a request's tokens become its RequestOutput: the text decoded once, stop strings checked as tokens
+arrive, logprobs gathered, the output built. Pure Python.
+
+A request's state lives on the request (`Request.output_state`), made when the engine adds it and only where it
+needs one (stop strings, logprobs). The scheduler asks `check_stop` after appending each sampled token, inside
+`update_from_output`, so a stop string finishes a request exactly where an EOS would; the engine hands the
+runner's logprobs over with `record` before that, and takes each finished request's `output`.
+"""
+
+from __future__ import annotations
+
+from conveyor.core.detokenizer import IncrementalDetokenizer
+from conveyor.core.outputs import RequestOutput
+from conveyor.core.request import FinishReason, Request
+from conveyor.core.schedule_types import RunnerOutput, TokenLogprobs
+from conveyor.core.stopping import find_stop_string
+
+
+class OutputState:
+    """What a request's output gathers while it runs."""
+
+    __slots__ = ("detokenizer", "logprobs", "prompt_logprobs")
+
+    def __init__(self, detokenizer: IncrementalDetokenizer | None, logprobs: list[TokenLogprobs] | None,
+                 prompt_logprobs: list[TokenLogprobs | None] | None) -> None:
+        self.detokenizer = detokenizer  # where it has stop strings: its text so far, decoded as tokens arrive
+        self.logprobs = logprobs  # one per output token so far, where asked for
+        self.prompt_logprobs = prompt_logprobs  # one per prompt token (the first: None), where asked for
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def start(self, request: Request) -> None:
+        """Give `request` the state its output needs (none for most)."""
+        s = request.sampling
+        if not s.stop and s.logprobs is None and s.prompt_logprobs is None:
+            return
+        request.output_state = OutputState(
+            IncrementalDetokenizer(self.tokenizer) if s.stop else None,
+            [] if s.logprobs is not None else None,
+            [None] * request.num_prompt_tokens if s.prompt_logprobs is not None else None)
+
+    def record(self, result: RunnerOutput, requests: dict[str, Request]) -> None:
+        """The step's logprobs, kept by the requests that asked for them (before their tokens are accepted)."""
+        for req_id, lp in result.logprobs.items():
+            requests[req_id].output_state.logprobs.append(lp)
+        for req_id, (first, found) in result.prompt_logprobs.items():
+            slots = requests[req_id].output_state.prompt_logprobs
+            for position, lp in enumerate(found, first):
+                if slots[position] is None:  # a recompute after preemption gives the same values again
+                    slots[position] = lp
+
+    def check_stop(self, request: Request) -> FinishReason | None:
+        """STOP where the text its newest token completed ends a stop string (from min_tokens on); the scheduler
+        calls this after appending a token that no token stop ended."""
+        state = request.output_state
+        detok = state.detokenizer if state is not None else None
+        if detok is None:
+            return None
+        delta = detok.update(request.output_token_ids)
+        if not delta or request.num_output_tokens < request.sampling.min_tokens:
+            return None
+        return FinishReason.STOP if find_stop_string(detok.text, request.sampling.stop, len(delta)) is not None \
+            else None
+
+    def output(self, request: Request) -> RequestOutput:
+        """The finished request's output: its text (cut at the first stop string), logprobs and timings."""
+        state = request.output_state
+        output_ids = request.output_token_ids
+        if state is not None and state.detokenizer is not None:
+            text = state.detokenizer.finish(output_ids)
+            cut = find_stop_string(text, request.sampling.stop, len(text))
+            if cut is not None:
+                text = text[:cut]
+        else:
+            text = self.tokenizer.decode(output_ids, skip_special_tokens=True)
+        first_scheduled = request.first_scheduled_time or request.arrival_time
+        return RequestOutput(
+            req_id=request.req_id,
+            output_token_ids=output_ids,
+            text=text,
+            finish_reason=request.finish_reason.value,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+            num_preemptions=request.num_preemptions,
+            arrival_time=request.arrival_time,
+            first_scheduled_time=first_scheduled,
+            first_token_time=request.first_token_time or request.finish_time,
+            finish_time=request.finish_time,
+            logprobs=None if state is None or state.logprobs is None else tuple(state.logprobs),
+            prompt_logprobs=None if state is None or state.prompt_logprobs is None else tuple(state.prompt_logprobs),
+            note=_grammar_note(request),
+        )
+
+
+def _grammar_note(request: Request) -> str | None:
+    """What a user should know of an output its grammar did not complete."""
+    state = request.logits_state
+    if state is None or state.matcher is None:
+        return None
+    if request.finish_reason is FinishReason.LENGTH and not state.grammar_complete:
+        return (f"max_tokens ({request.sampling.max_tokens}) ran out before the output completed its "
+                f"{request.sampling.grammar.kind.replace('_', ' ')}: the output is incomplete")
+    if state.grammar_failed:
+        return "the grammar allowed no token the model could continue with: the output stops there"
+    return None
