@@ -1,9 +1,12 @@
-"""InputError: a fatal problem with the input as a whole (missing, unreadable, unknown format).
+"""The errors io raises for a run as a whole: its input (InputError: missing, unreadable, unknown format), its run
+directory (RunDirError: locked, drifted, unreadable) and its journal (JournalCorrupt).
 
 Problems with one record are not exceptions: they become error rows. Imports nothing from conveyor.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 
 class InputError(Exception):
@@ -15,3 +18,23 @@ class InputError(Exception):
         self.message = message
         where = f"{path}: line {line}: " if line is not None else f"{path}: "
         super().__init__(where + message)
+
+
+class RunDirError(Exception):
+    """Base of run-directory errors; str() is a one-line message for the user."""
+
+
+class JournalCorrupt(Exception):
+    """The journal file cannot be read; str() is a one-line message naming the file and the fix."""
+
+    def __init__(self, path: Path, detail: str):
+        self.path = path
+        super().__init__(
+            f"the journal {path} is corrupt ({detail}); run again with --restart to discard "
+            "this run's state and start over"
+        )
+
+
+class SpecError(ValueError):
+    """A run's options that cannot work together, or name what is not there (an output format, keep fields that
+    clash, a shard); str() names the option and what to do."""

@@ -20,6 +20,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from conveyor.io.errors import JournalCorrupt
+
 _SCHEMA_VERSION = 2  # 2: rows.digest
 _PAGE = 4096  # rows fetched per query when streaming
 
@@ -38,17 +40,6 @@ _SCHEMA = [
 # SQLite primary result codes (sqlite3.h); the extended code's low byte is the primary one.
 _SQLITE_IOERR, _SQLITE_CORRUPT, _SQLITE_FULL, _SQLITE_CANTOPEN, _SQLITE_NOTADB = 10, 11, 13, 14, 26
 _SQLITE_READONLY = 8
-
-
-class JournalCorrupt(Exception):
-    """The journal file cannot be read; str() is a one-line message naming the file and the fix."""
-
-    def __init__(self, path: Path, detail: str):
-        self.path = path
-        super().__init__(
-            f"the journal {path} is corrupt ({detail}); run again with --restart to discard "
-            "this run's state and start over"
-        )
 
 
 class Journal:
@@ -182,13 +173,6 @@ class Journal:
             holder = self._pending_ids.setdefault(record_id, index)
         return holder == index
 
-    def id_seen(self, record_id: str, index: int) -> bool:
-        """True if a different index already has this id (committed, claimed or pending)."""
-        holder = self._id_holder(record_id)
-        if holder is None:
-            holder = self._pending_ids.get(record_id)
-        return holder is not None and holder != index
-
     def _id_holder(self, record_id: str) -> int | None:
         # The database wins over the pending dict: its claims are older. (Inline try: this runs
         # once per record, and a context manager would double its cost.)
@@ -295,10 +279,6 @@ class Journal:
     def last_commit_time(self) -> float | None:
         """Unix time of the last commit, or None if nothing was ever committed."""
         return self._last_commit_time
-
-    def has_index(self, index: int) -> bool:
-        """True if `index` is committed or pending."""
-        return index in self._pending_rows or self._is_committed(index)
 
     def _is_committed(self, index: int) -> bool:
         if index < self._prefix:

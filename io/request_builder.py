@@ -23,15 +23,15 @@ MAX_TOKENS_ALIASES = ("max_tokens", "max_completion_tokens", "max_new_tokens")
 
 @dataclass(frozen=True)
 class BuildOptions:
-    sampling: SamplingParams  # the command's defaults; their seed is replaced per record
+    """How records become requests (the sampling defaults and the model's context come apart: RequestBuilder)."""
+
     seed: int = 0  # the run seed; a record's effective seed is derive_seed(seed, id) unless it sets one
     # (a record without an id: index_seed(seed, index))
     system_prompt: str | None = None  # prepended to chat records that have no system message
-    prompt_field: str = "prompt"
-    messages_field: str = "messages"
-    id_field: str = "id"
-    keep_fields: tuple[str, ...] = ()
-    max_model_len: int = 8192  # the model's context length, in tokens
+    prompt_field: str = "prompt"  # the field holding a raw prompt
+    messages_field: str = "messages"  # the field holding chat messages
+    id_field: str = "id"  # the field holding the record's id
+    keep_fields: tuple[str, ...] = ()  # input fields copied to the output row
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "keep_fields", tuple(self.keep_fields))
@@ -82,14 +82,15 @@ class _Reject(Exception):
 
 
 class RequestBuilder:
-    """Turns RawRecords into BuiltRequests or ErrorRows. Holds no per-run state of its own;
-    `is_duplicate`, when given, is called once for each record whose id could be read."""
+    """Turns RawRecords into BuiltRequests or ErrorRows. Holds no per-run state of its own: `sampling` are the
+    run's defaults a record's fields override (their seed replaced per record), `max_model_len` the model's
+    context length in tokens."""
 
-    def __init__(self, tokenizer: Any, options: BuildOptions,
-                 is_duplicate: Callable[[str], bool] | None = None) -> None:
+    def __init__(self, tokenizer: Any, options: BuildOptions, sampling: SamplingParams, max_model_len: int) -> None:
         self.tokenizer = tokenizer
         self.options = options
-        self.is_duplicate = is_duplicate
+        self.sampling = sampling
+        self.max_model_len = max_model_len
 
     def build(self, raw: RawRecord) -> BuiltRequest | ErrorRow:
         where = f"line {raw.line}" if raw.line is not None else f"record {raw.index}"
@@ -108,9 +109,6 @@ class RequestBuilder:
             record_id = str(raw.index)
         seed = num_tokens = None
         try:
-            if id_given and self.is_duplicate is not None and self.is_duplicate(record_id):
-                raise _Reject(f"duplicate id {record_id!r} (first seen earlier in the input); make ids unique "
-                              "or use --id-field")
             fields, prefix = self._request_fields(record)
             seed = self._seed(fields, prefix, record_id if id_given else None, raw.index)
             sampling = self._sampling(fields, prefix, seed)
@@ -186,7 +184,7 @@ class RequestBuilder:
         except ValueError as e:
             raise _Reject(str(e)) from None
         try:
-            return dataclasses.replace(self.options.sampling, **changes)
+            return dataclasses.replace(self.sampling, **changes)
         except ValueError as e:
             raise _Reject(f"{prefix}{e}; fix the value or drop the field to use the default") from None
 
@@ -230,7 +228,7 @@ class RequestBuilder:
         return [int(t) for t in token_ids]
 
     def _check_length(self, num_tokens: int, max_tokens: int) -> None:
-        max_len = self.options.max_model_len
+        max_len = self.max_model_len
         if num_tokens == 0:
             raise _Reject("the prompt has no tokens; give a non-empty prompt")
         if num_tokens > max_len - 1:

@@ -14,8 +14,7 @@ import json
 import math
 from typing import Any
 
-from conveyor.core import Grammar
-from conveyor.core.sampling_params import MAX_LOGPROBS
+from conveyor.core import MAX_LOGPROBS, Grammar
 
 GRAMMAR_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice")
 FIELDS = (*GRAMMAR_FIELDS, "logprobs", "top_logprobs", "prompt_logprobs", "logit_bias", "presence_penalty",

@@ -22,16 +22,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from conveyor.io.atomic import atomic_write_text, fsync_dir
-from conveyor.io.journal import Journal, JournalCorrupt
+from conveyor.io.errors import JournalCorrupt, RunDirError
+from conveyor.io.journal import Journal
 
 _JOURNAL_FILES = ("journal.sqlite", "journal.sqlite-wal", "journal.sqlite-shm")
 # The files of a run's state besides the manifest and the lock (never deleted: see acquire_lock).
 STATE_FILES = (*_JOURNAL_FILES, "run.json", "shard.json")
 _LOCK_TRIES = 5  # a `conveyor status` probe holds a shared lock for microseconds; retry past it
-
-
-class RunDirError(Exception):
-    """Base of run-directory errors; str() is a one-line message for the user."""
 
 
 class RunLocked(RunDirError):
@@ -53,9 +50,9 @@ class DriftError(RunDirError):
     `changed` names the fields that differ: a subset of ("input", "model", "generation_config").
     """
 
-    def __init__(self, path: Path, changed: tuple[str, ...], message: str):
-        self.path, self.changed = path, changed
-        super().__init__(message)
+    def __init__(self, path: Path, changed: tuple[str, ...], detail: str):
+        self.path, self.changed, self.detail = path, changed, detail
+        super().__init__(detail + "; run with --restart to discard the old state")
 
 
 @dataclass(frozen=True)
@@ -120,10 +117,6 @@ class RunDir:
     @property
     def lock_path(self) -> Path:
         return self.path / "lock"
-
-    @property
-    def is_locked_by_us(self) -> bool:
-        return self._lock_fd is not None
 
     def acquire_lock(self) -> None:
         """Take the run directory's lock, or raise RunLocked naming the live holder.
@@ -221,15 +214,15 @@ class RunDir:
                 )
             self.write_manifest(manifest)
             return Journal(self.journal_path), None
-        changed, message = _drift(stored, manifest)
-        if changed:
-            done = self._committed_rows()
-            if done:
-                raise DriftError(self.path, changed, message + "; run with --restart to discard the old state")
+        try:
+            self.check_drift(manifest, stored)
+        except DriftError as drift:
+            if self._committed_rows():
+                raise
             self.reset()
             self.write_manifest(manifest)
             return Journal(self.journal_path), (f"{self.path} held no finished rows, so the run starts over with "
-                                                f"the new settings ({message})")
+                                                f"the new settings ({drift.detail})")
         return Journal(self.journal_path), None
 
     def _committed_rows(self) -> int:
@@ -241,16 +234,15 @@ class RunDir:
         except JournalCorrupt:
             return 0 if self.journal_path.stat().st_size == 0 else 1  # an unreadable journal may hold rows
 
-    def check_drift(self, new: Manifest) -> None:
-        """Raise DriftError if the input, model or generation config differ from the stored run.
-
-        A differing tool_version, input path, output path or creation time is allowed.
+    def check_drift(self, new: Manifest, stored: Manifest | None = None) -> None:
+        """Raise DriftError if the input, model or generation config differ from the stored run (`stored`, where
+        the caller has read it). A differing tool_version, input path, output path or creation time is allowed.
         """
-        old = self.load_manifest()
+        old = stored if stored is not None else self.load_manifest()
         if old is not None:
             changed, message = _drift(old, new)
             if changed:
-                raise DriftError(self.path, changed, message + "; run with --restart to discard the old state")
+                raise DriftError(self.path, changed, message)
 
     def reset(self) -> None:
         """--restart: delete the run's state: the files its manifest lists as conveyor's, then the manifest.

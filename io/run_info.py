@@ -4,26 +4,9 @@ arithmetic the rows were computed with, to say so when a run resumes with anothe
 from __future__ import annotations
 
 import json
-import shlex
-import sys
 from pathlib import Path
 
 from conveyor.io.atomic import atomic_write_text
-
-
-_command: list[str] | None = None  # the arguments `main` was given (set_command_line)
-
-
-def set_command_line(args: list[str]) -> None:
-    """Remember the arguments of this `conveyor` command (`cli.app.main` calls this)."""
-    global _command
-    _command = list(args)
-
-
-def command_line() -> str | None:
-    """This process's `conveyor ...` command, to resume it with; None where it is unknown."""
-    args = _command if _command is not None else sys.argv[1:]
-    return shlex.join(["conveyor", *args]) if args else None
 
 
 def write_run_info(run_dir: Path, total: int | None, command: str | None, arithmetic: str | None = None) -> None:

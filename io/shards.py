@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from conveyor.io.atomic import atomic_write_text
+from conveyor.io.errors import SpecError
 from conveyor.io.journal import Journal, JournalCorrupt
 from conveyor.io.rows import duplicate_id_row
 from conveyor.io.run_dir import Manifest, RunDir, RunDirError, _drift
@@ -47,10 +48,10 @@ class Shard:
 
     @classmethod
     def parse(cls, text: str) -> Shard:
-        """"I/N" (0 <= I < N) -> Shard; ValueError naming --shard otherwise."""
+        """"I/N" (0 <= I < N) -> Shard; SpecError naming --shard otherwise."""
         m = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", str(text))
         if not m or not 0 <= int(m.group(1)) < int(m.group(2)):
-            raise ValueError(f"--shard: {text!r} is not I/N with 0 <= I < N, e.g. --shard 0/4 (of 4 shards: 0/4, "
+            raise SpecError(f"--shard: {text!r} is not I/N with 0 <= I < N, e.g. --shard 0/4 (of 4 shards: 0/4, "
                              "1/4, 2/4, 3/4)")
         return cls(int(m.group(1)), int(m.group(2)))
 

@@ -62,7 +62,7 @@ class CommitPolicy:
     """Commit the journal every `every_rows` finished rows (None: never by count) or `every_seconds`."""
 
     every_rows: int | None = None
-    every_seconds: float = 30.0
+    every_seconds: float = 30.0  # a kill -9 loses at most this long of finished rows
 
 
 class RecordSink:
@@ -70,8 +70,8 @@ class RecordSink:
         """The GenerationRequest to submit for this record, or None when it became a row here."""
         raise NotImplementedError
 
-    def rejected(self, raw: RawRecord, built: BuiltRequest, error: str) -> None:
-        """The engine refused the request `admit` returned (`error` says why)."""
+    def rejected(self, req_id: str, error: str) -> None:
+        """The engine refused the request `admit` returned with this id (`error` says why)."""
         raise NotImplementedError
 
     def finished(self, out) -> None:
@@ -86,7 +86,7 @@ class RecordSink:
 
 
 class JournalSink(RecordSink):
-    def __init__(self, journal: Journal, policy: CommitPolicy = CommitPolicy(), on_error: str = "record",
+    def __init__(self, journal: Journal, policy: CommitPolicy = CommitPolicy(), on_error: str = ON_ERROR[0],
                  token_text: Callable[[int], str] = str, totals: RunTotals | None = None) -> None:
         if on_error not in ON_ERROR:
             raise ValueError(f"on_error must be one of {', '.join(ON_ERROR)}, got {on_error!r}")
@@ -110,10 +110,10 @@ class JournalSink(RecordSink):
         self._bad(built)
         return None
 
-    def rejected(self, raw: RawRecord, built: BuiltRequest, error: str) -> None:
-        del self.in_flight[str(built.index)]
+    def rejected(self, req_id: str, error: str) -> None:
+        built, where = self.in_flight.pop(req_id)
         self._bad(ErrorRow(index=built.index, id=built.id, kept=built.kept, seed=built.sampling.seed,
-                           error=f"{record_location(raw)}: {error}", digest=built.digest))
+                           error=f"{where}: {error}", digest=built.digest))
 
     def _bad(self, e: ErrorRow) -> None:
         if self.on_error == "fail":

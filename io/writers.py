@@ -14,6 +14,7 @@ import time
 from typing import IO, Any, Iterable, Iterator
 
 from conveyor.io.atomic import atomic_file
+from conveyor.io.errors import SpecError
 from conveyor.io.rows import KIND_KEY, OPTIONAL_COLUMNS, OUTPUT_COLUMNS, base_schema, optional_schema
 
 OUTPUT_FORMATS = ("parquet", "jsonl", "openai-batch")
@@ -25,11 +26,11 @@ def infer_output_format(path: str, output_format: str | None) -> str:
     """"parquet", "jsonl" or "openai-batch", from --output-format or else the path's extension."""
     if output_format is not None:
         if output_format not in OUTPUT_FORMATS:
-            raise ValueError(f"--output-format {output_format!r} is not one of {', '.join(OUTPUT_FORMATS)}")
+            raise SpecError(f"--output-format {output_format!r} is not one of {', '.join(OUTPUT_FORMATS)}")
         return output_format
     fmt = _EXTENSIONS.get(os.path.splitext(path.lower())[1])
     if fmt is None:
-        raise ValueError(f"cannot tell the output format of {path!r} from its extension; name it .parquet or "
+        raise SpecError(f"cannot tell the output format of {path!r} from its extension; name it .parquet or "
                          f".jsonl, or pass --output-format ({', '.join(OUTPUT_FORMATS)})")
     return fmt
 
@@ -38,10 +39,10 @@ def check_keep_fields(keep_fields: tuple[str, ...]) -> None:
     """Keep fields become extra columns: they must not repeat or shadow an output column."""
     clash = sorted(set(keep_fields) & {*OUTPUT_COLUMNS, *OPTIONAL_COLUMNS, KIND_KEY})
     if clash:
-        raise ValueError(f"--keep-fields {', '.join(clash)} would overwrite output columns; keep other fields")
+        raise SpecError(f"--keep-fields {', '.join(clash)} would overwrite output columns; keep other fields")
     repeated = sorted({name for name in keep_fields if keep_fields.count(name) > 1})
     if repeated:
-        raise ValueError(f"--keep-fields lists {', '.join(repeated)} more than once")
+        raise SpecError(f"--keep-fields lists {', '.join(repeated)} more than once")
 
 
 def write_output(rows: Iterable[dict], path: str, output_format: str, keep_fields: tuple[str, ...] = (),
@@ -53,7 +54,7 @@ def write_output(rows: Iterable[dict], path: str, output_format: str, keep_field
     body; anything else -> chat).
     """
     if output_format not in OUTPUT_FORMATS:
-        raise ValueError(f"--output-format {output_format!r} is not one of {', '.join(OUTPUT_FORMATS)}")
+        raise SpecError(f"--output-format {output_format!r} is not one of {', '.join(OUTPUT_FORMATS)}")
     keep_fields = tuple(keep_fields)
     check_keep_fields(keep_fields)
     extra = tuple(c for c in OPTIONAL_COLUMNS if c in set(optional))

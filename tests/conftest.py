@@ -1,11 +1,13 @@
 """Shared setup for every test: where no CUDA device exists, Triton runs its kernels in its interpreter on
 the CPU (TRITON_INTERPRET=1, read when a kernel is defined), so the cuda backend's kernels are tested here
-too. Set before any test module imports Triton."""
+too (set before any test module imports Triton); and a tiny random Llama folder built once per session."""
 
 from __future__ import annotations
 
 import os
 import shutil
+
+import pytest
 
 
 def _has_cuda() -> bool:
@@ -14,3 +16,24 @@ def _has_cuda() -> bool:
 
 if not _has_cuda():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """A 2-layer random Llama (hidden 64) with the embedded SmolLM2 tokenizer and its chat template."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from conveyor.core.model_loader import ensure_embedded
+
+    folder = tmp_path_factory.mktemp("tiny-model")
+    tokenizer = AutoTokenizer.from_pretrained(ensure_embedded("smollm2-135m-instruct"))
+    assert tokenizer.chat_template, "the embedded tokenizer lost its chat template"
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder

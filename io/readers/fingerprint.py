@@ -11,6 +11,7 @@ from pathlib import Path
 from conveyor.io.errors import InputError
 from conveyor.io.readers.hf_datasets import MARKER_FILES
 
+
 def fingerprint(source: str) -> str:
     """Hex digest for a local file or datasets folder; "stdin" for "-"; "hub:<name>" for a hub dataset;
     "stream:<path>" for a pipe or device, which cannot be read twice."""

@@ -17,8 +17,16 @@ import sys
 from typing import Any, Iterator, TextIO
 
 from conveyor.io.errors import InputError
-from conveyor.io.readers.record import (DEFAULT_MAX_RECORD_BYTES, RawRecord, Reader, StrictDecoder, digest_of,
-                                        is_stream, oversized, to_record)
+from conveyor.io.readers.record import (
+    DEFAULT_MAX_RECORD_BYTES,
+    RawRecord,
+    Reader,
+    StrictDecoder,
+    digest_of,
+    is_stream,
+    oversized,
+    to_record,
+)
 
 CHUNK = 1 << 20
 _WHITESPACE = " \t\r\n"

@@ -14,8 +14,16 @@ import zlib
 from typing import BinaryIO, Iterator
 
 from conveyor.io.errors import InputError
-from conveyor.io.readers.record import (BOM, DEFAULT_MAX_RECORD_BYTES, RawRecord, Reader, StrictDecoder, digest_of,
-                                        is_stream, oversized)
+from conveyor.io.readers.record import (
+    BOM,
+    DEFAULT_MAX_RECORD_BYTES,
+    RawRecord,
+    Reader,
+    StrictDecoder,
+    digest_of,
+    is_stream,
+    oversized,
+)
 
 CHUNK = 1 << 20  # count() reads this much at a time
 _BUFFER = 1 << 16

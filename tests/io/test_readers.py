@@ -15,8 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from conveyor.io.errors import InputError
-from conveyor.io.readers import fingerprint, open_reader
-from conveyor.io.readers import json_array, jsonl
+from conveyor.io.readers import fingerprint, json_array, jsonl, open_reader
 from conveyor.io.readers.record import StrictDecoder
 
 ROWS = [{"id": "a", "prompt": "one"}, {"id": "b", "prompt": "two", "n": 2}, {"id": "c", "prompt": "thé"}]

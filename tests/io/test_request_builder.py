@@ -18,8 +18,8 @@ SAMPLE_DATA = Path(__file__).resolve().parents[2] / "sample_data"
 DEFAULTS = SamplingParams(temperature=0.0, max_tokens=16)
 
 
-def make_builder(tokenizer, is_duplicate=None, **options):
-    return RequestBuilder(tokenizer, BuildOptions(sampling=DEFAULTS, **options), is_duplicate=is_duplicate)
+def make_builder(tokenizer, max_model_len=8192, **options):
+    return RequestBuilder(tokenizer, BuildOptions(**options), DEFAULTS, max_model_len)
 
 
 def build(tokenizer, record, index=4, line=5, **options):
@@ -275,20 +275,3 @@ def test_prompt_too_long_for_the_context(tokenizer):
     assert error_of(result).endswith("lower max_tokens to at most 4")
     assert isinstance(build(tokenizer, {"prompt": prompt, "max_tokens": 4}, max_model_len=num_tokens + 4),
                       BuiltRequest)
-
-
-def test_is_duplicate_hook(tokenizer):
-    seen = set()
-
-    def is_duplicate(record_id):
-        if record_id in seen:
-            return True
-        seen.add(record_id)
-        return False
-
-    builder = make_builder(tokenizer, is_duplicate=is_duplicate)
-    first = builder.build(RawRecord(0, 1, {"id": "x", "prompt": "a"}, None))
-    second = builder.build(RawRecord(1, 2, {"id": "x", "prompt": "b"}, None))
-    assert isinstance(first, BuiltRequest)
-    assert error_of(second).startswith("line 2: duplicate id 'x' (first seen earlier in the input)")
-    assert second.id == "x"

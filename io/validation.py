@@ -1,0 +1,68 @@
+"""`conveyor validate`'s sink: every record built and checked as a run would (ids, grammars, lengths), none
+generated. `Run.validate` feeds it through `run_records` without an engine.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from conveyor.core import Grammars
+from conveyor.io.journal import Journal
+from conveyor.io.request_builder import BuiltRequest
+from conveyor.io.rows import duplicate_id_message
+from conveyor.io.sink import RecordSink, record_location
+
+
+class ValidationSink(RecordSink):
+    """Counts records and errors, keeps the first `show_errors` messages and a histogram of prompt lengths, and
+    checks ids through `ids` (a scratch journal on disk: an input of 100M ids does not fill memory)."""
+
+    COMMIT_EVERY = 50_000  # id claims buffered in memory between writes of the scratch journal
+
+    def __init__(self, tokenizer, show_errors: int, ids: Journal) -> None:
+        self.tokenizer = tokenizer
+        self.show_errors = show_errors
+        self.ids = ids
+        self.records = 0
+        self.lengths: Counter[int] = Counter()  # prompt length -> records (bounded by the model's context)
+        self.errors: list[str] = []
+        self.num_errors = 0
+        self.grammars: Grammars | None = None  # made on the first record with a grammar
+
+    def admit(self, raw, built):
+        self.records += 1
+        if not isinstance(built, BuiltRequest):
+            return self._error(built.error)
+        if built.sampling.grammar is not None:
+            self.grammars = self.grammars or Grammars(self.tokenizer, len(self.tokenizer))
+            try:
+                self.grammars.compiled(built.sampling.grammar)
+            except ValueError as e:
+                return self._error(f"{record_location(raw)}: {e}")
+        if built.id_given:
+            if not self.ids.claim_id(built.id, built.index):
+                return self._error(duplicate_id_message(record_location(raw), built.id))
+            if self.records % self.COMMIT_EVERY == 0:
+                self.ids.commit()
+        self.lengths[len(built.prompt_token_ids)] += 1
+        return None  # built and checked; nothing to generate
+
+    def _error(self, message: str) -> None:
+        self.num_errors += 1
+        if len(self.errors) < self.show_errors:
+            self.errors.append(message)
+        return None
+
+    @property
+    def num_ok(self) -> int:
+        return sum(self.lengths.values())
+
+    def percentile(self, q: float) -> int:
+        """The prompt length below which a fraction q of the ok records fall (as sorted(lengths)[int(q * n)])."""
+        n = self.num_ok
+        rank = min(n - 1, int(q * n))
+        for length in sorted(self.lengths):
+            rank -= self.lengths[length]
+            if rank < 0:
+                return length
+        raise ValueError("no lengths")
