@@ -8,9 +8,23 @@ import traceback
 
 import typer
 
-from conveyor.cli.exit_codes import ExitCode, code_for
+from conveyor.cli.command_line import set_command_line
+from conveyor.cli.exit_codes import ExitCode, code_for, message_for
+from conveyor.cli.options import (
+    ConfigOpt,
+    IdFieldOpt,
+    InputArg,
+    InputFormatOpt,
+    LimitOpt,
+    MaxRecordBytesOpt,
+    MaxTokensOpt,
+    MessagesFieldOpt,
+    ModelOpt,
+    PromptFieldOpt,
+    SplitOpt,
+    SystemPromptOpt,
+)
 from conveyor.cli.run import EXAMPLES, run_command
-from conveyor.cli.run_info import set_command_line
 
 app = typer.Typer(
     name="conveyor",
@@ -24,27 +38,27 @@ app.command("run", epilog=EXAMPLES)(run_command)
 
 @app.command("validate")
 def validate_command(
-    input: str = typer.Argument(..., help="Prompts file to check, as for `conveyor run`."),
-    config: str = typer.Option(None, "--config", "-c", help="YAML file of options, as for `conveyor run`."),
-    model: str = typer.Option(None, help="Model whose tokenizer and context length to check against."),
-    max_tokens: int = typer.Option(None, help="Most tokens to generate per record. \\[default: 256]"),
-    system_prompt: str = typer.Option(None, help="System message for chat records that have none."),
-    prompt_field: str = typer.Option(None, help="Field holding a raw prompt. \\[default: prompt]"),
-    messages_field: str = typer.Option(None, help="Field holding chat messages. \\[default: messages]"),
-    id_field: str = typer.Option(None, help="Field holding the record id. \\[default: id]"),
-    input_format: str = typer.Option(None, help="jsonl, json, parquet, csv or datasets."),
-    split: str = typer.Option(None, help="Split of a hub dataset."),
-    limit: int = typer.Option(None, help="Only the first N records."),
-    max_record_bytes: str = typer.Option(None, help="A record bigger than this (e.g. 4MiB) is an error. \\[default: 4MiB]"),
+    input: InputArg,
+    config: ConfigOpt = None,
+    model: ModelOpt = None,
+    max_tokens: MaxTokensOpt = None,
+    system_prompt: SystemPromptOpt = None,
+    prompt_field: PromptFieldOpt = None,
+    messages_field: MessagesFieldOpt = None,
+    id_field: IdFieldOpt = None,
+    input_format: InputFormatOpt = None,
+    split: SplitOpt = None,
+    limit: LimitOpt = None,
+    max_record_bytes: MaxRecordBytesOpt = None,
     show_errors: int = typer.Option(10, help="How many error messages to print."),
 ) -> int:
-    """Parse, template and tokenize every record without running the model; exit 0 or 3."""
+    """Parse, template and tokenize every record as `conveyor run` would (the model's tokenizer and context
+    length, no generation); exit 0 or 3."""
     from conveyor.cli.validate import validate
 
-    return validate(dict(input=input, output="-", model=model, max_tokens=max_tokens, system_prompt=system_prompt,
-                         prompt_field=prompt_field, messages_field=messages_field, id_field=id_field,
-                         input_format=input_format, split=split, limit=limit, max_record_bytes=max_record_bytes),
-                    config, show_errors)
+    flags = dict(locals())
+    config_path, show = flags.pop("config"), flags.pop("show_errors")
+    return validate({**flags, "output": "-"}, config_path, show)
 
 
 @app.command("status")
@@ -74,24 +88,24 @@ def merge_command(
 @app.command("models")
 def models_command() -> int:
     """List the embedded models and whether each is cached."""
-    from conveyor.core.model_loader import EMBEDDED_MODELS, cache_dir, is_embedded_cached
+    from conveyor.core import EMBEDDED_MODELS, is_embedded_cached, models_cache_dir
 
     for name, spec in EMBEDDED_MODELS.items():
         state = "cached" if is_embedded_cached(name) else "not cached (fetched from PyPI on first use)"
         typer.echo(f"{name}\t{state}\t{spec.description}")
-    typer.echo(f"cache: {cache_dir() / 'models'}")
+    typer.echo(f"cache: {models_cache_dir()}")
     return 0
 
 
 def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip() or type(exc).__name__
+    text = message_for(exc).strip() or type(exc).__name__
     if isinstance(exc, OSError) and not isinstance(exc, FileNotFoundError):
         text += "; fix the cause (free disk space, permissions) and run the same command again to resume"
     return text.splitlines()[0]
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Run the app and exit with DESIGN.md's codes; usage errors are one line, no traceback."""
+    """Run the app and exit with the exit codes' table (exit_codes.py); usage errors are one line, no traceback."""
     debug = os.environ.get("CONVEYOR_DEBUG") == "1"
     args = list(sys.argv[1:] if argv is None else argv)
     if "--debug" in args:

@@ -1,115 +1,112 @@
-"""Run configuration: a YAML config file merged with command-line flags into a frozen RunConfig.
+"""Options -> RunSpec: a YAML config file merged with command-line flags, checked, and built into io's RunSpec and
+the settings only the CLI reads (`CliSettings`).
 
-Precedence: a flag given on the command line > the value in the `--config` file > the default
-below. Config keys are option names (`max_tokens` or `max-tokens`); an unknown key is an error
-that names the key and the file.
+Precedence: a flag given on the command line > the value in the `--config` file > the default. The default is the
+field default of the dataclass the option fills (`OPTIONS`: core's SamplingParams and EngineConfig, io's
+BuildOptions and the RunSpec's own options, CliSettings), so it is written once: `--help` shows it from there too
+(`default_text`). Config keys are option names (`max_tokens` or `max-tokens`); an unknown key is an error that
+names the key and the file. A value core refuses is a usage error naming its option (`ConfigError.named`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from conveyor.cli.exit_codes import UsageError
+from conveyor.core import BACKENDS, DTYPES, ConfigError, EngineConfig, SamplingParams, parse_memory
+from conveyor.io.run_spec import (
+    INPUT_FORMATS,
+    ON_ERROR,
+    OUTPUT_FORMATS,
+    BuildOptions,
+    InputOptions,
+    OutputOptions,
+    RunSpec,
+    StateOptions,
+    run_grammar,
+)
+
+EXECUTORS = ("local", "ray")  # this process, or one engine per worker on a Ray cluster (cli/ray_executor.py)
 
 
 @dataclass(frozen=True)
-class RunConfig:
-    input: str
-    output: str
-    model: str = "smollm2-135m-instruct"
-    dtype: str = "auto"
-    device: str = "auto"
-    backend: str = "auto"  # core/backends: auto, cpu, cuda or torch
-    max_tokens: int = 256
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int = 0
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    json_schema: str | None = None  # a file holding the JSON schema every output must match
-    choice: tuple[str, ...] = ()  # every output is one of these
-    regex: str | None = None  # every output matches this
-    logprobs: int | None = None  # per output token: its logprob and this many alternatives
-    prompt_logprobs: bool = False  # the logprob of every prompt token
-    system_prompt: str | None = None
-    prompt_field: str = "prompt"
-    messages_field: str = "messages"
-    id_field: str = "id"
-    keep_fields: tuple[str, ...] = ()
-    input_format: str | None = None
-    output_format: str | None = None
-    split: str | None = None
-    max_num_seqs: int | None = None  # None: 64 on the CPU, 256 on a GPU (DEVICE_DEFAULTS)
-    max_num_batched_tokens: int | None = None  # None: 2048 on the CPU, 8192 on a GPU
-    num_kv_blocks: int | None = None
-    kv_cache_memory: str | None = None  # None: 2GiB on the CPU; on a GPU from gpu_memory_utilization
-    gpu_memory_utilization: float | None = None  # on a GPU: the fraction of its memory weights, activations and KV
-    # may take (None: 0.9, DEVICE_DEFAULTS); on the CPU, --kv-cache-memory sizes the KV cache instead
-    max_record_bytes: int = 4 << 20  # a bigger record is an error row, never parsed
-    block_size: int = 16
-    limit: int | None = None
-    on_error: str = "record"
-    quiet: bool = False
-    summary_json: str | None = None
-    run_dir: str | None = None
-    checkpoint_every: int | None = None
-    checkpoint_seconds: float = 30.0
-    max_runtime: float | None = None  # seconds
-    restart: bool = False
-    shard: str | None = None  # "I/N": answer the records whose index is I mod N (io/shards.py)
-    executor: str = "local"  # "local" (this process) or "ray" (cli/ray_executor.py)
-    num_workers: int | None = None  # --executor ray: engines, one per GPU where there are GPUs
-    profile: bool = False
+class CliSettings:
+    """What only the command line reads: how the run is shown, stopped and spread."""
+
+    quiet: bool = False  # no progress display
+    summary_json: str | None = None  # write the run summary as JSON here
+    max_runtime: float | None = None  # seconds; then stop cleanly (exit 75)
+    executor: str = EXECUTORS[0]
+    num_workers: int | None = None  # --executor ray: engines (None: the cluster's GPUs, else 1)
     log_every: float = 10.0  # seconds between plain progress lines without a TTY
 
-    def generation_config(self) -> dict[str, Any]:
-        """What decides the output rows: a change of any of these under a run directory is drift."""
-        keys = ("dtype", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "ignore_eos",
-                "min_tokens", "system_prompt", "prompt_field", "messages_field", "id_field", "keep_fields",
-                "regex", "logprobs", "prompt_logprobs")
-        out = {k: getattr(self, k) for k in keys}
-        out["stop"] = list(self.stop)
-        out["keep_fields"] = list(self.keep_fields)
-        out["choice"] = list(self.choice)
-        out["json_schema"] = self.json_schema_text()  # the schema itself: an edited file is drift
-        # The options added later are left out while unset: a run started before they existed is no drift.
-        return {k: v for k, v in out.items() if k in keys[:15] or not (v is None or v is False or v == [])}
 
-    def json_schema_text(self) -> str | None:
-        """--json-schema's file content, or None; UsageError naming the option where it cannot be read."""
-        if self.json_schema is None:
-            return None
-        try:
-            return Path(self.json_schema).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise UsageError(f"--json-schema {self.json_schema}: cannot be read ({getattr(e, 'strerror', None) or e}); "
-                             "give a file holding a JSON schema") from None
+@dataclass(frozen=True)
+class Invocation:
+    spec: RunSpec
+    cli: CliSettings
 
 
-# Engine sizes whose default depends on the device: a GPU step has room for far more rows.
-DEVICE_DEFAULTS = {"cpu": {"max_num_seqs": 64, "max_num_batched_tokens": 2048},
-                   "cuda": {"max_num_seqs": 256, "max_num_batched_tokens": 8192, "gpu_memory_utilization": 0.9}}
-
-FIELDS = {f.name: f for f in dataclasses.fields(RunConfig)}
-_FILE_KEYS = set(FIELDS) - {"input", "output", "restart"}
+# option key -> (the dataclass it fills, its field there). "spec" fields are RunSpec's own.
+OPTIONS: dict[str, tuple[type, str]] = {
+    "model": (RunSpec, "model"), "profile": (RunSpec, "profile"),
+    **{k: (SamplingParams, k) for k in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "ignore_eos",
+                                         "min_tokens", "logprobs", "prompt_logprobs")},
+    **{k: (BuildOptions, k) for k in ("seed", "system_prompt", "prompt_field", "messages_field", "id_field",
+                                       "keep_fields")},
+    **{k: (EngineConfig, k) for k in ("dtype", "device", "backend", "max_num_seqs", "max_num_batched_tokens",
+                                       "num_kv_blocks", "kv_cache_memory", "gpu_memory_utilization", "block_size")},
+    "input_format": (InputOptions, "format"), "split": (InputOptions, "split"), "limit": (InputOptions, "limit"),
+    "max_record_bytes": (InputOptions, "max_record_bytes"),
+    "output_format": (OutputOptions, "format"), "on_error": (OutputOptions, "on_error"),
+    **{k: (StateOptions, k) for k in ("run_dir", "restart", "shard", "checkpoint_every", "checkpoint_seconds")},
+    **{k: (CliSettings, k) for k in ("quiet", "summary_json", "max_runtime", "executor", "num_workers",
+                                      "log_every")},
+    # The run's grammar: each becomes SamplingParams.grammar (run_grammar).
+    "json_schema": (SamplingParams, "grammar"), "choice": (SamplingParams, "grammar"),
+    "regex": (SamplingParams, "grammar"),
+}
+_FILE_KEYS = set(OPTIONS)  # (input, output and --restart are not config-file keys)
+_FILE_KEYS.discard("restart")
 _CHOICES = {
-    "dtype": ("auto", "float32", "bfloat16", "float16"),
-    "backend": ("auto", "cpu", "cuda", "torch"),
-    "executor": ("local", "ray"),
-    "on_error": ("record", "skip", "fail"),
-    "input_format": (None, "jsonl", "json", "parquet", "csv", "datasets"),
-    "output_format": (None, "parquet", "jsonl", "openai-batch"),
+    "dtype": DTYPES,
+    "backend": BACKENDS,
+    "executor": EXECUTORS,
+    "on_error": ON_ERROR,
+    "input_format": (None, *INPUT_FORMATS),
+    "output_format": (None, *OUTPUT_FORMATS),
 }
 
 
 def option_name(key: str) -> str:
     return "--" + key.replace("_", "-")
+
+
+def default_of(key: str) -> Any:
+    """The default of option `key`: its field's default in the dataclass it fills."""
+    owner, name = OPTIONS[key]
+    f = next(f for f in dataclasses.fields(owner) if f.name == name)
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
+def default_text(key: str, shown: str | None = None) -> str:
+    """"[default: X]" for --help, X read from the option's source (escaped: rich would take it for markup)."""
+    value = default_of(key) if shown is None else shown
+    if isinstance(value, bool):
+        value = str(value).lower()
+    return f"\\[default: {value}]"
+
+
+def size_text(size: int) -> str:
+    """A byte count as --help shows it: 4194304 -> "4MiB" (the largest binary unit that divides it)."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if size % scale == 0:
+            return f"{size // scale}{unit}"
+    return str(size)
 
 
 def load_config_file(path: str) -> dict[str, Any]:
@@ -140,8 +137,6 @@ def parse_duration(text: str | float | int, option: str = "--max-runtime") -> fl
     if isinstance(text, (int, float)) and not isinstance(text, bool):
         seconds = float(text)
     else:
-        import re
-
         s = str(text).strip().lower()
         parts = re.findall(r"(\d+(?:\.\d+)?)\s*([hms]?)", s)
         if not s or "".join(n + u for n, u in parts) != s.replace(" ", ""):
@@ -153,14 +148,14 @@ def parse_duration(text: str | float | int, option: str = "--max-runtime") -> fl
     return seconds
 
 
-def build_config(flags: dict[str, Any], config_path: str | None) -> RunConfig:
-    """Merge file and flags (flags that are None were not given) into a validated RunConfig."""
+def build_config(flags: dict[str, Any], config_path: str | None) -> Invocation:
+    """Merge file and flags (flags that are None were not given) into a checked RunSpec and CliSettings."""
     values: dict[str, Any] = load_config_file(config_path) if config_path else {}
     values.update({k: v for k, v in flags.items() if v is not None and not (isinstance(v, (list, tuple)) and not v)})
     for key in ("stop", "keep_fields", "choice"):
         if key in values:
             values[key] = _as_str_tuple(key, values[key])
-    if "max_runtime" in values and values["max_runtime"] is not None:
+    if values.get("max_runtime") is not None:
         values["max_runtime"] = parse_duration(values["max_runtime"])
     _check_strings(values)
     for key in ("kv_cache_memory", "max_record_bytes"):
@@ -173,7 +168,48 @@ def build_config(flags: dict[str, Any], config_path: str | None) -> RunConfig:
             allowed = ", ".join(c for c in choices if c)
             raise UsageError(f"{option_name(key)}: {values[key]!r} is not one of {allowed}")
     _check_types(values)
-    return RunConfig(**values)
+    try:
+        return _invocation(values)
+    except ConfigError as e:
+        raise UsageError(e.named(option_name(e.field))) from None
+
+
+def _invocation(values: dict[str, Any]) -> Invocation:
+    """The dataclasses filled from `values` (option key -> value); ConfigError where core refuses one."""
+    fields: dict[type, dict[str, Any]] = {}
+    for key, value in values.items():
+        owner, name = OPTIONS.get(key, (None, None))
+        if owner is not None and name != "grammar":
+            fields.setdefault(owner, {})[name] = value
+    sampling = fields.get(SamplingParams, {})
+    if sampling.get("prompt_logprobs") is not None:  # the option is a switch; the field a number of alternatives
+        sampling["prompt_logprobs"] = 0 if sampling["prompt_logprobs"] else None
+    sampling["grammar"] = _grammar(values)
+    spec = RunSpec(
+        input=InputOptions(path=values["input"], **fields.get(InputOptions, {})),
+        output=OutputOptions(path=values["output"], **fields.get(OutputOptions, {})),
+        sampling=SamplingParams(**sampling),
+        build=BuildOptions(**fields.get(BuildOptions, {})),
+        engine=EngineConfig(**fields.get(EngineConfig, {})),
+        state=StateOptions(**fields.get(StateOptions, {})),
+        **fields.get(RunSpec, {}))
+    return Invocation(spec, CliSettings(**fields.get(CliSettings, {})))
+
+
+def _grammar(values: dict[str, Any]):
+    """The run's grammar from --json-schema (the file's content), --choice or --regex, or None."""
+    path = values.get("json_schema")
+    text = None
+    if path is not None:
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise UsageError(f"--json-schema {path}: cannot be read ({getattr(e, 'strerror', None) or e}); give a "
+                             "file holding a JSON schema") from None
+    try:
+        return run_grammar(text, values.get("choice", ()), values.get("regex"))
+    except ValueError as e:
+        raise UsageError(str(e) if str(e).startswith("--") else f"--json-schema {path}: {e}") from None
 
 
 def _as_str_tuple(key: str, value: Any) -> tuple[str, ...]:
@@ -191,8 +227,8 @@ def _as_str_tuple(key: str, value: Any) -> tuple[str, ...]:
 
 
 _STR_KEYS = {"input", "output", "model", "dtype", "device", "backend", "system_prompt", "prompt_field",
-             "messages_field", "id_field", "input_format", "output_format", "split", "on_error", "summary_json", "run_dir",
-             "json_schema", "regex", "shard", "executor"}
+             "messages_field", "id_field", "input_format", "output_format", "split", "on_error", "summary_json",
+             "run_dir", "json_schema", "regex", "shard", "executor"}
 
 
 def _check_strings(values: dict[str, Any]) -> None:
@@ -204,13 +240,11 @@ def _check_strings(values: dict[str, Any]) -> None:
 
 def _checked_size(key: str, value: Any) -> Any:
     """--kv-cache-memory / --max-record-bytes: a size like 2GiB, 512MiB or a number of bytes."""
-    from conveyor.core.config import parse_memory
-
     if isinstance(value, bool) or not isinstance(value, (str, int)):
         raise UsageError(f"{option_name(key)}: expected a size such as 2GiB or 512MiB, got {value!r}")
     try:
-        size = parse_memory(value)
-    except ValueError:
+        size = parse_memory(value, key)
+    except ConfigError:
         size = 0
     if size <= 0:
         raise UsageError(f"{option_name(key)}: cannot read {value!r}; write a positive size like 2GiB, 512MiB or a "
@@ -219,18 +253,16 @@ def _checked_size(key: str, value: Any) -> Any:
 
 
 def _check_device(device: str) -> None:
-    import re
-
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
         raise UsageError(f"--device: {device!r} is not one of auto, cpu, cuda or cuda:N")
 
 
+# Types a config file may get wrong (flags arrive typed); the values themselves are checked by the dataclasses.
 _INT_KEYS = {"max_tokens", "top_k", "seed", "min_tokens", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks",
              "block_size", "limit", "checkpoint_every", "logprobs", "num_workers"}
 _FLOAT_KEYS = {"temperature", "top_p", "min_p", "checkpoint_seconds", "log_every", "gpu_memory_utilization"}
 _BOOL_KEYS = {"ignore_eos", "quiet", "restart", "profile", "prompt_logprobs"}
-_POSITIVE = {"max_tokens", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "block_size", "num_workers",
-             "checkpoint_every", "checkpoint_seconds", "log_every"}
+_POSITIVE = {"num_workers", "checkpoint_every", "checkpoint_seconds", "log_every"}  # not checked downstream
 
 
 def _check_types(values: dict[str, Any]) -> None:
@@ -250,9 +282,3 @@ def _check_types(values: dict[str, Any]) -> None:
             raise UsageError(f"{opt}: must be positive, got {value!r}")
         if key == "limit" and value < 0:
             raise UsageError(f"{opt}: must be >= 0, got {value!r}")
-        if key == "gpu_memory_utilization" and not 0 < value <= 1:
-            raise UsageError(f"{opt}: a fraction of the GPU's memory in (0, 1], e.g. 0.9; got {value!r}")
-        if key == "logprobs" and not 0 <= value <= 20:
-            raise UsageError(f"{opt}: the number of alternatives must be from 0 to 20, got {value!r}")
-    if "block_size" in values and values["block_size"] not in (1, 2, 4, 8, 16, 32, 64, 128):
-        raise UsageError(f"--block-size: must be a power of two up to 128, got {values['block_size']!r}")

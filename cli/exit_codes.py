@@ -1,4 +1,5 @@
-"""Exit codes (DESIGN.md) and the one table that maps an exception type to a code."""
+"""Exit codes (the README's "Exit codes") and the one table that maps an exception type to a code and its
+one-line message."""
 
 from __future__ import annotations
 
@@ -20,24 +21,29 @@ class UsageError(Exception):
 
 def code_for(exc: BaseException) -> ExitCode:
     """Map an exception to its exit code. Imports are local so `conveyor --help` stays light."""
-    from conveyor.io.errors import InputError
-    from conveyor.io.journal import JournalCorrupt
-    from conveyor.io.run_dir import RunDirError
+    from conveyor.core import ConfigError, ModelLoadError
+    from conveyor.io.errors import InputError, JournalCorrupt, RunDirError, SpecError
 
     table: list[tuple[type[BaseException], ExitCode]] = [
         (UsageError, ExitCode.USAGE),
+        (ConfigError, ExitCode.USAGE),  # a value the engine or a backend refused: the option named
+        (SpecError, ExitCode.USAGE),
         (InputError, ExitCode.USAGE),
         (RunDirError, ExitCode.USAGE),
         (JournalCorrupt, ExitCode.FATAL),
+        (ModelLoadError, ExitCode.FATAL),
         (OSError, ExitCode.FATAL),
     ]
-    try:
-        from conveyor.core.model_loader import ModelLoadError
-
-        table.append((ModelLoadError, ExitCode.FATAL))
-    except ImportError:  # pragma: no cover - torch missing
-        pass
     for exc_type, code in table:
         if isinstance(exc, exc_type):
             return code
     return ExitCode.FATAL
+
+
+def message_for(exc: BaseException) -> str:
+    """What the user reads of `exc`: a ConfigError names the option of its field; others say themselves."""
+    from conveyor.core import ConfigError
+
+    if isinstance(exc, ConfigError):
+        return exc.named("--" + exc.field.replace("_", "-"))
+    return str(exc)

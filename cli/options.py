@@ -1,11 +1,29 @@
-"""Annotated option aliases shared by the commands. Every default is None: "not given on the
-command line", so a config file value or RunConfig's default applies (see cli/config.py)."""
+"""Annotated option aliases shared by the commands. Every default is None: "not given on the command line", so a
+config file value or the default of the field the option fills applies (cli/config.py); the `[default: ...]`
+shown in --help is read from that field (`default_text`)."""
 
 from __future__ import annotations
 
 from typing import Annotated, Optional
 
 import typer
+
+from conveyor.cli.config import default_of, default_text, size_text
+from conveyor.core import DEFAULT_KV_CACHE_MEMORY, DEVICE_DEFAULTS
+
+_CPU, _GPU = DEVICE_DEFAULTS["cpu"], DEVICE_DEFAULTS["cuda"]
+_SHOWN = {  # defaults that depend on the device, or read better than the field's value
+    "max_num_seqs": f"{_CPU['max_num_seqs']}; on a GPU {_GPU['max_num_seqs']}",
+    "max_num_batched_tokens": f"{_CPU['max_num_batched_tokens']}; on a GPU {_GPU['max_num_batched_tokens']}",
+    "kv_cache_memory": f"{DEFAULT_KV_CACHE_MEMORY} on the CPU; on a GPU what --gpu-memory-utilization leaves",
+    "gpu_memory_utilization": _GPU["gpu_memory_utilization"],
+    "max_record_bytes": size_text(default_of("max_record_bytes")),
+}
+
+
+def _d(key: str) -> str:
+    return default_text(key, _SHOWN.get(key))
+
 
 GEN = "Generation"
 ENG = "Engine"
@@ -18,29 +36,29 @@ OutputOpt = Annotated[str, typer.Option("--output", "-o", help="Output file: .pa
 ConfigOpt = Annotated[Optional[str], typer.Option("--config", "-c", help="YAML file of options; flags override it.")]
 
 ModelOpt = Annotated[Optional[str], typer.Option(help="Embedded model name, local HF folder, .gguf file or hub id. "
-                                                      "\\[default: smollm2-135m-instruct]", rich_help_panel=ENG)]
-DtypeOpt = Annotated[Optional[str], typer.Option(help="auto, float32, bfloat16 or float16. \\[default: auto]",
+                                                      f"{_d('model')}", rich_help_panel=ENG)]
+DtypeOpt = Annotated[Optional[str], typer.Option(help=f"auto, float32, bfloat16 or float16. {_d('dtype')}",
                                                  rich_help_panel=ENG)]
-DeviceOpt = Annotated[Optional[str], typer.Option(help="auto, cpu, cuda or cuda:N. \\[default: auto]",
+DeviceOpt = Annotated[Optional[str], typer.Option(help=f"auto, cpu, cuda or cuda:N. {_d('device')}",
                                                   rich_help_panel=ENG)]
 BackendOpt = Annotated[Optional[str], typer.Option(help="auto, cpu (conveyor's C++ kernels), cuda (Triton) or torch "
-                                                       "(plain torch, any device). \\[default: auto]",
+                                                       f"(plain torch, any device). {_d('backend')}",
                                                   rich_help_panel=ENG)]
-MaxTokensOpt = Annotated[Optional[int], typer.Option(help="Most tokens to generate per record. \\[default: 256]",
+MaxTokensOpt = Annotated[Optional[int], typer.Option(help=f"Most tokens to generate per record. {_d('max_tokens')}",
                                                      rich_help_panel=GEN)]
-TemperatureOpt = Annotated[Optional[float], typer.Option(help="0 = greedy. \\[default: 1.0]", rich_help_panel=GEN)]
-TopPOpt = Annotated[Optional[float], typer.Option(help="Nucleus sampling mass in (0, 1]. \\[default: 1.0]",
+TemperatureOpt = Annotated[Optional[float], typer.Option(help=f"0 = greedy. {_d('temperature')}", rich_help_panel=GEN)]
+TopPOpt = Annotated[Optional[float], typer.Option(help=f"Nucleus sampling mass in (0, 1]. {_d('top_p')}",
                                                   rich_help_panel=GEN)]
-TopKOpt = Annotated[Optional[int], typer.Option(help="Keep the k most likely tokens; 0 = off. \\[default: 0]",
+TopKOpt = Annotated[Optional[int], typer.Option(help=f"Keep the k most likely tokens; 0 = off. {_d('top_k')}",
                                                 rich_help_panel=GEN)]
-MinPOpt = Annotated[Optional[float], typer.Option(help="Drop tokens below min_p x the top probability. \\[default: 0]",
+MinPOpt = Annotated[Optional[float], typer.Option(help=f"Drop tokens below min_p x the top probability. {_d('min_p')}",
                                                   rich_help_panel=GEN)]
 SeedOpt = Annotated[Optional[int], typer.Option(help="Run seed; each record's seed derives from it and the record's "
-                                                     "id. \\[default: 0]", rich_help_panel=GEN)]
+                                                     f"id. {_d('seed')}", rich_help_panel=GEN)]
 StopOpt = Annotated[Optional[list[str]], typer.Option(help="Stop string (repeatable).", rich_help_panel=GEN)]
 IgnoreEosOpt = Annotated[Optional[bool], typer.Option("--ignore-eos/--no-ignore-eos",
                                                       help="Keep generating past EOS.", rich_help_panel=GEN)]
-MinTokensOpt = Annotated[Optional[int], typer.Option(help="Generate at least this many tokens. \\[default: 0]",
+MinTokensOpt = Annotated[Optional[int], typer.Option(help=f"Generate at least this many tokens. {_d('min_tokens')}",
                                                      rich_help_panel=GEN)]
 JsonSchemaOpt = Annotated[Optional[str], typer.Option(help="A file with a JSON schema every output must match "
                                                            "(structured outputs).", rich_help_panel=GEN)]
@@ -55,11 +73,11 @@ PromptLogprobsOpt = Annotated[Optional[bool], typer.Option("--prompt-logprobs/--
                                                                 "(scoring, perplexity).", rich_help_panel=GEN)]
 SystemPromptOpt = Annotated[Optional[str], typer.Option(help="System message for chat records that have none.",
                                                         rich_help_panel=GEN)]
-PromptFieldOpt = Annotated[Optional[str], typer.Option(help="Field holding a raw prompt. \\[default: prompt]",
+PromptFieldOpt = Annotated[Optional[str], typer.Option(help=f"Field holding a raw prompt. {_d('prompt_field')}",
                                                        rich_help_panel=DATA)]
-MessagesFieldOpt = Annotated[Optional[str], typer.Option(help="Field holding chat messages. \\[default: messages]",
+MessagesFieldOpt = Annotated[Optional[str], typer.Option(help=f"Field holding chat messages. {_d('messages_field')}",
                                                          rich_help_panel=DATA)]
-IdFieldOpt = Annotated[Optional[str], typer.Option(help="Field holding the record id. \\[default: id]",
+IdFieldOpt = Annotated[Optional[str], typer.Option(help=f"Field holding the record id. {_d('id_field')}",
                                                    rich_help_panel=DATA)]
 KeepFieldsOpt = Annotated[Optional[str], typer.Option(help="Input fields to copy to the output, e.g. a,b.",
                                                       rich_help_panel=DATA)]
@@ -70,32 +88,34 @@ OutputFormatOpt = Annotated[Optional[str], typer.Option(help="parquet, jsonl or 
 SplitOpt = Annotated[Optional[str], typer.Option(help="Split of a hub dataset.", rich_help_panel=DATA)]
 LimitOpt = Annotated[Optional[int], typer.Option(help="Only the first N records.", rich_help_panel=DATA)]
 MaxRecordBytesOpt = Annotated[Optional[str], typer.Option(help="A record bigger than this (e.g. 4MiB) is an error "
-                                                               "row, never parsed. \\[default: 4MiB]",
+                                                               f"row, never parsed. {_d('max_record_bytes')}",
                                                           rich_help_panel=DATA)]
 OnErrorOpt = Annotated[Optional[str], typer.Option(help="Bad records: record (error row), skip (no row) or fail "
-                                                        "(stop). \\[default: record]", rich_help_panel=DATA)]
-MaxNumSeqsOpt = Annotated[Optional[int], typer.Option(help="Requests running at once. \\[default: 64; on a GPU 256]",
+                                                        f"(stop). {_d('on_error')}", rich_help_panel=DATA)]
+MaxNumSeqsOpt = Annotated[Optional[int], typer.Option(help=f"Requests running at once. {_d('max_num_seqs')}",
                                                       rich_help_panel=ENG)]
-MaxBatchedTokensOpt = Annotated[Optional[int], typer.Option(help="Tokens per forward pass. \\[default: 2048; on a GPU "
-                                                                 "8192]",
+MaxBatchedTokensOpt = Annotated[Optional[int], typer.Option(help="Tokens per forward pass. "
+                                                                 f"{_d('max_num_batched_tokens')}",
                                                             rich_help_panel=ENG)]
 NumKvBlocksOpt = Annotated[Optional[int], typer.Option(help="KV cache size in blocks (overrides "
                                                             "--kv-cache-memory).", rich_help_panel=ENG)]
-KvMemoryOpt = Annotated[Optional[str], typer.Option(help="KV cache budget, e.g. 2GiB. \\[default: 2GiB on the CPU; "
-                                                         "on a GPU what --gpu-memory-utilization leaves]",
+KvMemoryOpt = Annotated[Optional[str], typer.Option(help=f"KV cache budget, e.g. 2GiB. {_d('kv_cache_memory')}",
                                                     rich_help_panel=ENG)]
 GpuMemoryOpt = Annotated[Optional[float], typer.Option(help="On a GPU: the fraction of its memory conveyor may take "
-                                                            "(weights, activations, KV cache). \\[default: 0.9]",
+                                                            "(weights, activations, KV cache). "
+                                                            f"{_d('gpu_memory_utilization')}",
                                                        rich_help_panel=ENG)]
-BlockSizeOpt = Annotated[Optional[int], typer.Option(help="Tokens per KV block. \\[default: 16]", rich_help_panel=ENG)]
+BlockSizeOpt = Annotated[Optional[int], typer.Option(help=f"Tokens per KV block. {_d('block_size')}",
+                                                     rich_help_panel=ENG)]
 QuietOpt = Annotated[Optional[bool], typer.Option("--quiet/--no-quiet", "-q", help="No progress display.",
                                                   rich_help_panel=RUN)]
 SummaryJsonOpt = Annotated[Optional[str], typer.Option(help="Write the run summary as JSON here.",
                                                        rich_help_panel=RUN)]
 RunDirOpt = Annotated[Optional[str], typer.Option(help="Run directory (default: <output>.conveyor).",
                                                   rich_help_panel=RUN)]
-CheckpointEveryOpt = Annotated[Optional[int], typer.Option(help="Commit finished rows every N records "
-                                                                "(besides every 30 s).", rich_help_panel=RUN)]
+CheckpointEveryOpt = Annotated[Optional[int], typer.Option(help="Commit finished rows every N records (besides "
+                                                                f"every {default_of('checkpoint_seconds'):g} s).",
+                                                           rich_help_panel=RUN)]
 MaxRuntimeOpt = Annotated[Optional[str], typer.Option(help="Stop cleanly after this long, e.g. 50m; exit 75.",
                                                       rich_help_panel=RUN)]
 RestartOpt = Annotated[bool, typer.Option("--restart", help="Discard the run directory's state and start over.",
@@ -104,10 +124,9 @@ ShardOpt = Annotated[Optional[str], typer.Option(help="I/N: answer only the reco
                                                      "run directory of this shard's own; the last shard to finish "
                                                      "writes the output (or `conveyor merge`).", rich_help_panel=RUN)]
 ExecutorOpt = Annotated[Optional[str], typer.Option(help="local (this process) or ray (one engine per worker on a Ray "
-                                                        "cluster: RAY_ADDRESS, or a local one). \\[default: local]",
+                                                        f"cluster: RAY_ADDRESS, or a local one). {_d('executor')}",
                                                    rich_help_panel=RUN)]
 NumWorkersOpt = Annotated[Optional[int], typer.Option(help="--executor ray: engines to run \\[default: the cluster's "
                                                           "GPUs, else 1].", rich_help_panel=RUN)]
 ProfileOpt = Annotated[Optional[bool], typer.Option("--profile/--no-profile",
                                                     help="Print where step time goes.", rich_help_panel=RUN)]
-DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks.", rich_help_panel=RUN)]

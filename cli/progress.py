@@ -1,6 +1,6 @@
 """Progress display: a Rich bar on a TTY, a plain log line every N seconds otherwise (cron, pipes).
 
-Reads the pipeline's totals and the engine's stats only; writes to stderr.
+Reads the run's totals and its engine's stats only; writes to stderr.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ def _fmt_eta(seconds: float | None) -> str:
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
 
 
-def _snapshot(pipeline) -> dict[str, Any]:
-    t = pipeline.totals
-    stats = pipeline.engine.stats() if pipeline.engine else None
+def _snapshot(run) -> dict[str, Any]:
+    t = run.totals
+    stats = run.engine.stats() if run.engine else None
     elapsed = time.monotonic() - t.first_admit if t.first_admit else 0.0
-    generated = pipeline.engine.num_generated_tokens if pipeline.engine else 0
+    generated = run.engine.num_generated_tokens if run.engine else 0
     rate = generated / elapsed if elapsed > 0 else 0.0
     new_rows = t.done - t.resumed_from
     eta = None
@@ -50,12 +50,12 @@ class PlainProgress:
     def __exit__(self, *exc) -> None:
         pass
 
-    def update(self, pipeline, force: bool = False) -> None:
+    def update(self, run, force: bool = False) -> None:
         now = time.monotonic()
         if not force and now - self.last < self.every:
             return
         self.last = now
-        s = _snapshot(pipeline)
+        s = _snapshot(run)
         total = s["total"] if s["total"] is not None else "?"
         self.stream.write(
             f"conveyor: {time.strftime('%H:%M:%S')} records {s['done']}/{total} errors {s['errors']} "
@@ -84,8 +84,8 @@ class RichProgress:
     def __exit__(self, *exc) -> None:
         self.progress.__exit__(*exc)
 
-    def update(self, pipeline, force: bool = False) -> None:
-        s = _snapshot(pipeline)
+    def update(self, run, force: bool = False) -> None:
+        s = _snapshot(run)
         info = (f"{s['tok_s']:.0f} tok/s | run {s['running']} wait {s['waiting']} | kv {s['kv']:.0%} "
                 f"| preempt {s['preemptions']} | err {s['errors']}")
         if self.task is None:
@@ -100,7 +100,7 @@ class NoProgress:
     def __exit__(self, *exc) -> None:
         pass
 
-    def update(self, pipeline, force: bool = False) -> None:
+    def update(self, run, force: bool = False) -> None:
         pass
 
 

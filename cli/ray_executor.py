@@ -33,9 +33,10 @@ import time
 import uuid
 from pathlib import Path
 
-from conveyor.cli.config import RunConfig
+from conveyor.cli.config import Invocation
 from conveyor.cli.exit_codes import ExitCode, UsageError
 from conveyor.cli.stop_signals import StopController
+from conveyor.io.run_spec import RunSpec
 
 MAX_RESTARTS = 4  # a worker that dies more often than this is a real failure, not bad luck
 
@@ -43,8 +44,10 @@ MAX_RESTARTS = 4  # a worker that dies more often than this is a real failure, n
 class ShardWorker:
     """The Ray actor: one engine, one shard at a time."""
 
-    def __init__(self, cfg: RunConfig, threads: int | None, command: str | None = None) -> None:
-        self.cfg = cfg
+    def __init__(self, spec: RunSpec, max_runtime: float | None, threads: int | None,
+                 command: str | None = None) -> None:
+        self.spec = spec
+        self.max_runtime = max_runtime  # each worker's own deadline
         self.threads = threads
         self.command = command  # the driver's: the command that resumes this shard
 
@@ -56,8 +59,8 @@ class ShardWorker:
                 return node, f"{token_path} holds another run's token"
         except OSError as e:
             return node, f"cannot read {token_path} ({e.strerror or e}): the run directory is not shared storage"
-        if not Path(self.cfg.input).exists():
-            return node, f"cannot see the input {self.cfg.input}"
+        if not Path(self.spec.input.path).exists():
+            return node, f"cannot see the input {self.spec.input.path}"
         return node, None
 
     def run(self, shard: str, stop_path: str | None = None) -> dict:
@@ -67,85 +70,74 @@ class ShardWorker:
             import torch
 
             torch.set_num_threads(self.threads)
-        from conveyor.cli.pipeline import Pipeline
         from conveyor.cli.run import _quiet_libraries
+        from conveyor.io.run import Run
 
         _quiet_libraries()
-        cfg = dataclasses.replace(self.cfg, shard=shard, executor="local", num_workers=None, quiet=True,
-                                  summary_json=None)
-        pipeline = Pipeline(cfg, handle_signals=False, merge_when_done=False, command=self.command)
+        spec = dataclasses.replace(self.spec, state=dataclasses.replace(self.spec.state, shard=shard))
+        run = Run(spec, command=self.command, merge_when_done=False)
+        stopper = StopController(self.max_runtime)
         if stop_path is not None:
-            pipeline.stopper.stop_when_exists(stop_path, "the driver was asked to stop")
+            stopper.stop_when_exists(stop_path, "the driver was asked to stop")
         try:
-            pipeline.prepare()
-            pipeline.load_engine()
-            result = pipeline.run()
+            run.open()
+            run.load_engine()
+            result = run.execute(stopper.should_stop)
         finally:
-            pipeline.close()
-        return {"shard": shard, "exit_code": int(result.exit_code), "summary": result.summary(),
-                "message": result.message, "node": socket.gethostname()}
+            run.close()
+        return {"shard": shard, "exit_code": int(ExitCode[result.status.upper()]), "summary": result.summary(),
+                "message": stopper.reason or result.message,  # (a stopped worker's: why)
+                "node": socket.gethostname()}
 
 
-def run_on_ray(cfg: RunConfig) -> int:
+def run_on_ray(invocation: Invocation) -> int:
     try:
         import ray
     except ImportError:
         raise UsageError("--executor ray needs Ray: pip install 'conveyor[ray]'") from None
-    from conveyor.cli.pipeline import check_summary_path
-    from conveyor.cli.run import _print_summary
-    from conveyor.cli.run_info import command_line
-    from conveyor.io.paths import check_run_paths
-    from conveyor.io.run_dir import STATE_FILES, RunDir
-    from conveyor.io.shards import merge
-    from conveyor.io.writers import infer_output_format
+    from conveyor.cli.command_line import command_line
+    from conveyor.cli.run import _print_summary, check_summary_path, say, write_summary_json
+    from conveyor.io.run import Run
 
-    if cfg.shard is not None:
-        raise UsageError("--shard: not with --executor ray, which runs every shard itself")
-    if cfg.input == "-":
-        raise UsageError("--executor ray: every worker reads the input, so it must be a file or dataset, not stdin")
-    try:
-        output_format = infer_output_format(cfg.output, cfg.output_format)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    run_dir = Path(cfg.run_dir or RunDir.default_for(cfg.output))
-    check_run_paths(cfg.input, cfg.output, run_dir, STATE_FILES)
-    check_summary_path(cfg.summary_json)
-    if not Path(cfg.input).exists():
-        raise UsageError(f"{cfg.input}: no such input file or directory")
-    run_dir.mkdir(parents=True, exist_ok=True)
+    spec, cli = invocation.spec, invocation.cli
+    driver = Run(spec)
+    run_dir = driver.open_split()
+    check_summary_path(cli.summary_json)
 
     address = os.environ.get("RAY_ADDRESS") or None
     stopper = StopController()  # the deadline of --max-runtime is each worker's own
     stop_path = None
     owned = not ray.is_initialized()  # a caller (a notebook, a test) may have joined a cluster already
     if owned:
-        ray.init(address=address, include_dashboard=False, log_to_driver=not cfg.quiet, logging_level="warning")
+        ray.init(address=address, include_dashboard=False, log_to_driver=not cli.quiet, logging_level="warning")
     try:
         resources = ray.cluster_resources()
         gpus = int(resources.get("GPU", 0))
-        use_gpus = (gpus > 0 and cfg.device in ("auto", "cuda")) or cfg.device.startswith("cuda:")
-        workers_n = cfg.num_workers or (gpus if use_gpus else 1)
+        device = spec.engine.device
+        use_gpus = (gpus > 0 and device in ("auto", "cuda")) or device.startswith("cuda:")
+        workers_n = cli.num_workers or (gpus if use_gpus else 1)
         if use_gpus and workers_n > gpus:
             raise UsageError(f"--num-workers {workers_n}: the cluster has {gpus} GPUs, one per worker")
         cpus = int(resources.get("CPU", 1))
         per_worker = max(1, cpus // workers_n)
         options = dict(num_cpus=0 if use_gpus else per_worker, num_gpus=1 if use_gpus else 0,
                        max_restarts=MAX_RESTARTS, max_task_retries=MAX_RESTARTS)
-        worker_cfg = dataclasses.replace(cfg, run_dir=str(run_dir.resolve()), input=_absolute(cfg.input),
-                                         output=str(Path(cfg.output).resolve()))
+        worker_spec = dataclasses.replace(
+            spec, input=dataclasses.replace(spec.input, path=_absolute(spec.input.path)),
+            output=dataclasses.replace(spec.output, path=str(Path(spec.output.path).resolve())),
+            state=dataclasses.replace(spec.state, run_dir=str(run_dir.resolve())))
         actor = ray.remote(ShardWorker)
         token = uuid.uuid4().hex[:12]
         workers = [actor.options(name=worker_name(token, i, workers_n), **options).remote(
-            worker_cfg, None if use_gpus else per_worker, command_line()) for i in range(workers_n)]
+            worker_spec, cli.max_runtime, None if use_gpus else per_worker, command_line()) for i in range(workers_n)]
         _check_storage(ray, workers, run_dir)
-        if not cfg.quiet:
+        if not cli.quiet:
             where = f"cluster {address}" if address else "a local Ray instance" if owned else "the Ray cluster joined"
-            sys.stderr.write(f"conveyor: {workers_n} workers on {where} "
-                             f"({'1 GPU' if use_gpus else f'{per_worker} CPUs'} each)\n")
+            say(f"{workers_n} workers on {where} ({'1 GPU' if use_gpus else f'{per_worker} CPUs'} each)")
         stop_path = run_dir.resolve() / f"ray-stop-{token}"
         stopper.install()  # a signal: the workers stop at their next step, commit and return
         results = _wait(ray, [w.run.remote(f"{i}/{workers_n}", str(stop_path)) for i, w in enumerate(workers)],
-                        cfg, stopper, stop_path)
+                        cli, stopper, stop_path)
     finally:
         stopper.uninstall()
         if stop_path is not None:
@@ -157,18 +149,17 @@ def run_on_ray(cfg: RunConfig) -> int:
         reason = stopper.reason or next(r["message"] for r in results if r["exit_code"] == ExitCode.STOPPED)
         _print_summary({**totals, "status": "stopped"}, f"stopped ({reason}); run the same command again to resume")
         return int(ExitCode.STOPPED)
-    merged = merge(run_dir, cfg.output, output_format)
-    totals.update(records=merged.rows + (merged.errors if cfg.on_error == "skip" else 0), errors=merged.errors,
-                  ok=merged.rows - (0 if cfg.on_error == "skip" else merged.errors))
-    code = ExitCode.SOME_ERRORS if merged.errors and cfg.on_error != "skip" else ExitCode.OK
+    merged = driver.merge()
+    skip = spec.output.on_error == "skip"
+    totals.update(records=merged.rows + (merged.errors if skip else 0), errors=merged.errors,
+                  ok=merged.rows - (0 if skip else merged.errors))
+    code = ExitCode.SOME_ERRORS if merged.errors and not skip else ExitCode.OK
     totals["status"] = code.name.lower()
     _print_summary(totals, f"{workers_n} workers; merged {merged.shards} shards")
-    if cfg.summary_json:
-        import json
-
-        Path(cfg.summary_json).write_text(json.dumps(totals, indent=2) + "\n", encoding="utf-8")
-    if not cfg.quiet:
-        sys.stderr.write(f"conveyor: wrote {cfg.output}\n")
+    if cli.summary_json:
+        write_summary_json(cli.summary_json, totals)
+    if not cli.quiet:
+        say(f"wrote {spec.output.path}")
     return int(code)
 
 
@@ -198,7 +189,7 @@ def _check_storage(ray, workers, run_dir: Path) -> None:
                          "must be on storage every node mounts at the same path (or choose --run-dir there)")
 
 
-def _wait(ray, pending: list, cfg: RunConfig, stopper: StopController, stop_path: Path) -> list[dict]:
+def _wait(ray, pending: list, cli, stopper: StopController, stop_path: Path) -> list[dict]:
     """The workers' results; a worker's error re-raised as itself (its exit code stands). After a signal, the
     stop file tells the workers to stop; they commit and return."""
     results = []
@@ -213,7 +204,7 @@ def _wait(ray, pending: list, cfg: RunConfig, stopper: StopController, stop_path
             except ray.exceptions.RayTaskError as e:
                 cause = getattr(e, "cause", None)
                 raise (cause if isinstance(cause, BaseException) else e) from None
-        if not cfg.quiet and time.monotonic() - last >= cfg.log_every and pending:
+        if not cli.quiet and time.monotonic() - last >= cli.log_every and pending:
             sys.stderr.write(f"conveyor: {len(results)} of {len(results) + len(pending)} shards done\n")
             last = time.monotonic()
     return results

@@ -1,4 +1,4 @@
-"""`conveyor run`: options -> RunConfig -> Pipeline -> summary -> ExitCode."""
+"""`conveyor run`: options -> RunSpec -> io's Run (signals, progress) -> summary -> ExitCode."""
 
 from __future__ import annotations
 
@@ -6,17 +6,58 @@ import json
 import sys
 from pathlib import Path
 
-from conveyor.cli.config import RunConfig, build_config
+from conveyor.cli.config import Invocation, build_config
 from conveyor.cli.exit_codes import ExitCode, UsageError
-from conveyor.cli.options import (BackendOpt, BlockSizeOpt, CheckpointEveryOpt, ChoiceOpt, ConfigOpt, DeviceOpt,
-                                  DtypeOpt, ExecutorOpt, GpuMemoryOpt, IdFieldOpt, IgnoreEosOpt, InputArg,
-                                  InputFormatOpt, JsonSchemaOpt, KeepFieldsOpt, KvMemoryOpt, LimitOpt, LogprobsOpt,
-                                  MaxBatchedTokensOpt, MaxNumSeqsOpt, MaxRecordBytesOpt, MaxRuntimeOpt, MaxTokensOpt,
-                                  MessagesFieldOpt, MinPOpt, MinTokensOpt, ModelOpt, NumKvBlocksOpt, NumWorkersOpt,
-                                  OnErrorOpt, OutputFormatOpt, OutputOpt, ProfileOpt, PromptFieldOpt,
-                                  PromptLogprobsOpt, QuietOpt, RegexOpt, RestartOpt, RunDirOpt, SeedOpt, ShardOpt,
-                                  SplitOpt, StopOpt, SummaryJsonOpt, SystemPromptOpt, TemperatureOpt, TopKOpt,
-                                  TopPOpt)
+from conveyor.cli.options import (
+    BackendOpt,
+    BlockSizeOpt,
+    CheckpointEveryOpt,
+    ChoiceOpt,
+    ConfigOpt,
+    DeviceOpt,
+    DtypeOpt,
+    ExecutorOpt,
+    GpuMemoryOpt,
+    IdFieldOpt,
+    IgnoreEosOpt,
+    InputArg,
+    InputFormatOpt,
+    JsonSchemaOpt,
+    KeepFieldsOpt,
+    KvMemoryOpt,
+    LimitOpt,
+    LogprobsOpt,
+    MaxBatchedTokensOpt,
+    MaxNumSeqsOpt,
+    MaxRecordBytesOpt,
+    MaxRuntimeOpt,
+    MaxTokensOpt,
+    MessagesFieldOpt,
+    MinPOpt,
+    MinTokensOpt,
+    ModelOpt,
+    NumKvBlocksOpt,
+    NumWorkersOpt,
+    OnErrorOpt,
+    OutputFormatOpt,
+    OutputOpt,
+    ProfileOpt,
+    PromptFieldOpt,
+    PromptLogprobsOpt,
+    QuietOpt,
+    RegexOpt,
+    RestartOpt,
+    RunDirOpt,
+    SeedOpt,
+    ShardOpt,
+    SplitOpt,
+    StopOpt,
+    SummaryJsonOpt,
+    SystemPromptOpt,
+    TemperatureOpt,
+    TopKOpt,
+    TopPOpt,
+)
 
 EXAMPLES = """
 Examples:
@@ -91,70 +132,87 @@ def run_command(
     flags = dict(locals())
     config_path = flags.pop("config")
     flags["restart"] = restart or None
-    cfg = build_config(flags, config_path)
-    return execute(cfg)
+    return execute(build_config(flags, config_path))
 
 
-def execute(cfg: RunConfig) -> int:
-    from conveyor.cli.pipeline import Pipeline
-    from conveyor.io.sink import BadRecordStop
+def execute(invocation: Invocation) -> int:
+    from conveyor.cli.command_line import command_line
     from conveyor.cli.progress import make_progress
+    from conveyor.cli.stop_signals import StopController
+    from conveyor.io.run import STOPPED, BadRecordStop, Run
 
-    if cfg.executor == "ray":
+    spec, cli = invocation.spec, invocation.cli
+    if cli.executor == "ray":
         from conveyor.cli.ray_executor import run_on_ray
 
-        return run_on_ray(cfg)
-    if cfg.num_workers is not None:
+        return run_on_ray(invocation)
+    if cli.num_workers is not None:
         raise UsageError("--num-workers: only with --executor ray (one engine per worker); without it, run shards "
                          "with --shard I/N")
-
+    check_summary_path(cli.summary_json)
     _quiet_libraries()
-    progress = make_progress(cfg.quiet, cfg.log_every)
-    pipeline = Pipeline(cfg, on_progress=progress.update)
+    progress = make_progress(cli.quiet, cli.log_every)
+    run = Run(spec, command=command_line(), say=say)
+    stopper = StopController(cli.max_runtime)
     # From here on SIGTERM/SIGINT ask for a clean stop (exit 75), also while the model loads.
-    pipeline.stopper.install()
+    stopper.install()
     try:
-        pipeline.prepare()
-        if pipeline.note:
-            sys.stderr.write(f"conveyor: {pipeline.note}\n")
-        if not cfg.quiet:
-            _note_resume(pipeline)
-            _note_loading(cfg.model)
-        pipeline.load_engine()
+        run.open()
+        if not cli.quiet:
+            if run.totals.resumed_from:
+                say(f"resuming: {run.totals.resumed_from} records already done")
+            _note_loading(spec.model)
+        run.load_engine()
         try:
             with progress:
-                result = pipeline.run()
-                progress.update(pipeline, force=True)
+                result = run.execute(stopper.should_stop, lambda: progress.update(run))
+                progress.update(run, force=True)
         except BadRecordStop as e:
             sys.stderr.write(f"conveyor: {e}\nconveyor: stopped at the first bad record (--on-error fail); "
                              "fix the input, or use --on-error record, and run again\n")
             return int(ExitCode.SOME_ERRORS)
     finally:
-        pipeline.stopper.uninstall()
-        pipeline.close()
+        stopper.uninstall()
+        run.close()
     summary = result.summary()
-    _print_summary(summary, result.message)
+    message = f"stopped ({stopper.reason}); {result.message}" if result.status == STOPPED else result.message
+    _print_summary(summary, message)
     if result.profile:
         _print_profile(result.profile)
-    if cfg.summary_json:
-        try:
-            Path(cfg.summary_json).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
-        except OSError as e:  # the run's result stands; only its summary file is missing
-            sys.stderr.write(f"conveyor: warning: could not write --summary-json {cfg.summary_json} "
-                             f"({e.strerror or e}); the run's exit code is unchanged\n")
-    if result.exit_code in (ExitCode.OK, ExitCode.SOME_ERRORS) and not cfg.quiet:
-        sys.stderr.write(f"conveyor: wrote {cfg.output}\n")
-    return int(result.exit_code)
+    if cli.summary_json:
+        write_summary_json(cli.summary_json, summary)
+    if result.output_written and not cli.quiet:
+        say(f"wrote {spec.output.path}")
+    return int(ExitCode[result.status.upper()])
 
 
-def _note_resume(pipeline) -> None:
-    t = pipeline.totals
-    if t.resumed_from:
-        sys.stderr.write(f"conveyor: resuming: {t.resumed_from} records already done\n")
+def say(note: str) -> None:
+    """A note for the user, on stderr."""
+    sys.stderr.write(f"conveyor: {note}\n")
+
+
+def check_summary_path(path: str | None) -> None:
+    """--summary-json must name a file in a folder that exists: checked before the run, not after it."""
+    if path is None:
+        return
+    target = Path(path)
+    if target.is_dir():
+        raise UsageError(f"--summary-json {path}: is a folder; name a file")
+    if not target.absolute().parent.is_dir():
+        raise UsageError(f"--summary-json {path}: the folder {target.absolute().parent} does not exist; create it "
+                         "or choose another path")
+
+
+def write_summary_json(path: str, summary: dict) -> None:
+    try:
+        Path(path).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    except OSError as e:  # the run's result stands; only its summary file is missing
+        sys.stderr.write(f"conveyor: warning: could not write --summary-json {path} ({e.strerror or e}); the run's "
+                         "exit code is unchanged\n")
 
 
 def _note_loading(model: str) -> None:
-    from conveyor.core.model_loader import EMBEDDED_MODELS, is_embedded_cached
+    from conveyor.core import EMBEDDED_MODELS, is_embedded_cached
 
     first_use = model in EMBEDDED_MODELS and not is_embedded_cached(model)
     extra = " (first use: fetching and converting it once, about a minute)" if first_use else ""

@@ -9,26 +9,18 @@ import sys
 import time
 from pathlib import Path
 
-from conveyor.cli.exit_codes import UsageError
-from conveyor.cli.run_info import read_run_info
+from conveyor.io.status import ShardStatus, run_status
 
 
 def show_status(output: str, run_dir: str | None) -> int:
-    from conveyor.io.run_dir import RunDir
-    from conveyor.io.shards import SHARD_DIR
-
-    path = run_dir or RunDir.default_for(output)
-    rd = RunDir(path)
-    if not rd.path.exists():
-        raise UsageError(f"{path}: no run directory here; has `conveyor run ... -o {output}` been started?")
-    if not rd.manifest_path.exists() and any(SHARD_DIR.fullmatch(p.name) for p in rd.path.iterdir()):
-        return _show_shards(rd.path, output)
-    info = rd.summary()
-    info.update(read_run_info(rd.path))
+    status = run_status(output, run_dir)
+    if status.shards is not None:
+        return _show_shards(status.path, status.shards, output)
+    info = status.info
     out = sys.stdout
     total = info.get("total")
     done = info.get("num_committed", 0)
-    out.write(f"run directory: {rd.path}\n")
+    out.write(f"run directory: {status.path}\n")
     if info.get("journal_error"):
         out.write(f"journal: {info['journal_error']}\n")
     if info.get("input_path"):
@@ -50,35 +42,28 @@ def show_status(output: str, run_dir: str | None) -> int:
     return 0
 
 
-def _show_shards(path: Path, output: str) -> int:
+def _show_shards(path: Path, shards: list[ShardStatus], output: str) -> int:
     """A run split by --shard (or --executor ray): one line per shard, then the whole."""
-    from conveyor.io.run_dir import RunDir
-    from conveyor.io.shards import MARKER, ShardError, ShardSet, shard_dir
-
-    try:
-        shards = ShardSet(path)
-    except ShardError as e:
-        raise UsageError(str(e)) from None
     out = sys.stdout
-    out.write(f"run directory: {path} ({shards.count} shards)\n")
+    count = len(shards)
+    out.write(f"run directory: {path} ({count} shards)\n")
     done = errors = finished = running = 0
     total: int | None = 0
     missing = []
     known: str | None = None  # a shard's command line
-    for shard in shards.shards:
-        folder = shard_dir(path, shard)
-        if not folder.exists():
+    for one in shards:
+        shard, info = one.name, one.info
+        if info is None:
             total = None
             out.write(f"shard {shard}: not started\n")
             missing.append(shard)
             continue
-        info = {**RunDir(folder).summary(), **read_run_info(folder)}
         known = known or info.get("command")
         n, e, t = info.get("num_committed", 0), info.get("num_errors", 0), info.get("total")
         done, errors = done + n, errors + e
         total = None if t is None or total is None else total + t
         holder = info.get("lock_holder")
-        state = ("finished" if (folder / MARKER).exists() else
+        state = ("finished" if one.finished else
                  f"running (process {holder.get('pid')})" if holder else "stopped")
         finished += state == "finished"
         running += holder is not None
@@ -88,8 +73,8 @@ def _show_shards(path: Path, output: str) -> int:
         if state == "stopped" and info.get("command"):
             out.write(f"  resume with: {info['command']}\n")
     out.write(f"all:    {done}" + (f" / {total}" if total is not None else "") + f"  (errors {errors}); "
-              f"{finished} of {shards.count} shards finished, {running} running\n")
-    if finished == shards.count:
+              f"{finished} of {count} shards finished, {running} running\n")
+    if finished == count:
         out.write(f"output: {output} {'written' if Path(output).exists() else 'not written yet'} "
                   f"(`conveyor merge -o {shlex.quote(output)}` writes it from the shards)\n")
     else:  # (stopped shards said theirs above)

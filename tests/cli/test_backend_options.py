@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from cli_helpers import read_rows, run_child, run_in_process, tiny_args, write_jsonl
+
 from conveyor.core.backends import available_backends
 
 RECORDS = [{"id": f"r{i}", "prompt": "w3 w4 w5 " * (i + 1)} for i in range(5)]

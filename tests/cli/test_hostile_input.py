@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cli_helpers import Child, read_rows, run_child, run_in_process, tiny_args, write_jsonl
+from cli_helpers import Child, read_rows, run_in_process, tiny_args, write_jsonl
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

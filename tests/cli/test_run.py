@@ -12,8 +12,16 @@ import subprocess
 import sys
 
 import pytest
-from cli_helpers import (DESIGN_COLUMNS, read_rows, run_child, run_in_process, stable, tiny_args, write_input,
-                         write_jsonl)
+from cli_helpers import (
+    DESIGN_COLUMNS,
+    read_rows,
+    run_child,
+    run_in_process,
+    stable,
+    tiny_args,
+    write_input,
+    write_jsonl,
+)
 
 from conveyor.io.request_builder import derive_seed
 
@@ -312,7 +320,7 @@ def test_validate_counts_records_and_sets_the_exit_code(tiny_model, tmp_path):
 
 
 def test_validate_finds_repeated_ids_across_its_scratch_commits(tiny_model, tmp_path, monkeypatch):
-    from conveyor.cli.validate import ValidationSink
+    from conveyor.io.validation import ValidationSink
 
     monkeypatch.setattr(ValidationSink, "COMMIT_EVERY", 2)  # the ids of records 1..4 are on disk by record 5
     records = [{"id": f"r{i}", "prompt": "w1 " * (i + 1)} for i in range(6)] + [{"id": "r1", "prompt": "again"}]

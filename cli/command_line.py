@@ -1,0 +1,21 @@
+"""The `conveyor ...` command this process runs, as a user would type it again: run.json keeps it, so that
+`conveyor status` can say how to resume a run."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+
+_command: list[str] | None = None  # the arguments `main` was given (set_command_line)
+
+
+def set_command_line(args: list[str]) -> None:
+    """Remember the arguments of this `conveyor` command (`cli.app.main` calls this)."""
+    global _command
+    _command = list(args)
+
+
+def command_line() -> str | None:
+    """This process's `conveyor ...` command, to resume it with; None where it is unknown."""
+    args = _command if _command is not None else sys.argv[1:]
+    return shlex.join(["conveyor", *args]) if args else None
