@@ -1,5 +1,5 @@
 """Memory stays flat with input size: peak RSS of a resumed run over N_LARGE short records vs a whole
-run over N_SMALL records (DESIGN.md: "memory does not grow with the size of the input").
+run over N_SMALL records (records stream: memory does not grow with the size of the input).
 
     python benchmarks/memory.py                       # 20k vs 200k records (several minutes)
     python benchmarks/memory.py --n-small 2000 --n-large 20000

@@ -130,8 +130,8 @@ def _linear_impl(torch, impl: str, dtype, m: int):
                 (lambda x, pw: torch.ops.mkldnn._linear_pointwise(x, pw, None, "none", [], "")))
     if impl in ("panels", "pairs", "amx"):  # conveyor's own kernels, where built (and the CPU has the instructions)
         try:
-            from conveyor.core.backends.cpu.kernels import cpu_kernels
             from conveyor.core.backends.cpu import fused_llama
+            from conveyor.core.backends.cpu.kernels import cpu_kernels
         except ImportError:
             return None
         ops = cpu_kernels()

@@ -9,8 +9,8 @@ What is measured. Output tokens per second: the sum over requests of the tokens 
 divided by the wall seconds of the one call that generates the whole workload. Each engine runs in its own
 fresh process (benchmarks/bench_worker.py), so peak RSS is per engine and nothing is shared; engines alternate
 (A B C A B C ...) so that slow drift of a shared machine hits all of them alike, and the table reports the median
-and the min-max spread per engine. Ratios against conveyor are the result (see shared/DESIGN.md, "Performance
-method"): absolute seconds on a shared machine mean little. Each worker also checks that every request really
+and the min-max spread per engine. Ratios against conveyor are the result: absolute seconds on a shared machine
+mean little. Each worker also checks that every request really
 got its max_tokens tokens (`count_ok`).
 
 Common to all engines: the weights are conveyor's cached SmolLM2-135M-Instruct folder
@@ -393,7 +393,7 @@ def summarize(runs: list[dict], engines: list[str], roofline: dict | None, dtype
     ceiling = None
     if roofline:
         ceiling = roofline.get("ceilings", {}).get(dtype, {}).get("tok_s")
-    for e, s in summary.items():
+    for s in summary.values():
         if "tok_s_median" not in s:
             continue
         if base:

@@ -1,0 +1,28 @@
+"""Names vulture cannot see used: what frameworks call or read by name (`vulture` in .ci/run reads this file)."""
+
+# Typer calls the commands it registered.
+validate_command
+status_command
+merge_command
+models_command
+json_schema  # `conveyor run`'s options reach build_config through locals()
+
+# Signal handlers, context managers and transformers' attention interface have fixed signatures.
+frame
+exc_info
+attention_mask
+dropout
+kwargs
+
+# Written to run directories and JSON by dataclasses.asdict; read back by name.
+_.input_path
+_.tool_version
+_.created_at
+_.output_path
+
+# The plan's record of the step's preemptions: the scheduler's invariants are checked against it.
+_.preempted_req_ids
+
+# torch's global switches, set by benchmarks/gpu_check.py; a tokenizer's, set by it too.
+_.allow_tf32
+_.pre_tokenizer
