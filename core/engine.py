@@ -74,9 +74,9 @@ class Engine:
     def __init__(self, model: torch.nn.Module, tokenizer, config: EngineConfig = EngineConfig()) -> None:
         self.model = model
         self.tokenizer = tokenizer
-        # The device's defaults filled in (batch caps, backpressure bound).
-        self.config = config = config.for_device(next(model.parameters()).device.type)
         param = next(model.parameters())
+        # The device's defaults filled in (batch caps, backpressure bound).
+        self.config = config = config.for_device(param.device.type)
         self.backend = select_backend(model, config.backend, config.fused_forward, config.max_num_seqs,
                                       config.max_num_batched_tokens)
         shape = self.backend.shape
@@ -138,7 +138,7 @@ class Engine:
             raise ValueError(
                 f"request {request.req_id!r}: prompt ({len(request.prompt_token_ids)} tokens) + max_tokens "
                 f"({request.sampling.max_tokens}) exceeds the model's context of {self.max_model_len} tokens")
-        vocab = self.model.config.vocab_size
+        vocab = self.backend.shape.vocab_size
         if any(not 0 <= t < vocab for t in request.prompt_token_ids):
             raise ValueError(f"request {request.req_id!r}: a prompt token id is outside the vocabulary [0, {vocab})")
         req = Request(request.req_id, request.prompt_token_ids, request.sampling, request.priority,
