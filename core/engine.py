@@ -22,7 +22,7 @@ from conveyor.core.block_manager import BlockManager
 from conveyor.core.config import EngineConfig, parse_memory
 from conveyor.core.errors import ConfigError
 from conveyor.core.grammar import Grammars
-from conveyor.core.kv_cache import KVCache, kv_bytes_per_block
+from conveyor.core.kv_cache import KVCache
 from conveyor.core.logits_state import LogitsState
 from conveyor.core.model_runner import ModelRunner
 from conveyor.core.output_processor import OutputProcessor
@@ -80,9 +80,9 @@ class Engine:
         self.backend = select_backend(model, config.backend, config.fused_forward, config.max_num_seqs,
                                       config.max_num_batched_tokens)
         shape = self.backend.shape
+        self.limits = shape.limits  # what a request must fit: the context, the vocabulary
         self.max_model_len = shape.max_model_len
-        per_block = kv_bytes_per_block(shape.num_layers, shape.num_kv_heads, shape.head_dim, config.block_size,
-                                       param.dtype)
+        per_block = shape.kv_bytes_per_block(config.block_size, str(param.dtype).removeprefix("torch."))
         num_blocks = config.num_kv_blocks
         if num_blocks is None:
             budget = self.backend.kv_budget(
@@ -138,7 +138,7 @@ class Engine:
             raise ValueError(
                 f"request {request.req_id!r}: prompt ({len(request.prompt_token_ids)} tokens) + max_tokens "
                 f"({request.sampling.max_tokens}) exceeds the model's context of {self.max_model_len} tokens")
-        vocab = self.backend.shape.vocab_size
+        vocab = self.limits.vocab_size
         if any(not 0 <= t < vocab for t in request.prompt_token_ids):
             raise ValueError(f"request {request.req_id!r}: a prompt token id is outside the vocabulary [0, {vocab})")
         req = Request(request.req_id, request.prompt_token_ids, request.sampling, request.priority,

@@ -26,3 +26,9 @@ class ConfigError(ValueError):
 
 class ModelLoadError(RuntimeError):
     """The model could not be found or loaded; the message says which and what to do."""
+
+
+def failure(what: str, e: BaseException) -> str:
+    """One line saying what raised while a step processed one request's data: that request's error message."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{what} failed: {type(e).__name__}" + (f": {text}" if text else "")

@@ -8,12 +8,6 @@ import torch
 from conveyor.core.backends.base import KVLayout
 
 
-def kv_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
-                       dtype: torch.dtype) -> int:
-    element = torch.empty((), dtype=dtype).element_size()
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * element
-
-
 class KVCache:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device, layout: KVLayout) -> None:

@@ -12,11 +12,13 @@ import sys
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from conveyor.core.cache_build import cache_dir, cached_build
 from conveyor.core.config import DEFAULT_MODEL
 from conveyor.core.errors import ConfigError, ModelLoadError
+from conveyor.core.model_shape import ModelShape
+from conveyor.core.outputs import ModelLimits
 
 if TYPE_CHECKING:
     import torch
@@ -172,15 +174,27 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
-def load_tokenizer(model: str = DEFAULT_MODEL):
-    """(tokenizer, context length) without loading the weights: for `conveyor validate`."""
-    from transformers import AutoConfig, AutoTokenizer
+def load_tokenizer(model: str = DEFAULT_MODEL) -> tuple[Any, ModelLimits]:
+    """(tokenizer, the model's limits) without loading the weights: for checks before the model loads, and
+    `conveyor validate`."""
+    from transformers import AutoTokenizer
 
     path, gguf_file = _resolve(model)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, gguf_file=gguf_file)
-        config = AutoConfig.from_pretrained(path, gguf_file=gguf_file)
     except (OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelLoadError(f"--model {model}: could not load its tokenizer ({first})") from e
-    return tokenizer, int(getattr(config, "max_position_embeddings", 1 << 30))
+    return tokenizer, ModelShape.of_config(load_config(model)).limits
+
+
+def load_config(model: str = DEFAULT_MODEL):
+    """The model's transformers config alone (no weights, no tokenizer)."""
+    from transformers import AutoConfig
+
+    path, gguf_file = _resolve(model)
+    try:
+        return AutoConfig.from_pretrained(path, gguf_file=gguf_file)
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelLoadError(f"--model {model}: could not load its config ({first})") from e

@@ -78,11 +78,11 @@ class ModelRunner:
                            if len(rows.logit_rows) > num_sampled else {})
         sampled_entries = [e for e in plan.scheduled if e.sample]
         row_states = [states.get(e.req_id) for e in sampled_entries] if states else None
-        token_ids, logprobs = self.sampler.sample(logits[:num_sampled], sampled_entries, row_states)
+        token_ids, logprobs, failed = self.sampler.sample(logits[:num_sampled], sampled_entries, row_states)
         if profiling:
             self._tick("sample_s", t)
         return RunnerOutput(sampled_token_ids={e.req_id: t for e, t in zip(sampled_entries, token_ids)},
-                            logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                            logprobs=logprobs, prompt_logprobs=prompt_logprobs, failed=failed)
 
     @staticmethod
     def _prompt_logprobs(entries: list[ScheduledRequest], logits: torch.Tensor) -> dict:

@@ -10,6 +10,7 @@ runner's logprobs over with `record` before that, and takes each finished reques
 from __future__ import annotations
 
 from conveyor.core.detokenizer import IncrementalDetokenizer
+from conveyor.core.errors import failure
 from conveyor.core.outputs import RequestOutput
 from conveyor.core.request import FinishReason, Request
 from conveyor.core.schedule_types import RunnerOutput, TokenLogprobs
@@ -66,20 +67,20 @@ class OutputProcessor:
             else None
 
     def output(self, request: Request) -> RequestOutput:
-        """The finished request's output: its text (cut at the first stop string), logprobs and timings."""
+        """The finished request's output: its text (cut at the first stop string), logprobs and timings; for one
+        that failed (its own data broke a step, or its text cannot be decoded), what failed instead of text."""
+        text = ""
+        if request.error is None:
+            try:
+                text = self._text(request)
+            except Exception as e:  # noqa: BLE001 - one request's tokens, never the run's
+                request.error = failure("decoding its output", e)
+                request.finish(FinishReason.ERROR)
         state = request.output_state
-        output_ids = request.output_token_ids
-        if state is not None and state.detokenizer is not None:
-            text = state.detokenizer.finish(output_ids)
-            cut = find_stop_string(text, request.sampling.stop, len(text))
-            if cut is not None:
-                text = text[:cut]
-        else:
-            text = self.tokenizer.decode(output_ids, skip_special_tokens=True)
         first_scheduled = request.first_scheduled_time or request.arrival_time
         return RequestOutput(
             req_id=request.req_id,
-            output_token_ids=output_ids,
+            output_token_ids=request.output_token_ids,
             text=text,
             finish_reason=request.finish_reason.value,
             num_prompt_tokens=request.num_prompt_tokens,
@@ -91,8 +92,18 @@ class OutputProcessor:
             finish_time=request.finish_time,
             logprobs=None if state is None or state.logprobs is None else tuple(state.logprobs),
             prompt_logprobs=None if state is None or state.prompt_logprobs is None else tuple(state.prompt_logprobs),
-            note=_grammar_note(request),
+            note=None if request.error is not None else _grammar_note(request),
+            error=request.error,
         )
+
+    def _text(self, request: Request) -> str:
+        state = request.output_state
+        output_ids = request.output_token_ids
+        if state is None or state.detokenizer is None:
+            return self.tokenizer.decode(output_ids, skip_special_tokens=True)
+        text = state.detokenizer.finish(output_ids)
+        cut = find_stop_string(text, request.sampling.stop, len(text))
+        return text if cut is None else text[:cut]
 
 
 def _grammar_note(request: Request) -> str | None:

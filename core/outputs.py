@@ -1,4 +1,5 @@
-"""What goes into the engine (GenerationRequest) and what comes out (RequestOutput). Pure Python."""
+"""What goes into the engine (GenerationRequest), what a request must fit (ModelLimits) and what comes out
+(RequestOutput). Pure Python."""
 
 from __future__ import annotations
 
@@ -6,6 +7,14 @@ from dataclasses import dataclass, field
 
 from conveyor.core.sampling_params import SamplingParams
 from conveyor.core.schedule_types import TokenLogprobs
+
+
+@dataclass(frozen=True, slots=True)
+class ModelLimits:
+    """What a request must fit: the model's context and its vocabulary."""
+
+    max_model_len: int  # tokens a request may hold, prompt + output
+    vocab_size: int  # token ids are 0 <= id < vocab_size
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,7 +34,7 @@ class RequestOutput:
     req_id: str
     output_token_ids: list[int]
     text: str  # detokenized output, special tokens skipped, trimmed at a stop string
-    finish_reason: str  # "stop" | "length" | "abort"
+    finish_reason: str  # "stop" | "length" | "abort" | "error"
     num_prompt_tokens: int
     num_cached_tokens: int  # prompt tokens whose K/V came from the prefix cache
     num_preemptions: int
@@ -36,6 +45,7 @@ class RequestOutput:
     logprobs: tuple[TokenLogprobs, ...] | None = None  # one per output token, where asked for
     prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None  # one per prompt token (the first: None)
     note: str | None = None  # what a user should know about an ok output (a grammar that did not complete)
+    error: str | None = None  # finish_reason "error": what failed while a step processed this request's data
 
     @property
     def num_output_tokens(self) -> int:

@@ -18,21 +18,25 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "finished_stopped"
     FINISHED_LENGTH = "finished_length"
     FINISHED_ABORTED = "finished_aborted"
+    FINISHED_ERROR = "finished_error"
 
 
-FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED})
+FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED,
+                      RequestStatus.FINISHED_ERROR})
 
 
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens reached
     ABORT = "abort"  # cancelled by the caller
+    ERROR = "error"  # its own data broke a step (Request.error says how); the run goes on
 
 
 _STATUS_OF_REASON = {
     FinishReason.STOP: RequestStatus.FINISHED_STOPPED,
     FinishReason.LENGTH: RequestStatus.FINISHED_LENGTH,
     FinishReason.ABORT: RequestStatus.FINISHED_ABORTED,
+    FinishReason.ERROR: RequestStatus.FINISHED_ERROR,
 }
 
 
@@ -47,7 +51,7 @@ class Request:
         "req_id", "token_ids", "num_prompt_tokens", "sampling", "priority", "status",
         "num_computed_tokens", "num_cached_tokens", "block_ids", "block_hashes", "finish_reason",
         "arrival_time", "first_scheduled_time", "first_token_time", "finish_time", "num_preemptions",
-        "logits_state", "output_state",
+        "logits_state", "output_state", "error",
     )
 
     def __init__(self, req_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
@@ -72,6 +76,7 @@ class Request:
         self.num_preemptions = 0
         self.logits_state = None  # LogitsState (logits_state.py) where a processor keeps state; advanced on accept
         self.output_state = None  # OutputState (output_processor.py) where the output needs more than its tokens
+        self.error: str | None = None  # what failed, where it finished with FinishReason.ERROR
 
     @property
     def num_tokens(self) -> int:

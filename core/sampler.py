@@ -47,20 +47,24 @@ class Sampler:
         return self.sample(logits, entries, states)[0]
 
     def sample(self, logits: torch.Tensor, entries: Sequence[ScheduledRequest],
-               states: Sequence[LogitsState | None] | None = None) -> tuple[list[int], dict[str, TokenLogprobs]]:
+               states: Sequence[LogitsState | None] | None = None
+               ) -> tuple[list[int], dict[str, TokenLogprobs], dict[str, str]]:
         """logits [B, V] (one row per sampled entry, same order; modified in place), each row's processor state
-        or None -> (B token ids, the logprobs of the rows whose request asks for them, by req_id)."""
+        or None -> (B token ids, the logprobs of the rows whose request asks for them, by req_id, the requests
+        whose processors failed: req_id -> what failed; their tokens mean nothing)."""
         if states is None:
             states = [None] * len(entries)
         wanted = [i for i, e in enumerate(entries) if e.sampling.logprobs is not None]
         raw = logits[wanted].clone() if wanted else None  # the model's distribution, before any edit
-        self.processors.apply(logits, entries, states)
+        failed_rows = self.processors.apply(logits, entries, states)
+        if failed_rows:  # whatever a failed edit left in the row: something the samplers take
+            logits[list(failed_rows)] = 0.0
         tokens = self._sample(logits, entries)
         logprobs: dict[str, TokenLogprobs] = {}
         if wanted:
             found = token_logprobs(raw, [tokens[i] for i in wanted], [entries[i].sampling.logprobs for i in wanted])
             logprobs = {entries[i].req_id: lp for i, lp in zip(wanted, found)}
-        return tokens, logprobs
+        return tokens, logprobs, {entries[i].req_id: why for i, why in failed_rows.items()}
 
     def _sample(self, logits: torch.Tensor, entries: Sequence[ScheduledRequest]) -> list[int]:
         if self.argmax is not None:

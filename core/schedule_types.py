@@ -60,3 +60,6 @@ class RunnerOutput:
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # of the sampled tokens that asked
     # req_id -> (position of the first prompt token predicted, one entry per prompt_targets token)
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
+    # req_id -> what failed while the step processed that request's own data (its logits processors): the
+    # request ends as an error, the step's other requests go on
+    failed: dict[str, str] = field(default_factory=dict)

@@ -14,6 +14,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from conveyor.core.block_manager import BlockManager
+from conveyor.core.errors import failure
 from conveyor.core.request import FinishReason, Request, RequestStatus
 from conveyor.core.schedule_types import RunnerOutput, ScheduledRequest, SchedulerOutput
 from conveyor.core.stopping import check_token_stop
@@ -182,7 +183,9 @@ class Scheduler:
         """Advance every scheduled request; append sampled tokens; return those that finished.
 
         A request stops at its grammar's end, at a token stop (EOS, a stop token id, max_tokens), or where
-        `check_stop` (the engine's output processor: stop strings) says so after its token was appended."""
+        `check_stop` (the engine's output processor: stop strings) says so after its token was appended. One whose
+        own data broke the step (`result.failed`, or its grammar or text raising here) ends with ERROR and
+        `request.error`; the others go on."""
         finished: list[Request] = []
         now = self.clock()
         for entry in plan.scheduled:
@@ -193,21 +196,33 @@ class Scheduler:
             self.block_manager.cache_full_blocks(request)
             if not entry.sample:
                 continue
-            token = result.sampled_token_ids[entry.req_id]
-            request.token_ids.append(token)
-            if request.first_token_time is None:
-                request.first_token_time = now
-            state = request.logits_state
-            if state is not None:
-                state.accept(token)  # the processors' state moves with the accepted tokens only
-            reason = FinishReason.STOP if state is not None and state.grammar_done else \
-                check_token_stop(request, self.eos_token_ids)
-            if reason is None and check_stop is not None:
-                reason = check_stop(request)
+            request.error = result.failed.get(entry.req_id)
+            if request.error is None:
+                try:
+                    reason = self._accept(request, result.sampled_token_ids[entry.req_id], now, check_stop)
+                except Exception as e:  # noqa: BLE001 - one request's data (its grammar, its text), never the run's
+                    request.error, reason = failure("accepting its token", e), None
+            if request.error is not None:
+                reason = FinishReason.ERROR
             if reason is not None:
                 self.finish_request(request, reason)
                 finished.append(request)
         return finished
+
+    def _accept(self, request: Request, token: int, now: float,
+                check_stop: Callable[[Request], FinishReason | None] | None) -> FinishReason | None:
+        """Append a sampled token, advance the processors' state, and say whether the request stops."""
+        request.token_ids.append(token)
+        if request.first_token_time is None:
+            request.first_token_time = now
+        state = request.logits_state
+        if state is not None:
+            state.accept(token)  # the processors' state moves with the accepted tokens only
+        reason = FinishReason.STOP if state is not None and state.grammar_done else \
+            check_token_stop(request, self.eos_token_ids)
+        if reason is None and check_stop is not None:
+            reason = check_stop(request)
+        return reason
 
     def finish_request(self, request: Request, reason: FinishReason) -> None:
         """Finish (or abort) a request wherever it is, freeing its blocks at once."""

@@ -8,7 +8,7 @@
     from conveyor.io.sink import JournalSink
 
     engine = load_engine("smollm2-135m-instruct", EngineConfig())
-    builder = RequestBuilder(engine.tokenizer, BuildOptions(), SamplingParams(max_tokens=64), engine.max_model_len)
+    builder = RequestBuilder(engine.tokenizer, BuildOptions(), SamplingParams(max_tokens=64), engine.limits)
     with Journal("rows.sqlite") as journal:
         sink = JournalSink(journal)
         run_records(open_reader("prompts.jsonl"), builder, engine, sink)  # "done": every row committed

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from conveyor.core import GenerationRequest, SamplingParams
+from conveyor.core import GenerationRequest, ModelLimits, SamplingParams
 from conveyor.io import request_options
 from conveyor.io.readers.record import RawRecord, describe, first_line
 
@@ -83,14 +83,14 @@ class _Reject(Exception):
 
 class RequestBuilder:
     """Turns RawRecords into BuiltRequests or ErrorRows. Holds no per-run state of its own: `sampling` are the
-    run's defaults a record's fields override (their seed replaced per record), `max_model_len` the model's
-    context length in tokens."""
+    run's defaults a record's fields override (their seed replaced per record), `limits` what a request must fit
+    (the model's context, its vocabulary: every token id a record gives is checked against it)."""
 
-    def __init__(self, tokenizer: Any, options: BuildOptions, sampling: SamplingParams, max_model_len: int) -> None:
+    def __init__(self, tokenizer: Any, options: BuildOptions, sampling: SamplingParams, limits: ModelLimits) -> None:
         self.tokenizer = tokenizer
         self.options = options
         self.sampling = sampling
-        self.max_model_len = max_model_len
+        self.limits = limits
 
     def build(self, raw: RawRecord) -> BuiltRequest | ErrorRow:
         where = f"line {raw.line}" if raw.line is not None else f"record {raw.index}"
@@ -102,8 +102,10 @@ class RequestBuilder:
         kept = {name: record.get(name) for name in self.options.keep_fields}
         try:
             record_id = self._record_id(record)
-        except _Reject as e:
-            return ErrorRow(raw.index, str(raw.index), f"{where}: {e}", kept, None, digest=raw.digest)
+        except _Reject as e:  # a batch line's error keeps its custom_id as given ("" too): lines are matched by it
+            custom_id = record.get("custom_id") if "body" in record else None
+            shown = custom_id if isinstance(custom_id, str) else str(raw.index)
+            return ErrorRow(raw.index, shown, f"{where}: {e}", kept, None, digest=raw.digest)
         id_given = record_id is not None
         if record_id is None:
             record_id = str(raw.index)
@@ -137,13 +139,26 @@ class RequestBuilder:
     def _request_fields(self, record: dict) -> tuple[dict, str]:
         """The object holding the prompt and overrides: the record, or an OpenAI batch line's body."""
         if "body" not in record or ("custom_id" not in record and "url" not in record):
+            n = record.get("n")
+            if isinstance(n, int) and not isinstance(n, bool) and n != 1:
+                raise _Reject(f"n = {n} is not supported: conveyor writes one completion per record; drop the field, "
+                              "or repeat the record under other ids")
             return record, ""
         body = record["body"]
         if not isinstance(body, dict):
             raise _Reject(f"field 'body' must be an object (an OpenAI request body), got {describe(body)}")
+        method = record.get("method")
+        if method is not None and method != "POST":
+            raise _Reject(f"method {method!r} is not supported; batch lines are POST requests (\"method\": \"POST\")")
         url = record.get("url")
-        if url is not None and url not in OPENAI_URLS:
+        if url is None:
+            raise _Reject(f"the line has no 'url'; give the endpoint it calls: {' or '.join(OPENAI_URLS)}")
+        if url not in OPENAI_URLS:
             raise _Reject(f"url {url!r} is not supported; use {' or '.join(OPENAI_URLS)}")
+        takes, other = ("messages", "prompt") if url == OPENAI_URLS[0] else ("prompt", "messages")
+        if other in body and takes not in body:
+            raise _Reject(f"url {url} takes body.{takes}, not body.{other}; use {OPENAI_URLS[url == OPENAI_URLS[0]]} "
+                          f"for a {other}, or send body.{takes}")
         if body.get("n") not in (None, 1):
             raise _Reject(f"body.n = {body['n']!r} is not supported; send one request line per completion")
         if body.get("stream") not in (None, False):
@@ -184,9 +199,22 @@ class RequestBuilder:
         except ValueError as e:
             raise _Reject(str(e)) from None
         try:
-            return dataclasses.replace(self.sampling, **changes)
+            sampling = dataclasses.replace(self.sampling, **changes)
         except ValueError as e:
             raise _Reject(f"{prefix}{e}; fix the value or drop the field to use the default") from None
+        self._check_token_ids(sampling, prefix)
+        return sampling
+
+    def _check_token_ids(self, sampling: SamplingParams, prefix: str) -> None:
+        """Every token id the request carries is one of the model's (an id past the vocabulary would index the
+        logits out of bounds while the request runs)."""
+        vocab = self.limits.vocab_size
+        given = (("stop_token_ids", sampling.stop_token_ids), ("logit_bias", [t for t, _ in sampling.logit_bias]),
+                 ("bad_words", [t for word in sampling.bad_words for t in word]))
+        for name, ids in given:
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise _Reject(f"{prefix}{name}: {bad} is not a token id of this model (its ids are 0 to {vocab - 1})")
 
     def _tokenize(self, fields: dict, prefix: str) -> tuple[str, list[int]]:
         is_openai = bool(prefix)
@@ -228,7 +256,7 @@ class RequestBuilder:
         return [int(t) for t in token_ids]
 
     def _check_length(self, num_tokens: int, max_tokens: int) -> None:
-        max_len = self.max_model_len
+        max_len = self.limits.max_model_len
         if num_tokens == 0:
             raise _Reject("the prompt has no tokens; give a non-empty prompt")
         if num_tokens > max_len - 1:

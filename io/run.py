@@ -192,8 +192,7 @@ class Run:
         if self.spec.profile:
             self.engine.enable_profiling()
         self.totals.load_s = time.monotonic() - start
-        self.builder = RequestBuilder(self.engine.tokenizer, self.spec.build, self.spec.sampling,
-                                      self.engine.max_model_len)
+        self.builder = RequestBuilder(self.engine.tokenizer, self.spec.build, self.spec.sampling, self.engine.limits)
 
     def _check_arithmetic(self, now: str) -> None:
         """Say so where this run's rows so far were computed with other kernels or another device (a resume on
@@ -282,15 +281,15 @@ class Run:
         """Every record parsed, templated, tokenized and checked as this run would, none generated."""
         spec = self.spec
         reader = open_reader(spec.input.path, spec.input.format, spec.input.split, spec.input.max_record_bytes)
-        tokenizer, max_model_len = load_tokenizer(spec.model)
-        builder = RequestBuilder(tokenizer, spec.build, spec.sampling, max_model_len)
+        tokenizer, limits = load_tokenizer(spec.model)
+        builder = RequestBuilder(tokenizer, spec.build, spec.sampling, limits)
         limit = spec.input.limit
         records = itertools.takewhile(lambda raw: limit is None or raw.index < limit, reader)
         with tempfile.TemporaryDirectory(prefix="conveyor-validate-") as scratch, \
                 Journal(Path(scratch) / "ids.sqlite") as ids:
             sink = ValidationSink(tokenizer, show_errors, ids)
             run_records(records, builder, None, sink)
-        return ValidationReport(sink, max_model_len)
+        return ValidationReport(sink, limits.max_model_len)
 
     def open_split(self) -> Path:
         """The checks and the run directory of a run whose shards run elsewhere (`--executor ray`): its shards'

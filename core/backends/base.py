@@ -24,36 +24,8 @@ from dataclasses import dataclass, field
 import torch
 
 from conveyor.core.config import DEFAULT_KV_CACHE_MEMORY, parse_memory
+from conveyor.core.model_shape import ModelShape
 from conveyor.core.schedule_types import ScheduledRequest
-
-
-@dataclass(frozen=True, slots=True)
-class ModelShape:
-    """What the engine and the backends' own forwards read of a model's config, with its fallbacks in one place."""
-
-    num_layers: int  # decoder layers
-    num_heads: int  # query heads per layer
-    num_kv_heads: int  # key / value heads per layer (fewer than num_heads under grouped-query attention)
-    head_dim: int  # elements per head
-    hidden_size: int  # elements per row of the residual stream
-    intermediate_size: int  # elements per row inside the MLP
-    vocab_size: int  # token ids: logits per row
-    max_model_len: int  # tokens a request may hold, prompt + output: positions the model was trained for
-
-    @classmethod
-    def of(cls, model: torch.nn.Module) -> ModelShape:
-        cfg = model.config
-        heads = cfg.num_attention_heads
-        return cls(
-            num_layers=cfg.num_hidden_layers,
-            num_heads=heads,
-            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,  # none given: one per query head
-            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
-            hidden_size=cfg.hidden_size,
-            intermediate_size=getattr(cfg, "intermediate_size", 4 * cfg.hidden_size),
-            vocab_size=cfg.vocab_size,
-            max_model_len=int(getattr(cfg, "max_position_embeddings", 1 << 30)),  # none given: no limit of its own
-        )
 
 
 @dataclass(frozen=True)

@@ -145,3 +145,37 @@ def test_processor_state_and_logprobs_survive_preemption(tiny):
         assert squeezed[name].logprobs == out.logprobs, name
         assert 5 not in out.output_token_ids
         assert len(out.logprobs) == 24 and all(len(lp.top) == 2 for lp in out.logprobs)
+
+
+# -- one request's data breaking a step ends that request, never the run ----------------------------------------
+
+def test_a_request_whose_processor_raises_ends_as_an_error_and_the_others_go_on(tiny):
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (12, 17, 9)]
+    fine = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logit_bias={3: 1.0})
+    broken = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, stop_token_ids=(999999,), min_tokens=2)
+
+    def run(requests):
+        engine = Engine(tiny, _Tokenizer(), EngineConfig(num_kv_blocks=64, block_size=4))
+        outs = {o.req_id: o for o in engine.generate(requests)}
+        assert not engine.has_unfinished() and engine.stats().kv_usage == 0.0  # nothing left holding blocks
+        return outs
+
+    alone = run([GenerationRequest("a", prompts[0], fine), GenerationRequest("c", prompts[2], fine)])
+    outs = run([GenerationRequest("a", prompts[0], fine), GenerationRequest("b", prompts[1], broken),
+                GenerationRequest("c", prompts[2], fine)])
+    assert outs["b"].finish_reason == "error" and outs["b"].text == ""
+    assert outs["b"].error.startswith("MinTokens failed: IndexError")
+    for name in ("a", "c"):
+        assert outs[name].error is None and outs[name].finish_reason == "length"
+        assert len(outs[name].output_token_ids) == len(alone[name].output_token_ids) == 6
+
+
+def test_a_failed_row_leaves_the_other_rows_edits_alone():
+    processors = Processors((EOS,))
+    ok = SamplingParams(logit_bias={4: 5.0})
+    bad = SamplingParams(logit_bias={10**9: 1.0})  # past any vocabulary
+    logits = torch.zeros(3, 64)
+    failed = processors.apply(logits, [_entry(ok), _entry(bad), _entry(ok)], [None, None, None])
+    assert list(failed) == [1] and failed[1].startswith("LogitBias failed: IndexError")
+    assert logits[0, 4] == logits[2, 4] == 5.0 and int((logits != 0).sum()) == 2

@@ -136,7 +136,7 @@ class _CapturingSampler:
 
     def sample(self, logits, entries, states=None):
         self.logits.append(logits.clone())
-        return logits.argmax(-1).tolist(), {}
+        return logits.argmax(-1).tolist(), {}, {}
 
 
 def _entry(req_id, tokens, start, table, sample=True):

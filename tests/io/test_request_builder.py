@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conveyor.core import GenerationRequest, SamplingParams
+from conveyor.core import GenerationRequest, ModelLimits, SamplingParams
 from conveyor.io.readers import open_reader
 from conveyor.io.readers.record import RawRecord
 from conveyor.io.request_builder import BuildOptions, BuiltRequest, ErrorRow, RequestBuilder, derive_seed
@@ -19,7 +19,7 @@ DEFAULTS = SamplingParams(temperature=0.0, max_tokens=16)
 
 
 def make_builder(tokenizer, max_model_len=8192, **options):
-    return RequestBuilder(tokenizer, BuildOptions(**options), DEFAULTS, max_model_len)
+    return RequestBuilder(tokenizer, BuildOptions(**options), DEFAULTS, ModelLimits(max_model_len, len(tokenizer)))
 
 
 def build(tokenizer, record, index=4, line=5, **options):
@@ -178,13 +178,44 @@ def test_openai_completion_line_and_errors(tokenizer):
     assert (built.kind, built.sampling.max_tokens) == ("completion", 4)
     assert error_of(build(tokenizer, {"custom_id": "c", "url": "/v1/embeddings", "body": {"input": "x"}})
                     ).startswith("line 5: url '/v1/embeddings' is not supported")
+    url = "/v1/completions"
     assert "field 'body' must be an object" in error_of(build(tokenizer, {"custom_id": "c", "body": "x"}))
     assert "body.n = 2 is not supported" in error_of(
-        build(tokenizer, {"custom_id": "c", "body": {"prompt": "x", "n": 2}}))
-    assert error_of(build(tokenizer, {"custom_id": "c", "body": {"prompt": "x", "temperature": "warm"}})
+        build(tokenizer, {"custom_id": "c", "url": url, "body": {"prompt": "x", "n": 2}}))
+    assert error_of(build(tokenizer, {"custom_id": "c", "url": url, "body": {"prompt": "x", "temperature": "warm"}})
                     ).startswith("line 5: body.temperature must be a number")
-    missing = error_of(build(tokenizer, {"custom_id": "c", "body": {"model": "m"}}))
+    missing = error_of(build(tokenizer, {"custom_id": "c", "url": url, "body": {"model": "m"}}))
     assert "'body.prompt'" in missing and "'body.messages'" in missing
+
+
+@pytest.mark.parametrize("line, says", [
+    ({"custom_id": "c", "body": {"prompt": "x"}}, "the line has no 'url'"),
+    ({"custom_id": "c", "method": "GET", "url": "/v1/completions", "body": {"prompt": "x"}}, "method 'GET'"),
+    ({"custom_id": "c", "url": "/v1/chat/completions", "body": {"prompt": "x"}},
+     "url /v1/chat/completions takes body.messages, not body.prompt"),
+    ({"custom_id": "c", "url": "/v1/completions", "body": {"messages": [{"role": "user", "content": "x"}]}},
+     "url /v1/completions takes body.prompt, not body.messages"),
+    ({"custom_id": "", "url": "/v1/completions", "body": {"prompt": "x"}}, "field 'custom_id' must be a non-empty"),
+])
+def test_a_malformed_batch_line_is_an_error_line_keeping_its_custom_id(tokenizer, line, says):
+    result = build(tokenizer, line, index=13)
+    assert says in error_of(result) and result.id == line["custom_id"]
+
+
+def test_a_plain_records_n_is_refused_until_samples_exist(tokenizer):
+    assert "n = 3 is not supported" in error_of(build(tokenizer, {"prompt": "x", "n": 3}))
+    assert isinstance(build(tokenizer, {"prompt": "x", "n": 1}), BuiltRequest)
+
+
+@pytest.mark.parametrize("override, field", [
+    ({"stop_token_ids": [2, 999999]}, "stop_token_ids: 999999"),
+    ({"logit_bias": {"49152": 1.0}}, "logit_bias: 49152"),
+])
+def test_every_token_id_a_record_gives_is_checked_against_the_vocabulary(tokenizer, override, field):
+    result = build(tokenizer, {"prompt": "Say hi:", "min_tokens": 1, **override})
+    assert error_of(result).startswith(f"line 5: {field} is not a token id of this model (its ids are 0 to 49151)")
+    body = {"custom_id": "b", "url": "/v1/completions", "body": {"prompt": "x", **override}}
+    assert f"body.{field} is not a token id" in error_of(build(tokenizer, body))
 
 
 def test_openai_fields_at_their_defaults_are_accepted_and_others_named(tokenizer):

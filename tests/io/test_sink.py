@@ -101,3 +101,17 @@ def test_on_error_fail_commits_what_finished_and_stops(journal):
 def test_an_unknown_on_error_is_refused():
     with pytest.raises(ValueError, match="on_error must be one of record, skip, fail"):
         JournalSink(None, on_error="ignore")
+
+
+def test_a_request_that_failed_while_it_ran_is_an_error_row_naming_what_failed(journal):
+    sink = JournalSink(journal)
+    sink.admit(raw(2), built(2))
+    failed = RequestOutput("2", [], "", "error", num_prompt_tokens=3, num_cached_tokens=0, num_preemptions=0,
+                           arrival_time=1.0, first_scheduled_time=1.5, first_token_time=2.0, finish_time=3.0,
+                           error="MinTokens failed: IndexError: index 999999 is out of bounds")
+    sink.finished(failed)
+    sink.close(True)
+    [row] = list(journal.iter_rows())
+    assert row["status"] == "error" and row["prompt_tokens"] == 3 and row["output"] is None
+    assert row["error"].startswith("line 3: the request failed while it ran (MinTokens failed: IndexError")
+    assert sink.totals.errors == 1 and not sink.in_flight
