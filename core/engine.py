@@ -20,7 +20,6 @@ import torch
 from conveyor.core.backends import select_backend
 from conveyor.core.block_manager import BlockManager
 from conveyor.core.config import EngineConfig, parse_memory
-from conveyor.core.errors import ConfigError
 from conveyor.core.grammar import Grammars
 from conveyor.core.kv_cache import KVCache
 from conveyor.core.logits_state import LogitsState
@@ -82,16 +81,12 @@ class Engine:
         shape = self.backend.shape
         self.limits = shape.limits  # what a request must fit: the context, the vocabulary
         self.max_model_len = shape.max_model_len
-        per_block = shape.kv_bytes_per_block(config.block_size, str(param.dtype).removeprefix("torch."))
         num_blocks = config.num_kv_blocks
         if num_blocks is None:
             budget = self.backend.kv_budget(
                 None if config.kv_cache_memory is None else parse_memory(config.kv_cache_memory),
                 config.gpu_memory_utilization)
-            num_blocks = budget // per_block
-            if num_blocks < 1:
-                raise ConfigError("kv_cache_memory", f"the KV cache budget ({budget} bytes) holds no block; one "
-                                  f"block needs {per_block} bytes", config.kv_cache_memory)
+            num_blocks = shape.num_kv_blocks(budget, config.block_size, str(param.dtype).removeprefix("torch."))
         layout = self.backend.kv_layout(shape.head_dim, config.block_size, shape.num_heads // shape.num_kv_heads)
         # The backend's own blocks (a scratch block for padding rows) come after the block manager's.
         self.kv_cache = KVCache(shape.num_layers, shape.num_kv_heads, shape.head_dim,

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from conveyor.core.config import EngineConfig
+from conveyor.core.config import EngineConfig, parse_memory
+from conveyor.core.errors import ConfigError
+from conveyor.core.model_shape import ModelShape
+from conveyor.core.sampling_params import Grammar
 
 if TYPE_CHECKING:
     from conveyor.core.engine import Engine
@@ -33,3 +36,22 @@ def load_tokenizer(model: str) -> tuple[Any, int]:
     from conveyor.core.model_loader import load_tokenizer as load
 
     return load(model)
+
+
+def check_before_loading(model: str, config: EngineConfig, grammar: Grammar | None = None) -> None:
+    """What the engine would refuse only once `model` is loaded, checked from its config and tokenizer alone (read
+    only where needed): a KV budget given that holds no block (ConfigError kv_cache_memory), and a run's own
+    grammar that does not compile (ConfigError grammar). `config` as resolved (its dtype concrete)."""
+    if config.kv_cache_memory is not None and config.num_kv_blocks is None:
+        from conveyor.core.model_loader import load_config
+
+        ModelShape.of_config(load_config(model)).num_kv_blocks(parse_memory(config.kv_cache_memory),
+                                                                config.block_size, config.dtype)
+    if grammar is not None:
+        from conveyor.core.grammar import Grammars
+
+        tokenizer, limits = load_tokenizer(model)
+        try:
+            Grammars(tokenizer, limits.vocab_size).compiled(grammar)
+        except ValueError as e:
+            raise ConfigError("grammar", str(e)) from None

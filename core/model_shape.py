@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from conveyor.core.errors import ConfigError
 from conveyor.core.outputs import ModelLimits
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -49,3 +50,11 @@ class ModelShape:
     def kv_bytes_per_block(self, block_size: int, dtype: str) -> int:
         """Bytes of one KV block (keys and values of every layer) in `dtype` ("float32", "bfloat16", ...)."""
         return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * DTYPE_BYTES[dtype]
+
+    def num_kv_blocks(self, budget: int, block_size: int, dtype: str) -> int:
+        """KV blocks that fit `budget` bytes; ConfigError (kv_cache_memory) where not one does."""
+        per_block = self.kv_bytes_per_block(block_size, dtype)
+        if budget < per_block:
+            raise ConfigError("kv_cache_memory", f"the KV cache budget ({budget} bytes) holds no block of this model; "
+                              f"one block needs {per_block} bytes")
+        return budget // per_block

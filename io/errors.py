@@ -28,7 +28,7 @@ class JournalCorrupt(Exception):
     """The journal file cannot be read; str() is a one-line message naming the file and the fix."""
 
     def __init__(self, path: Path, detail: str):
-        self.path = path
+        self.path, self.detail = path, detail
         super().__init__(
             f"the journal {path} is corrupt ({detail}); run again with --restart to discard "
             "this run's state and start over"

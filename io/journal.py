@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import json
 import sqlite3
 import time
@@ -304,6 +305,29 @@ class Journal:
         for _, text in self._paged(sql, 0):
             yield json.loads(text)
 
+    def iter_rows_expecting(self, indices: range) -> Iterator[dict]:
+        """`iter_rows` below `indices.stop`, checked as it streams to hold exactly one row for each of `indices` and no
+        other: a journal whose rows were changed outside conveyor (a row deleted, one added) is refused, never
+        trusted by its counters. JournalCorrupt names the indices at fault."""
+        expected = iter(indices)
+        for row in self.iter_rows():
+            if row["index"] >= indices.stop:  # (past --limit: rows of an earlier, longer run)
+                break
+            want, index = next(expected, None), row["index"]
+            if want != index:
+                missing = [] if want is None else list(itertools.takewhile(index.__gt__,
+                                                                           itertools.chain([want], expected)))
+                raise JournalCorrupt(self.path, _row_mismatch(missing, index, indices))
+            yield row
+        rest = list(itertools.islice(expected, 6))
+        if rest:
+            raise JournalCorrupt(self.path, _row_mismatch(rest, None, indices))
+
+    def count_rows(self) -> int:
+        """The rows the file holds, counted (the counters are the journal's own account of them)."""
+        with self._guard():
+            return self._conn.execute("SELECT COUNT(*) FROM rows").fetchone()[0]
+
     def _paged(self, sql: str, start: int) -> Iterator[tuple]:
         # Keyset pagination: each page is its own short read, so no read transaction stays open
         # across a consumer's commits (a long reader would stop WAL checkpoints).
@@ -324,6 +348,15 @@ class Journal:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _row_mismatch(missing: list[int], extra: int | None, indices: range) -> str:
+    """What `iter_rows_expecting` found: rows missing, or a row that should not be there."""
+    of = f"records {indices.start} to {indices.stop - 1}" + (f" step {indices.step}" if indices.step != 1 else "")
+    if missing:
+        shown = ", ".join(map(str, missing[:5])) + (", ..." if len(missing) > 5 else "")
+        return f"it holds no row for record {shown} of {of}: rows were removed outside conveyor"
+    return f"it holds a row for record {extra}, which is not one of {of}: rows were added outside conveyor"
 
 
 def _translate(exc: sqlite3.DatabaseError, path: Path) -> Exception:

@@ -29,7 +29,15 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
-from conveyor.core import DEFAULT_KV_CACHE_MEMORY, EngineConfig, load_engine, load_tokenizer, resolve_engine_config
+from conveyor.core import (
+    DEFAULT_KV_CACHE_MEMORY,
+    ConfigError,
+    EngineConfig,
+    check_before_loading,
+    load_engine,
+    load_tokenizer,
+    resolve_engine_config,
+)
 from conveyor.io.errors import SpecError
 from conveyor.io.journal import Journal
 from conveyor.io.paths import check_run_paths
@@ -124,6 +132,13 @@ class Run:
         spec = self.spec
         self.engine_config = self._resolved_engine_config()
         self.output_format = self._check_output()
+        try:
+            check_before_loading(spec.model, self.engine_config, spec.sampling.grammar)
+        except ConfigError as e:
+            if e.field != "grammar":
+                raise
+            option = {"regex": "--regex", "choice": "--choice"}.get(spec.sampling.grammar.kind, "--json-schema")
+            raise SpecError(f"{option}: {e}") from None
         run_dir = self.base_run_dir
         if spec.state.shard is not None:
             self.shard = Shard.parse(spec.state.shard)
@@ -231,12 +246,9 @@ class Run:
         status = SOME_ERRORS if self.totals.errors and not skip_errors else OK
         if self.shard is not None:
             return self._finish_shard(status)
-        limit = spec.input.limit
 
-        def rows():
-            for row in self.journal.iter_rows():
-                if limit is not None and row["index"] >= limit:
-                    break
+        def rows():  # every record read has exactly one row, checked as they stream (not by the counters)
+            for row in self.journal.iter_rows_expecting(range(self.input_records)):
                 if skip_errors and row["status"] == "error":
                     continue
                 yield row

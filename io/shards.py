@@ -34,6 +34,7 @@ from conveyor.io.rows import duplicate_id_row
 from conveyor.io.run_dir import Manifest, RunDir, RunDirError, _drift
 
 MARKER = "shard.json"
+MAX_SHARDS = 100_000  # a split into more is a typo, and each shard is a folder: refused before any is made
 SHARD_DIR = re.compile(r"shard-(\d+)-of-(\d+)")  # a shard's folder: shard-I-of-N
 
 
@@ -50,6 +51,9 @@ class Shard:
     def parse(cls, text: str) -> Shard:
         """"I/N" (0 <= I < N) -> Shard; SpecError naming --shard otherwise."""
         m = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", str(text))
+        if m and int(m.group(2)) > MAX_SHARDS:
+            raise SpecError(f"--shard: {text!r} splits the input into more than {MAX_SHARDS:,} shards; use fewer (a "
+                            "shard per GPU or node is the usual split)")
         if not m or not 0 <= int(m.group(1)) < int(m.group(2)):
             raise SpecError(f"--shard: {text!r} is not I/N with 0 <= I < N, e.g. --shard 0/4 (of 4 shards: 0/4, "
                              "1/4, 2/4, 3/4)")
@@ -111,6 +115,9 @@ class ShardSet:
                 raise ShardError(f"{self.path} holds shards of more than one split ({', '.join(f'{n} shards' for n in sorted(found))}); "
                                  "remove the folders of the split you do not want")
             count = next(iter(found))
+        if count > MAX_SHARDS:
+            raise ShardError(f"{self.path} holds shards of a split into {count} (more than {MAX_SHARDS:,}); remove "
+                             f"the folders shard-*-of-{count}")
         self.count = count
         self.shards = [Shard(i, count) for i in range(count)]
 
@@ -141,6 +148,10 @@ class ShardSet:
                                  f"(`conveyor run ... --shard {shard}`) again to resume it") from None
             except (OSError, ValueError) as e:
                 raise ShardError(f"shard {shard}: {path / MARKER} is unreadable ({e}); run the shard again") from None
+            if not _is_marker(marker, shard):
+                raise ShardError(f"shard {shard}: {path / MARKER} is not what conveyor writes there (the shard's "
+                                 f"index, count and input records); delete it and run the shard again "
+                                 f"(`conveyor run ... --shard {shard}`)")
             if members:
                 changed, message = _drift(members[0].manifest, manifest)
                 if changed:
@@ -165,8 +176,10 @@ class ShardSet:
         """Every shard's rows in input order, ids repeated across shards made duplicate-id error rows."""
         firsts = self._repeated_ids(members)
         journals = [Journal(m.path / "journal.sqlite", read_only=True, verify=False) for m in members]
+        total = members[0].marker["input_records"]
         try:
-            for row in heapq.merge(*(j.iter_rows() for j in journals), key=lambda r: r["index"]):
+            streams = (_checked_rows(m, j, total) for m, j in zip(members, journals))
+            for row in heapq.merge(*streams, key=lambda r: r["index"]):
                 first = firsts.get(row["id"])
                 if first is not None and first != row["index"] and row["status"] == "ok":
                     row = duplicate_id_row(row)
@@ -204,6 +217,22 @@ class ShardSet:
         finally:
             db.close()
             scratch.unlink(missing_ok=True)
+
+
+def _is_marker(marker: object, shard: Shard) -> bool:
+    """Whether `marker` is the shard.json `mark_done` writes for `shard`."""
+    return (isinstance(marker, dict) and marker.get("shard") == shard.index and marker.get("of") == shard.count
+            and type(marker.get("input_records")) is int and marker["input_records"] >= 0)
+
+
+def _checked_rows(member: _Member, journal: Journal, total: int) -> Iterator[dict]:
+    """A shard's rows, checked as they stream to be exactly its share of the `total` input records."""
+    shard = member.shard
+    try:
+        yield from journal.iter_rows_expecting(range(shard.index, total, shard.count))
+    except JournalCorrupt as e:
+        raise ShardError(f"shard {shard}: its journal {e.path} is not what the shard wrote ({e.detail}); rerun it "
+                         f"with `conveyor run ... --restart --shard {shard}`") from None
 
 
 @dataclass
