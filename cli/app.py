@@ -135,7 +135,20 @@ def main(argv: list[str] | None = None) -> None:
         code = code_for(e)
         hint = " (run with --debug for the traceback)" if code == ExitCode.FATAL and not debug else ""
         sys.stderr.write(f"conveyor: error: {_one_line(e)}{hint}\n")
+    if argv is None:  # the process itself (not a caller's in-process run): a grammar may still be compiling
+        _exit_now_if_compiling(int(code or 0))
     sys.exit(int(code or 0))
+
+
+def _exit_now_if_compiling(code: int) -> None:
+    """End the process with `code` at once where a grammar still compiles on a worker thread (a stop or a given-up
+    grammar left it): the interpreter's finalizers would abort under it. Every file is written and closed by now."""
+    from conveyor.core import compiling
+
+    if compiling():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def _one_line_text(text: str) -> str:

@@ -59,7 +59,8 @@ OPTIONS: dict[str, tuple[type, str]] = {
     **{k: (BuildOptions, k) for k in ("seed", "system_prompt", "prompt_field", "messages_field", "id_field",
                                        "keep_fields")},
     **{k: (EngineConfig, k) for k in ("dtype", "device", "backend", "max_num_seqs", "max_num_batched_tokens",
-                                       "num_kv_blocks", "kv_cache_memory", "gpu_memory_utilization", "block_size")},
+                                       "num_kv_blocks", "kv_cache_memory", "gpu_memory_utilization", "block_size",
+                                       "max_grammar_compile_s", "max_grammar_bytes")},
     "input_format": (InputOptions, "format"), "split": (InputOptions, "split"), "limit": (InputOptions, "limit"),
     "max_record_bytes": (InputOptions, "max_record_bytes"),
     "output_format": (OutputOptions, "format"), "on_error": (OutputOptions, "on_error"),
@@ -158,7 +159,7 @@ def build_config(flags: dict[str, Any], config_path: str | None) -> Invocation:
     if values.get("max_runtime") is not None:
         values["max_runtime"] = parse_duration(values["max_runtime"])
     _check_strings(values)
-    for key in ("kv_cache_memory", "max_record_bytes"):
+    for key in ("kv_cache_memory", "max_record_bytes", "max_grammar_bytes"):
         if key in values:
             values[key] = _checked_size(key, values[key])
     if "device" in values:
@@ -239,7 +240,8 @@ def _check_strings(values: dict[str, Any]) -> None:
 
 
 def _checked_size(key: str, value: Any) -> Any:
-    """--kv-cache-memory / --max-record-bytes: a size like 2GiB, 512MiB or a number of bytes."""
+    """--kv-cache-memory / --max-record-bytes / --max-grammar-bytes: a size like 2GiB, 512MiB or a number of
+    bytes (the KV budget stays as written: the engine reads it)."""
     if isinstance(value, bool) or not isinstance(value, (str, int)):
         raise UsageError(f"{option_name(key)}: expected a size such as 2GiB or 512MiB, got {value!r}")
     try:
@@ -249,7 +251,7 @@ def _checked_size(key: str, value: Any) -> Any:
     if size <= 0:
         raise UsageError(f"{option_name(key)}: cannot read {value!r}; write a positive size like 2GiB, 512MiB or a "
                          "number of bytes")
-    return size if key == "max_record_bytes" else value
+    return value if key == "kv_cache_memory" else size
 
 
 def _check_device(device: str) -> None:
@@ -260,7 +262,8 @@ def _check_device(device: str) -> None:
 # Types a config file may get wrong (flags arrive typed); the values themselves are checked by the dataclasses.
 _INT_KEYS = {"max_tokens", "top_k", "seed", "min_tokens", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks",
              "block_size", "limit", "checkpoint_every", "logprobs", "num_workers"}
-_FLOAT_KEYS = {"temperature", "top_p", "min_p", "checkpoint_seconds", "log_every", "gpu_memory_utilization"}
+_FLOAT_KEYS = {"temperature", "top_p", "min_p", "checkpoint_seconds", "log_every", "gpu_memory_utilization",
+               "max_grammar_compile_s"}
 _BOOL_KEYS = {"ignore_eos", "quiet", "restart", "profile", "prompt_logprobs"}
 _POSITIVE = {"num_workers", "checkpoint_every", "checkpoint_seconds", "log_every"}  # not checked downstream
 

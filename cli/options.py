@@ -18,6 +18,7 @@ _SHOWN = {  # defaults that depend on the device, or read better than the field'
     "kv_cache_memory": f"{DEFAULT_KV_CACHE_MEMORY} on the CPU; on a GPU what --gpu-memory-utilization leaves",
     "gpu_memory_utilization": _GPU["gpu_memory_utilization"],
     "max_record_bytes": size_text(default_of("max_record_bytes")),
+    "max_grammar_bytes": size_text(default_of("max_grammar_bytes")),
 }
 
 
@@ -105,6 +106,13 @@ GpuMemoryOpt = Annotated[Optional[float], typer.Option(help="On a GPU: the fract
                                                             "(weights, activations, KV cache). "
                                                             f"{_d('gpu_memory_utilization')}",
                                                        rich_help_panel=ENG)]
+MaxGrammarCompileOpt = Annotated[Optional[float], typer.Option(
+    "--max-grammar-compile-s", help="A record's grammar (JSON schema, regex, choices) must compile within this many "
+    f"seconds, else the record is an error row; the run goes on meanwhile. {_d('max_grammar_compile_s')}",
+    rich_help_panel=GEN)]
+MaxGrammarBytesOpt = Annotated[Optional[str], typer.Option(
+    help="A record's grammar bigger than this (e.g. 256KiB) is an error row, never compiled. "
+    f"{_d('max_grammar_bytes')}", rich_help_panel=GEN)]
 BlockSizeOpt = Annotated[Optional[int], typer.Option(help=f"Tokens per KV block. {_d('block_size')}",
                                                      rich_help_panel=ENG)]
 QuietOpt = Annotated[Optional[bool], typer.Option("--quiet/--no-quiet", "-q", help="No progress display.",

@@ -49,6 +49,8 @@ def run_command(
     json_schema: opt.JsonSchemaOpt = None,
     choice: opt.ChoiceOpt = None,
     regex: opt.RegexOpt = None,
+    max_grammar_compile_s: opt.MaxGrammarCompileOpt = None,
+    max_grammar_bytes: opt.MaxGrammarBytesOpt = None,
     logprobs: opt.LogprobsOpt = None,
     prompt_logprobs: opt.PromptLogprobsOpt = None,
     system_prompt: opt.SystemPromptOpt = None,

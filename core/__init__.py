@@ -14,7 +14,7 @@ from conveyor.core.config import (
                                   parse_memory,
 )
 from conveyor.core.errors import ConfigError, ModelLoadError
-from conveyor.core.grammar import Grammars
+from conveyor.core.grammar import Grammars, compiling
 from conveyor.core.loading import check_before_loading, load_engine, load_tokenizer, resolve_engine_config
 from conveyor.core.model_loader import EMBEDDED_MODELS, is_embedded_cached, models_cache_dir
 from conveyor.core.outputs import GenerationRequest, ModelLimits, RequestOutput
@@ -23,6 +23,7 @@ from conveyor.core.sampling_params import MAX_LOGPROBS, Grammar, SamplingParams
 
 __all__ = ["BACKENDS", "DEFAULT_KV_CACHE_MEMORY", "DEFAULT_MODEL", "DEVICE_DEFAULTS", "DTYPES", "EMBEDDED_MODELS",
            "MAX_LOGPROBS", "ConfigError", "EngineConfig", "FinishReason", "GenerationRequest", "Grammar", "Grammars",
-           "ModelLimits", "ModelLoadError", "RequestOutput", "SamplingParams", "check_before_loading", "is_embedded_cached",
+           "ModelLimits", "ModelLoadError", "RequestOutput", "SamplingParams", "check_before_loading", "compiling",
+           "is_embedded_cached",
            "load_engine", "load_tokenizer",
            "models_cache_dir", "parse_memory", "resolve_engine_config"]

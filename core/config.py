@@ -58,6 +58,10 @@ class EngineConfig:
     dtype: str = "auto"  # one of DTYPES
     backend: str = "auto"  # one of BACKENDS (core/backends)
     fused_forward: bool = True  # the cpu backend, Llama-family models: the fused forward instead of transformers'
+    # A request's grammar: compiled off the step loop within this many seconds, and refused above this many bytes
+    # of schema, regex or choices (a record past either is an error row; the run goes on).
+    max_grammar_compile_s: float = 20.0
+    max_grammar_bytes: int = 256 << 10
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting", "num_kv_blocks"):
@@ -66,6 +70,14 @@ class EngineConfig:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(name, f"{name} must be a positive integer, got {value!r}")
+        s = self.max_grammar_compile_s
+        if isinstance(s, bool) or not isinstance(s, (int, float)) or not s > 0:
+            raise ConfigError("max_grammar_compile_s", f"max_grammar_compile_s must be a positive number of seconds, "
+                              f"got {s!r}")
+        if isinstance(self.max_grammar_bytes, bool) or not isinstance(self.max_grammar_bytes, int) \
+                or self.max_grammar_bytes < 1:
+            raise ConfigError("max_grammar_bytes", f"max_grammar_bytes must be a positive integer, got "
+                              f"{self.max_grammar_bytes!r}")
         if self.block_size not in BLOCK_SIZES:
             raise ConfigError("block_size", f"block_size must be a power of two up to 128, got {self.block_size!r}")
         if self.kv_cache_memory is not None:

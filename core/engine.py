@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +27,7 @@ from conveyor.core.logits_state import LogitsState
 from conveyor.core.model_runner import ModelRunner
 from conveyor.core.output_processor import OutputProcessor
 from conveyor.core.outputs import GenerationRequest, RequestOutput
-from conveyor.core.request import Request
+from conveyor.core.request import FinishReason, Request
 from conveyor.core.scheduler import Scheduler
 
 
@@ -99,6 +100,7 @@ class Engine:
         self.runner = ModelRunner(self.backend, self.kv_cache, self.eos_token_ids)
         self.outputs = OutputProcessor(tokenizer)
         self._grammars: Grammars | None = None  # made on the first request with a grammar
+        self._compiling: list[tuple[Request, Future]] = []  # requests whose grammar compiles, in arrival order
         self.num_generated_tokens = 0
         # Seconds per phase of step(); perf_counter is cheap enough to keep always on.
         self._timings = {"schedule_s": 0.0, "update_s": 0.0, "output_s": 0.0, "step_s": 0.0, "steps": 0}
@@ -138,30 +140,61 @@ class Engine:
             raise ValueError(f"request {request.req_id!r}: a prompt token id is outside the vocabulary [0, {vocab})")
         req = Request(request.req_id, request.prompt_token_ids, request.sampling, request.priority,
                       arrival_time=time.monotonic())
-        sampling = request.sampling
-        if LogitsState.needed(sampling):
-            matcher = None
-            if sampling.grammar is not None:
-                if self._grammars is None:
-                    self._grammars = Grammars(self.tokenizer, vocab)
-                matcher = self._grammars.matcher(sampling.grammar)  # ValueError naming the problem
-            req.logits_state = LogitsState(sampling, request.prompt_token_ids, matcher)
+        self.scheduler.check(req)
+        if request.sampling.grammar is None:
+            self._admit(req, None)
+            return
+        if self._grammars is None:
+            c = self.config
+            self._grammars = Grammars(self.tokenizer, vocab, c.max_grammar_compile_s, c.max_grammar_bytes)
+        # Compiled off the step loop: the request waits here, its grammar compiling, while the others run.
+        self._compiling.append((req, self._grammars.submit(request.sampling.grammar)))  # ValueError: too big
+
+    def _admit(self, req: Request, compiled) -> None:
+        """Into the scheduler, with its logits processors' state (its grammar's matcher, where it has one)."""
+        if LogitsState.needed(req.sampling):
+            matcher = None if compiled is None else self._grammars.matcher_of(compiled)
+            req.logits_state = LogitsState(req.sampling, req.prompt_token_ids, matcher)
         self.scheduler.add_request(req)
         self.outputs.start(req)
 
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """The requests whose grammar has compiled go to the scheduler; those whose grammar failed to (an invalid
+        one, or past its budget) finish as errors, returned."""
+        if not self._compiling:
+            return []
+        self._grammars.poll()
+        failed, still = [], []
+        for req, future in self._compiling:
+            if not future.done():
+                still.append((req, future))
+            elif future.exception() is None:
+                self._admit(req, future.result())
+            else:
+                req.error = str(future.exception())
+                req.finish(FinishReason.ERROR)
+                req.finish_time = time.monotonic()
+                failed.append(self.outputs.output(req))
+        self._compiling = still
+        return failed
+
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._compiling)
 
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+        """Requests waiting to run, their grammars compiling included (the backpressure bound counts them)."""
+        return len(self.scheduler.waiting) + len(self._compiling)
 
     def step(self) -> list[RequestOutput]:
-        """Run one iteration; return the requests that finished in it."""
+        """Run one iteration; return the requests that finished in it (their grammar failing included)."""
         t0 = time.perf_counter()
+        failed = self._admit_compiled()
         plan = self.scheduler.schedule()
         if plan.is_empty:
-            return []
+            if self._compiling:  # nothing to run until a grammar compiles: wait for one, a little
+                Grammars.wait([future for _, future in self._compiling], timeout=0.05)
+            return failed
         t1 = time.perf_counter()
         requests = self.scheduler.requests
         states = {e.req_id: s for e in plan.scheduled if (s := requests[e.req_id].logits_state) is not None}
@@ -171,7 +204,7 @@ class Engine:
         self.outputs.record(result, requests)
         finished = self.scheduler.update_from_output(plan, result, self.outputs.check_stop)
         t3 = time.perf_counter()
-        outputs = [self.outputs.output(r) for r in finished]
+        outputs = failed + [self.outputs.output(r) for r in finished]
         t4 = time.perf_counter()
         t = self._timings
         t["schedule_s"] += t1 - t0

@@ -29,6 +29,11 @@ class ModelLoadError(RuntimeError):
 
 
 def failure(what: str, e: BaseException) -> str:
-    """One line saying what raised while a step processed one request's data: that request's error message."""
+    """One line saying what raised while a step processed one request's data."""
     text = str(e).strip().splitlines()[0] if str(e).strip() else ""
     return f"{what} failed: {type(e).__name__}" + (f": {text}" if text else "")
+
+
+def failed_while_running(why: str) -> str:
+    """The error of a request that `why` (a `failure`) ended while it ran."""
+    return f"the request failed while it ran ({why}); the other requests went on"

@@ -52,6 +52,6 @@ def check_before_loading(model: str, config: EngineConfig, grammar: Grammar | No
 
         tokenizer, limits = load_tokenizer(model)
         try:
-            Grammars(tokenizer, limits.vocab_size).compiled(grammar)
+            Grammars(tokenizer, limits.vocab_size, config.max_grammar_compile_s, config.max_grammar_bytes).compiled(grammar)
         except ValueError as e:
             raise ConfigError("grammar", str(e)) from None

@@ -1,5 +1,5 @@
 """The one way a request's tokens become its RequestOutput: the text decoded once, stop strings checked as tokens
-arrive, logprobs gathered, the output built. Pure Python.
+arrive, logprobs gathered, a JSON schema's output validated, the output built. Pure Python.
 
 A request's state lives on the request (`Request.output_state`), made when the engine adds it and only where it
 needs one (stop strings, logprobs). The scheduler asks `check_stop` after appending each sampled token, inside
@@ -10,10 +10,11 @@ runner's logprobs over with `record` before that, and takes each finished reques
 from __future__ import annotations
 
 from conveyor.core.detokenizer import IncrementalDetokenizer
-from conveyor.core.errors import failure
+from conveyor.core.errors import failed_while_running, failure
 from conveyor.core.outputs import RequestOutput
 from conveyor.core.request import FinishReason, Request
 from conveyor.core.schedule_types import RunnerOutput, TokenLogprobs
+from conveyor.core.schema_check import SchemaCheck
 from conveyor.core.stopping import find_stop_string
 
 
@@ -32,6 +33,7 @@ class OutputState:
 class OutputProcessor:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
+        self.schemas = SchemaCheck()
 
     def start(self, request: Request) -> None:
         """Give `request` the state its output needs (none for most)."""
@@ -74,7 +76,12 @@ class OutputProcessor:
             try:
                 text = self._text(request)
             except Exception as e:  # noqa: BLE001 - one request's tokens, never the run's
-                request.error = failure("decoding its output", e)
+                request.error = failed_while_running(failure("decoding its output", e))
+                request.finish(FinishReason.ERROR)
+        if request.error is None and _completed_schema(request):
+            mismatch = self.schemas.mismatch(text, request.sampling.grammar.spec)
+            if mismatch is not None:  # a keyword the grammar engine does not enforce while generating
+                request.error = f"the output does not match its JSON schema: {mismatch}"
                 request.finish(FinishReason.ERROR)
         state = request.output_state
         first_scheduled = request.first_scheduled_time or request.arrival_time
@@ -104,6 +111,13 @@ class OutputProcessor:
         text = state.detokenizer.finish(output_ids)
         cut = find_stop_string(text, request.sampling.stop, len(text))
         return text if cut is None else text[:cut]
+
+
+def _completed_schema(request: Request) -> bool:
+    """Whether `request` ended its JSON schema's grammar (an output cut short is said so by `_grammar_note`)."""
+    grammar, state = request.sampling.grammar, request.logits_state
+    return (grammar is not None and grammar.kind == "json_schema" and state is not None
+            and state.grammar_complete and not state.grammar_failed)
 
 
 def _grammar_note(request: Request) -> str | None:

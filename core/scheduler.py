@@ -14,7 +14,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from conveyor.core.block_manager import BlockManager
-from conveyor.core.errors import failure
+from conveyor.core.errors import failed_while_running, failure
 from conveyor.core.request import FinishReason, Request, RequestStatus
 from conveyor.core.schedule_types import RunnerOutput, ScheduledRequest, SchedulerOutput
 from conveyor.core.stopping import check_token_stop
@@ -65,6 +65,16 @@ class Scheduler:
     # -- queues --------------------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
+        self.check(request)
+        self.requests[request.req_id] = request
+        if not self.waiting or request.priority >= self.waiting[-1].priority:
+            self.waiting.append(request)
+        else:  # rare: keep (priority, arrival) order
+            keys = [r.priority for r in self.waiting]
+            self.waiting.insert(bisect.bisect_right(keys, request.priority), request)
+
+    def check(self, request: Request) -> None:
+        """ValueError naming the request where it can never be added: its id is taken, or it cannot fit the pool."""
         if request.req_id in self.requests:
             raise ValueError(f"request id {request.req_id!r} is already in the engine")
         if self.block_manager.blocks_for(request.max_total_tokens) > self.block_manager.num_blocks:
@@ -72,12 +82,6 @@ class Scheduler:
                 f"request {request.req_id!r} needs up to {request.max_total_tokens} tokens of KV cache "
                 f"but the pool holds {self.block_manager.num_blocks * self.block_manager.block_size}; "
                 "raise num_kv_blocks / kv_cache_memory or lower max_tokens")
-        self.requests[request.req_id] = request
-        if not self.waiting or request.priority >= self.waiting[-1].priority:
-            self.waiting.append(request)
-        else:  # rare: keep (priority, arrival) order
-            keys = [r.priority for r in self.waiting]
-            self.waiting.insert(bisect.bisect_right(keys, request.priority), request)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -196,12 +200,14 @@ class Scheduler:
             self.block_manager.cache_full_blocks(request)
             if not entry.sample:
                 continue
-            request.error = result.failed.get(entry.req_id)
-            if request.error is None:
+            why = result.failed.get(entry.req_id)
+            if why is None:
                 try:
                     reason = self._accept(request, result.sampled_token_ids[entry.req_id], now, check_stop)
                 except Exception as e:  # noqa: BLE001 - one request's data (its grammar, its text), never the run's
-                    request.error, reason = failure("accepting its token", e), None
+                    why = failure("accepting its token", e)
+            if why is not None:
+                request.error = failed_while_running(why)
             if request.error is not None:
                 reason = FinishReason.ERROR
             if reason is not None:

@@ -299,7 +299,7 @@ class Run:
         records = itertools.takewhile(lambda raw: limit is None or raw.index < limit, reader)
         with tempfile.TemporaryDirectory(prefix="conveyor-validate-") as scratch, \
                 Journal(Path(scratch) / "ids.sqlite") as ids:
-            sink = ValidationSink(tokenizer, show_errors, ids)
+            sink = ValidationSink(tokenizer, show_errors, ids, spec.engine)
             run_records(records, builder, None, sink)
         return ValidationReport(sink, limits.max_model_len)
 

@@ -123,10 +123,9 @@ class JournalSink(RecordSink):
 
     def finished(self, out) -> None:
         built, where = self.in_flight.pop(out.req_id)
-        if out.error is not None:  # its own data broke a step: an error row, and the run goes on
+        if out.error is not None:  # it could not run (its grammar), or its own data broke a step: an error row
             self._bad(ErrorRow(index=built.index, id=built.id, kept=built.kept, seed=built.sampling.seed,
-                               error=f"{where}: the request failed while it ran ({out.error}); the other records "
-                                     "went on", prompt_tokens=out.num_prompt_tokens, digest=built.digest))
+                               error=f"{where}: {out.error}", prompt_tokens=out.num_prompt_tokens, digest=built.digest))
             return
         self._add(ok_row(built, out, self.token_text, where), built.digest)
         self.totals.new_completion_tokens += out.num_output_tokens

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from conveyor.core import Grammars
+from conveyor.core import EngineConfig, Grammars
 from conveyor.io.journal import Journal
 from conveyor.io.request_builder import BuiltRequest
 from conveyor.io.rows import duplicate_id_message
@@ -19,8 +19,9 @@ class ValidationSink(RecordSink):
 
     COMMIT_EVERY = 50_000  # id claims buffered in memory between writes of the scratch journal
 
-    def __init__(self, tokenizer, show_errors: int, ids: Journal) -> None:
+    def __init__(self, tokenizer, show_errors: int, ids: Journal, engine: EngineConfig = EngineConfig()) -> None:
         self.tokenizer = tokenizer
+        self.engine = engine  # its grammar limits apply here too
         self.show_errors = show_errors
         self.ids = ids
         self.records = 0
@@ -34,7 +35,8 @@ class ValidationSink(RecordSink):
         if not isinstance(built, BuiltRequest):
             return self._error(built.error)
         if built.sampling.grammar is not None:
-            self.grammars = self.grammars or Grammars(self.tokenizer, len(self.tokenizer))
+            self.grammars = self.grammars or Grammars(self.tokenizer, len(self.tokenizer),
+                                                      self.engine.max_grammar_compile_s, self.engine.max_grammar_bytes)
             try:
                 self.grammars.compiled(built.sampling.grammar)
             except ValueError as e:

@@ -18,6 +18,18 @@ if not _has_cuda():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture(autouse=True)
+def _no_grammar_compiles_outlive_their_test():
+    """A compile a test left running (a grammar given up) ends before the next test: a process whose finalizers run
+    under one aborts, and it would take a core from the tests after it."""
+    yield
+    import threading
+
+    for thread in threading.enumerate():
+        if thread.name == "conveyor-grammar":
+            thread.join(timeout=300)
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     """A 2-layer random Llama (hidden 64) with the embedded SmolLM2 tokenizer and its chat template."""

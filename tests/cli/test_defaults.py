@@ -40,6 +40,8 @@ SOURCES = {
     "--max-record-bytes": f"{DEFAULT_MAX_RECORD_BYTES >> 20}MiB",
     "--on-error": OutputOptions("x").on_error,
     "--executor": "local",
+    "--max-grammar-compile-s": EngineConfig().max_grammar_compile_s,
+    "--max-grammar-bytes": f"{EngineConfig().max_grammar_bytes >> 10}KiB",
 }
 SHOWN = re.compile(r"\\?\[default: ([^\]]*)\]")
 
@@ -68,7 +70,7 @@ def test_help_shows_each_default_from_its_source(command):
 def test_help_renders_the_defaults():
     from cli_helpers import run_in_process
 
-    text = " ".join(run_in_process("run", "--help").out.split())
+    text = " ".join(run_in_process("run", "--help").out.replace("│", " ").split())  # (rich's table, unwrapped)
     for option in ("--max-tokens", "--block-size", "--model"):
         assert f"[default: {SOURCES[option]}]" in text, option
 

@@ -5,10 +5,16 @@ counts are bounded; options the engine would refuse only after loading the model
 from __future__ import annotations
 
 import json
+import random
+import resource
+import signal
 import sqlite3
+import time
 
 import pytest
-from cli_helpers import read_rows, run_in_process, tiny_args, write_jsonl
+from cli_helpers import Child, num_committed, read_rows, run_in_process, tiny_args, write_jsonl
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 QUIET = ("--quiet", "--max-tokens", "4", "--temperature", "0")
 
@@ -104,3 +110,102 @@ def test_a_batch_line_with_an_empty_custom_id_keeps_it_in_its_error_line(tiny_mo
     got = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
     assert [g["custom_id"] for g in got] == ["", "ok"]
     assert "custom_id" in got[0]["error"]["message"] and "takes body.messages" in got[1]["error"]["message"]
+
+
+# -- grammars: compiled off the step loop, within limits, never left unenforced without a word -----------------
+
+SLOW_CHOICES = [f"option number {i} of the list" for i in range(5000)]  # ~1 s to compile on a 2-core EPYC
+
+
+def test_grammars_past_their_limits_or_that_cannot_be_enforced_are_error_rows_and_the_rest_run(tiny_model, tmp_path):
+    big = {"enum": [f"{i:06d}" * 10 for i in range(5000)]}  # ~330 KB of schema
+    records = [{"id": "slow", "prompt": "pick one", "guided_choice": SLOW_CHOICES},
+               {"id": "big", "prompt": "x", "guided_json": big},
+               {"id": "external", "prompt": "x", "guided_json": {"$ref": "https://example.com/schema.json"}},
+               {"id": "empty", "prompt": "x", "guided_regex": "[^\\s\\S]"},
+               *({"id": f"ok{i}", "prompt": f"record {i}"} for i in range(4))]
+    src, out = write_jsonl(tmp_path / "in.jsonl", records), tmp_path / "out.jsonl"
+    result = _run(tiny_model, src, "-o", out, "--max-grammar-compile-s", "0.2")
+    assert result.code == 3, result.err
+    rows = {r["id"]: r for r in read_rows(out)}
+    assert "did not compile within 0.2 s" in rows["slow"]["error"] and "--max-grammar-compile-s" in rows["slow"]["error"]
+    assert "more than max_grammar_bytes (262,144; --max-grammar-bytes)" in rows["big"]["error"]
+    assert "$ref 'https://example.com/schema.json' points outside the schema" in rows["external"]["error"]
+    assert "matches no text at all" in rows["empty"]["error"]
+    assert all(rows[f"ok{i}"]["status"] == "ok" for i in range(4))
+
+
+def _deep_schema(depth: int) -> dict:
+    """A small schema whose compile takes long (cubic in its depth: ~20 s at 400 on a 2-core EPYC)."""
+    schema = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema, "b": {"type": "integer"}}, "required": ["a", "b"]}
+    return schema
+
+
+def test_records_behind_a_compiling_grammar_make_progress_and_sigterm_stops_at_once(tiny_model, tmp_path):
+    records = [{"id": "slow", "prompt": "fill it in", "guided_json": _deep_schema(400)}]
+    records += [{"id": f"r{i}", "prompt": f"record {i}"} for i in range(400)]
+    src, run_dir = write_jsonl(tmp_path / "in.jsonl", records), tmp_path / "out.jsonl.conveyor"
+    child = Child(["run", src, "-o", tmp_path / "out.jsonl", *tiny_args(tiny_model), "--quiet", "--max-tokens", "32",
+                   "--ignore-eos", "--checkpoint-every", "1", "--max-grammar-compile-s", "600"], tmp_path, "slow")
+    child.wait_until(lambda: num_committed(run_dir, strict=False) >= 3, timeout=120,
+                     what="rows committed while the grammar compiles")
+    child.send(signal.SIGTERM)
+    sent = time.monotonic()
+    result = child.wait(timeout=60)
+    assert result.code == 75 and time.monotonic() - sent < 10, result.err
+    assert num_committed(run_dir) >= 3
+
+
+# -- a property: whatever token ids, schemas and choices records carry, each ends as one row ---------------------
+
+_WORDS = st.text(alphabet="abcdefghij ", min_size=1, max_size=12)
+_SCHEMA = st.recursive(
+    st.sampled_from([{"type": "string"}, {"type": "integer", "minimum": 3}, {"type": "boolean"}, {"enum": ["a", 1]},
+                     {"type": "string", "maxLength": 4}, {"const": "x"}, {"type": "nosuchtype"}, {"not": {}}]),
+    lambda inner: st.one_of(
+        st.builds(lambda props, req: {"type": "object", "properties": props, "required": req},
+                  st.dictionaries(st.sampled_from("abc"), inner, max_size=3), st.lists(st.sampled_from("abcd"),
+                                                                                      max_size=2)),
+        st.builds(lambda items, n: {"type": "array", "items": items, "maxItems": n}, inner, st.integers(0, 3))),
+    max_leaves=6)
+_FIELDS = st.fixed_dictionaries({}, optional={
+    "stop_token_ids": st.lists(st.integers(-3, 60000), max_size=3),
+    "logit_bias": st.dictionaries(st.integers(-2, 60000).map(str), st.floats(-100, 100), max_size=3),
+    "min_tokens": st.integers(0, 3),
+    "guided_json": _SCHEMA,
+    "guided_choice": st.lists(st.text(alphabet="xyz", max_size=4), max_size=4),
+    "guided_regex": st.sampled_from(["[a-c]{1,3}", "((", "[^\\s\\S]", "x|y", ""]),
+})
+_RECORDS = st.lists(st.builds(lambda prompt, fields: {"prompt": prompt, **fields}, _WORDS, _FIELDS),
+                    min_size=1, max_size=8)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
+@given(records=_RECORDS)
+def test_any_token_ids_schemas_and_choices_end_as_one_row_each(tiny_model, tmp_path_factory, records):
+    tmp = tmp_path_factory.mktemp("any")
+    src, out = write_jsonl(tmp / "in.jsonl", records), tmp / "out.jsonl"
+    result = _run(tiny_model, src, "-o", out, "--max-grammar-compile-s", "5")
+    assert result.code in (0, 3), result.err
+    rows = read_rows(out)
+    assert [r["index"] for r in rows] == list(range(len(records)))
+    assert all((r["status"] == "ok") == (r["output"] is not None) for r in rows)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss < 6 << 20  # KiB: the test process stays under 6 GiB
+
+
+def test_sigterm_at_a_random_moment_exits_75_within_10_seconds(tiny_model, tmp_path):
+    rng = random.Random()
+    records = [{"prompt": f"record {i}", "guided_json": {"type": "object", "properties": {f"k{i}": {"type": "integer"}}}}
+               if i % 3 == 0 else {"prompt": f"record {i}", "stop_token_ids": [rng.randrange(60000)]}
+               for i in range(300)]
+    src = write_jsonl(tmp_path / "in.jsonl", records)
+    child = Child(["run", src, "-o", tmp_path / "out.jsonl", *tiny_args(tiny_model), "--quiet", "--max-tokens", "16"],
+                  tmp_path, "random-stop")
+    time.sleep(rng.uniform(0.5, 8.0))  # while it imports, loads, compiles or generates
+    child.send(signal.SIGTERM)
+    sent = time.monotonic()
+    result = child.wait(timeout=60)
+    assert time.monotonic() - sent < 10, result.err
+    assert result.code == 75 or (result.code in (0, 3) and (tmp_path / "out.jsonl").exists()), result.err

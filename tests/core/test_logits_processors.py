@@ -165,7 +165,7 @@ def test_a_request_whose_processor_raises_ends_as_an_error_and_the_others_go_on(
     outs = run([GenerationRequest("a", prompts[0], fine), GenerationRequest("b", prompts[1], broken),
                 GenerationRequest("c", prompts[2], fine)])
     assert outs["b"].finish_reason == "error" and outs["b"].text == ""
-    assert outs["b"].error.startswith("MinTokens failed: IndexError")
+    assert outs["b"].error.startswith("the request failed while it ran (MinTokens failed: IndexError")
     for name in ("a", "c"):
         assert outs[name].error is None and outs[name].finish_reason == "length"
         assert len(outs[name].output_token_ids) == len(alone[name].output_token_ids) == 6

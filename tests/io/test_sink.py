@@ -108,7 +108,8 @@ def test_a_request_that_failed_while_it_ran_is_an_error_row_naming_what_failed(j
     sink.admit(raw(2), built(2))
     failed = RequestOutput("2", [], "", "error", num_prompt_tokens=3, num_cached_tokens=0, num_preemptions=0,
                            arrival_time=1.0, first_scheduled_time=1.5, first_token_time=2.0, finish_time=3.0,
-                           error="MinTokens failed: IndexError: index 999999 is out of bounds")
+                           error="the request failed while it ran (MinTokens failed: IndexError: index 999999 is out "
+                                 "of bounds); the other requests went on")
     sink.finished(failed)
     sink.close(True)
     [row] = list(journal.iter_rows())
