@@ -66,7 +66,8 @@ def status_command(
     output: str = typer.Argument(..., help="The output file of a run (its run directory is <output>.conveyor)."),
     run_dir: str = typer.Option(None, help="The run directory, if not the default."),
 ) -> int:
-    """Show a run's progress: done / total, errors, last checkpoint, whether it is running, how to resume."""
+    """Show a run's progress: done / total, errors, tokens held in flight, last checkpoint, whether it is running,
+    how to resume. Exit 0: finished (the output is written); 75: not finished, resumable; 2: no run there."""
     from conveyor.cli.status import show_status
 
     return show_status(output, run_dir)

@@ -33,7 +33,8 @@ RUN = "Run control"
 
 InputArg = Annotated[str, typer.Argument(help="Prompts: .jsonl, .jsonl.gz, .json, .parquet, .csv, a datasets "
                                               "folder, a hub dataset name (with --split), or - for stdin.")]
-OutputOpt = Annotated[str, typer.Option("--output", "-o", help="Output file: .parquet or .jsonl.")]
+OutputOpt = Annotated[str, typer.Option("--output", "-o", help="Output file: .parquet or .jsonl; - writes JSONL to "
+                                                              "stdout once the run is complete (with --run-dir).")]
 ConfigOpt = Annotated[Optional[str], typer.Option("--config", "-c", help="YAML file of options; flags override it.")]
 
 ModelOpt = Annotated[Optional[str], typer.Option(help="Embedded model name, local HF folder, .gguf file or hub id. "

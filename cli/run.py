@@ -112,8 +112,9 @@ def execute(invocation: Invocation) -> int:
     try:
         run.open()
         if not cli.quiet:
-            if run.totals.resumed_from:
-                say(f"resuming: {run.totals.resumed_from} records already done")
+            if run.totals.resumed_from or run.partials:
+                say(f"resuming: {run.totals.resumed_from} records already done"
+                    + (f", {len(run.partials)} to continue from where they stopped" if run.partials else ""))
             _note_loading(spec.model)
         run.load_engine()
         try:
@@ -129,13 +130,14 @@ def execute(invocation: Invocation) -> int:
         run.close()
     summary = result.summary()
     message = f"stopped ({stopper.reason}); {result.message}" if result.status == STOPPED else result.message
-    _print_summary(summary, message)
+    to_stdout = spec.output.path == "-"  # stdout carries the output: everything else goes to stderr
+    _print_summary(summary, message, sys.stderr if to_stdout else sys.stdout)
     if result.profile:
-        _print_profile(result.profile)
+        _print_profile(result.profile, sys.stderr if to_stdout else sys.stdout)
     if cli.summary_json:
         write_summary_json(cli.summary_json, summary)
     if result.output_written and not cli.quiet:
-        say(f"wrote {spec.output.path}")
+        say("wrote the output to stdout" if to_stdout else f"wrote {spec.output.path}")
     return int(ExitCode[result.status.upper()])
 
 
@@ -185,7 +187,7 @@ def _quiet_libraries() -> None:
         pass
 
 
-def _print_summary(summary: dict, message: str) -> None:
+def _print_summary(summary: dict, message: str, stream=None) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -201,18 +203,24 @@ def _print_summary(summary: dict, message: str) -> None:
     ]
     if summary["resumed_from"]:
         rows.append(("resumed from", summary["resumed_from"]))
+    if summary.get("continued"):
+        rows.append(("continued", f"{summary['continued']} records, {summary['tokens_carried_over']} tokens carried "
+                                  "over"))
+    if summary.get("in_flight_saved"):
+        rows.append(("in flight, saved", f"{summary['in_flight_saved']} records (continued when the run resumes)"))
     for name, value in rows:
         table.add_row(name, str(value))
-    console = Console(file=sys.stdout, width=max(60, Console().width if sys.stdout.isatty() else 80))
+    stream = stream or sys.stdout
+    console = Console(file=stream, width=max(60, Console().width if stream.isatty() else 80))
     console.print(table)
     if message:
         sys.stderr.write(f"conveyor: {message}\n")
 
 
-def _print_profile(profile: dict) -> None:
+def _print_profile(profile: dict, out) -> None:
     total = profile.get("step_s", 0.0) or 1e-9
-    sys.stdout.write("step time breakdown:\n")
+    out.write("step time breakdown:\n")
     for key, value in profile.items():
         if key.endswith("_s") and key != "step_s":
-            sys.stdout.write(f"  {key[:-2]:<12} {value:9.3f} s  {value / total:6.1%}\n")
-    sys.stdout.write(f"  {'total':<12} {total:9.3f} s over {int(profile.get('steps', 0))} steps\n")
+            out.write(f"  {key[:-2]:<12} {value:9.3f} s  {value / total:6.1%}\n")
+    out.write(f"  {'total':<12} {total:9.3f} s over {int(profile.get('steps', 0))} steps\n")

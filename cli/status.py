@@ -13,6 +13,8 @@ from conveyor.io.status import ShardStatus, run_status
 
 
 def show_status(output: str, run_dir: str | None) -> int:
+    """Print the run's state; exit 0 where it finished (its output written), 75 where it has not (resumable); a
+    missing run directory is a usage error (2)."""
     status = run_status(output, run_dir)
     if status.shards is not None:
         return _show_shards(status.path, status.shards, output)
@@ -26,12 +28,19 @@ def show_status(output: str, run_dir: str | None) -> int:
     if info.get("input_path"):
         out.write(f"input:  {info['input_path']}\nmodel:  {info.get('model')}\n")
     out.write(f"done:   {done}" + (f" / {total}" if total is not None else "") + f"  (errors {info.get('num_errors', 0)})\n")
+    if info.get("num_partials"):
+        out.write(f"in flight: {info['num_partials']} records hold {info['partial_tokens']} generated tokens "
+                  "(continued where they stopped when the run resumes)\n")
     last = info.get("last_commit_time")
     out.write("last checkpoint: " + (time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(last)) if last else "none")
               + "\n")
     holder = info.get("lock_holder")
+    finished = not holder and Path(output).exists() and total is not None and done >= total \
+        and not info.get("journal_error")
     if holder:
         out.write(f"running: yes, process {holder.get('pid')}\n")
+    elif finished:
+        out.write(f"finished: {output} is written\n")
     else:
         out.write("running: no\n")
         command = info.get("command")
@@ -39,7 +48,7 @@ def show_status(output: str, run_dir: str | None) -> int:
             out.write(f"resume with: {command}\n")
         else:
             out.write(f"resume with: the same `conveyor run ... -o {shlex.quote(output)}` command as before\n")
-    return 0
+    return 0 if finished else 75
 
 
 def _show_shards(path: Path, shards: list[ShardStatus], output: str) -> int:
@@ -75,8 +84,10 @@ def _show_shards(path: Path, shards: list[ShardStatus], output: str) -> int:
     out.write(f"all:    {done}" + (f" / {total}" if total is not None else "") + f"  (errors {errors}); "
               f"{finished} of {count} shards finished, {running} running\n")
     if finished == count:
-        out.write(f"output: {output} {'written' if Path(output).exists() else 'not written yet'} "
+        written = Path(output).exists()
+        out.write(f"output: {output} {'written' if written else 'not written yet'} "
                   f"(`conveyor merge -o {shlex.quote(output)}` writes it from the shards)\n")
+        return 0 if written else 75
     else:  # (stopped shards said theirs above)
         if known and _SHARD_ARG.search(known):
             for shard in missing:  # another shard's command, with this shard's --shard
@@ -86,7 +97,7 @@ def _show_shards(path: Path, shards: list[ShardStatus], output: str) -> int:
         elif not known:
             out.write("resume with: each unfinished shard's `conveyor run ... --shard I/N` command (or the same "
                       "`--executor ray` command)\n")
-    return 0
+    return 75
 
 
 _SHARD_ARG = re.compile(r"--shard[= ]\d+/\d+")

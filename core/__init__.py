@@ -17,13 +17,14 @@ from conveyor.core.errors import ConfigError, ModelLoadError
 from conveyor.core.grammar import Grammars, compiling
 from conveyor.core.loading import check_before_loading, load_engine, load_tokenizer, resolve_engine_config
 from conveyor.core.model_loader import EMBEDDED_MODELS, is_embedded_cached, models_cache_dir
-from conveyor.core.outputs import GenerationRequest, ModelLimits, RequestOutput
+from conveyor.core.outputs import GenerationRequest, InFlight, ModelLimits, RequestOutput
 from conveyor.core.request import FinishReason
 from conveyor.core.sampling_params import MAX_LOGPROBS, Grammar, SamplingParams
+from conveyor.core.schedule_types import TokenLogprobs
 
 __all__ = ["BACKENDS", "DEFAULT_KV_CACHE_MEMORY", "DEFAULT_MODEL", "DEVICE_DEFAULTS", "DTYPES", "EMBEDDED_MODELS",
-           "MAX_LOGPROBS", "ConfigError", "EngineConfig", "FinishReason", "GenerationRequest", "Grammar", "Grammars",
+           "MAX_LOGPROBS", "ConfigError", "EngineConfig", "FinishReason", "GenerationRequest", "Grammar", "Grammars", "InFlight",
            "ModelLimits", "ModelLoadError", "RequestOutput", "SamplingParams", "check_before_loading", "compiling",
            "is_embedded_cached",
            "load_engine", "load_tokenizer",
-           "models_cache_dir", "parse_memory", "resolve_engine_config"]
+           "TokenLogprobs", "models_cache_dir", "parse_memory", "resolve_engine_config"]

@@ -26,7 +26,7 @@ from conveyor.core.kv_cache import KVCache
 from conveyor.core.logits_state import LogitsState
 from conveyor.core.model_runner import ModelRunner
 from conveyor.core.output_processor import OutputProcessor
-from conveyor.core.outputs import GenerationRequest, RequestOutput
+from conveyor.core.outputs import GenerationRequest, InFlight, RequestOutput
 from conveyor.core.request import FinishReason, Request
 from conveyor.core.scheduler import Scheduler
 
@@ -100,7 +100,8 @@ class Engine:
         self.runner = ModelRunner(self.backend, self.kv_cache, self.eos_token_ids)
         self.outputs = OutputProcessor(tokenizer)
         self._grammars: Grammars | None = None  # made on the first request with a grammar
-        self._compiling: list[tuple[Request, Future]] = []  # requests whose grammar compiles, in arrival order
+        # requests whose grammar compiles, in arrival order (with the logprobs a continued one carries)
+        self._compiling: list[tuple[Request, Future, tuple | None]] = []
         self.num_generated_tokens = 0
         # Seconds per phase of step(); perf_counter is cheap enough to keep always on.
         self._timings = {"schedule_s": 0.0, "update_s": 0.0, "output_s": 0.0, "step_s": 0.0, "steps": 0}
@@ -138,25 +139,55 @@ class Engine:
         vocab = self.limits.vocab_size
         if any(not 0 <= t < vocab for t in request.prompt_token_ids):
             raise ValueError(f"request {request.req_id!r}: a prompt token id is outside the vocabulary [0, {vocab})")
+        self._check_continued(request)
         req = Request(request.req_id, request.prompt_token_ids, request.sampling, request.priority,
                       arrival_time=time.monotonic())
+        req.token_ids.extend(request.output_token_ids)  # (a continued request: recomputed like a preempted one)
         self.scheduler.check(req)
         if request.sampling.grammar is None:
-            self._admit(req, None)
+            self._admit(req, None, request.output_logprobs)
             return
         if self._grammars is None:
             c = self.config
             self._grammars = Grammars(self.tokenizer, vocab, c.max_grammar_compile_s, c.max_grammar_bytes)
         # Compiled off the step loop: the request waits here, its grammar compiling, while the others run.
-        self._compiling.append((req, self._grammars.submit(request.sampling.grammar)))  # ValueError: too big
+        future = self._grammars.submit(request.sampling.grammar)  # ValueError: too big
+        self._compiling.append((req, future, request.output_logprobs))
 
-    def _admit(self, req: Request, compiled) -> None:
-        """Into the scheduler, with its logits processors' state (its grammar's matcher, where it has one)."""
+    def _check_continued(self, request: GenerationRequest) -> None:
+        """What a continued request carries must be something this engine could have generated for it."""
+        done, s = request.output_token_ids, request.sampling
+        if not done:
+            return
+        name = f"request {request.req_id!r}"
+        if len(done) >= s.max_tokens:
+            raise ValueError(f"{name} continues after {len(done)} tokens, but its max_tokens is {s.max_tokens}")
+        if any(not 0 <= t < self.limits.vocab_size for t in done):
+            raise ValueError(f"{name}: a token it generated is outside the vocabulary [0, {self.limits.vocab_size})")
+        if (s.logprobs is not None) != (request.output_logprobs is not None) or \
+                (request.output_logprobs is not None and len(request.output_logprobs) != len(done)):
+            raise ValueError(f"{name}: the logprobs it carries do not match the tokens it generated")
+
+    def _admit(self, req: Request, compiled, output_logprobs) -> None:
+        """Into the scheduler, with its logits processors' state (its grammar's matcher, where it has one), and,
+        for a continued request, that state and its output's replayed over the tokens it generated before."""
         if LogitsState.needed(req.sampling):
             matcher = None if compiled is None else self._grammars.matcher_of(compiled)
             req.logits_state = LogitsState(req.sampling, req.prompt_token_ids, matcher)
+            for token in req.output_token_ids:
+                req.logits_state.accept(token)
         self.scheduler.add_request(req)
-        self.outputs.start(req)
+        self.outputs.start(req, output_logprobs)
+
+    def in_flight(self) -> dict[str, InFlight]:
+        """Every unfinished request that has generated tokens (running, waiting after a preemption, or continued
+        and waiting for its grammar): what to continue it from in another process."""
+        out: dict[str, InFlight] = {}
+        waiting = [req for req, _, _ in self._compiling]
+        for req in [*self.scheduler.requests.values(), *waiting]:
+            if req.num_output_tokens:
+                out[req.req_id] = InFlight(tuple(req.output_token_ids), self.outputs.logprobs_so_far(req))
+        return out
 
     def _admit_compiled(self) -> list[RequestOutput]:
         """The requests whose grammar has compiled go to the scheduler; those whose grammar failed to (an invalid
@@ -165,11 +196,11 @@ class Engine:
             return []
         self._grammars.poll()
         failed, still = [], []
-        for req, future in self._compiling:
+        for req, future, logprobs in self._compiling:
             if not future.done():
-                still.append((req, future))
+                still.append((req, future, logprobs))
             elif future.exception() is None:
-                self._admit(req, future.result())
+                self._admit(req, future.result(), logprobs)
             else:
                 req.error = str(future.exception())
                 req.finish(FinishReason.ERROR)
@@ -193,7 +224,7 @@ class Engine:
         plan = self.scheduler.schedule()
         if plan.is_empty:
             if self._compiling:  # nothing to run until a grammar compiles: wait for one, a little
-                Grammars.wait([future for _, future in self._compiling], timeout=0.05)
+                Grammars.wait([future for _, future, _ in self._compiling], timeout=0.05)
             return failed
         t1 = time.perf_counter()
         requests = self.scheduler.requests

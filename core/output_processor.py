@@ -35,15 +35,25 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.schemas = SchemaCheck()
 
-    def start(self, request: Request) -> None:
-        """Give `request` the state its output needs (none for most)."""
+    def start(self, request: Request, output_logprobs=None) -> None:
+        """Give `request` the state its output needs (none for most); a continued request's is replayed over the
+        tokens it generated before (`output_logprobs`: theirs, where it asks for logprobs)."""
         s = request.sampling
         if not s.stop and s.logprobs is None and s.prompt_logprobs is None:
             return
+        detokenizer = None
+        if s.stop:
+            detokenizer = IncrementalDetokenizer(self.tokenizer)
+            if request.num_output_tokens:  # text it had, with no stop string found in it: none is looked for there
+                detokenizer.update(request.output_token_ids)
         request.output_state = OutputState(
-            IncrementalDetokenizer(self.tokenizer) if s.stop else None,
-            [] if s.logprobs is not None else None,
+            detokenizer, list(output_logprobs or ()) if s.logprobs is not None else None,
             [None] * request.num_prompt_tokens if s.prompt_logprobs is not None else None)
+
+    def logprobs_so_far(self, request: Request) -> tuple[TokenLogprobs, ...] | None:
+        """The logprobs of the tokens `request` has generated, where it asks for them."""
+        state = request.output_state
+        return None if state is None or state.logprobs is None else tuple(state.logprobs)
 
     def record(self, result: RunnerOutput, requests: dict[str, Request]) -> None:
         """The step's logprobs, kept by the requests that asked for them (before their tokens are accepted)."""

@@ -25,6 +25,18 @@ class GenerationRequest:
     prompt_token_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     priority: int = 0
+    # What an earlier process generated for it before it stopped (`Engine.in_flight`): it continues from there,
+    # recomputed like a preempted request, and ends as it would have uninterrupted.
+    output_token_ids: tuple[int, ...] = ()
+    output_logprobs: tuple[TokenLogprobs, ...] | None = None  # theirs, where it asks for logprobs
+
+
+@dataclass(frozen=True, slots=True)
+class InFlight:
+    """A request still generating: what it has generated so far (`Engine.in_flight`), to continue it later."""
+
+    output_token_ids: tuple[int, ...]
+    output_logprobs: tuple[TokenLogprobs, ...] | None  # one per output token, where it asks for logprobs
 
 
 @dataclass(frozen=True, slots=True)

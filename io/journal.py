@@ -23,7 +23,7 @@ from pathlib import Path
 
 from conveyor.io.errors import JournalCorrupt
 
-_SCHEMA_VERSION = 2  # 2: rows.digest
+_SCHEMA_VERSION = 3  # 2: rows.digest; 3: partials
 _PAGE = 4096  # rows fetched per query when streaming
 
 _SCHEMA = [
@@ -36,6 +36,9 @@ _SCHEMA = [
     # exists. Its primary key is the unique index that makes id look-ups O(log n).
     "CREATE TABLE IF NOT EXISTS ids (id TEXT PRIMARY KEY, idx INTEGER NOT NULL) WITHOUT ROWID",
     "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID",
+    # A record still generating when the run committed: the tokens it had generated (and their logprobs, where
+    # asked for), so a resumed run continues it instead of starting it over. Gone once its row is committed.
+    "CREATE TABLE IF NOT EXISTS partials (idx INTEGER PRIMARY KEY, num_tokens INTEGER NOT NULL, state TEXT NOT NULL)",
 ]
 
 # SQLite primary result codes (sqlite3.h); the extended code's low byte is the primary one.
@@ -60,6 +63,7 @@ class Journal:
         self._pending_ids: dict[str, int] = {}  # id -> first index, not yet in `ids`
         self._pending_errors = 0
         self._pending_columns: set[str] = set()  # row keys first seen since the last commit
+        self._pending_partials: dict[int, tuple[int, str]] = {}  # index -> (tokens, state JSON), for the next commit
         with self._guard():
             self._conn = self._connect()
             try:
@@ -105,8 +109,9 @@ class Journal:
                     [("schema_version", str(_SCHEMA_VERSION)), ("num_committed", "0"),
                      ("num_errors", "0"), ("contiguous_prefix", "0")],
                 )
-            elif int(version[0]) == 1:  # written before records had digests: add the column
-                conn.execute("ALTER TABLE rows ADD COLUMN digest TEXT")
+            elif int(version[0]) in (1, 2):  # an earlier release's journal: what it lacks is added (the partials
+                if int(version[0]) == 1:  # table by _SCHEMA above; version 1 also lacked the records' digests)
+                    conn.execute("ALTER TABLE rows ADD COLUMN digest TEXT")
                 conn.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(_SCHEMA_VERSION),))
             elif int(version[0]) != _SCHEMA_VERSION:
                 raise JournalCorrupt(self.path, f"unknown schema version {version[0]}")
@@ -186,9 +191,37 @@ class Journal:
             raise translated from exc
         return found[0] if found else None
 
+    def set_partials(self, partials: dict[int, dict]) -> None:
+        """Buffer the states of records still generating (index -> {"tokens": [...], "logprobs": [...] or None}),
+        written by the next commit() with its rows; a record's partial goes when its row is committed."""
+        self._pending_partials = {index: (len(state["tokens"]), json.dumps(state)) for index, state in partials.items()}
+
+    def partials(self) -> dict[int, dict]:
+        """The committed partials (index -> state): what a resumed run continues. Bounded by what was in flight."""
+        with self._guard():
+            try:
+                found = self._conn.execute("SELECT idx, state FROM partials").fetchall()
+            except sqlite3.OperationalError as e:  # a journal of an earlier release, opened read-only
+                if "no such table" in str(e):
+                    return {}
+                raise
+        return {index: json.loads(state) for index, state in found}
+
+    def partial_tokens(self) -> tuple[int, int]:
+        """(records held as partials, the tokens they hold)."""
+        with self._guard():
+            try:
+                count, tokens = self._conn.execute("SELECT COUNT(*), SUM(num_tokens) FROM partials").fetchone()
+            except sqlite3.OperationalError as e:
+                if "no such table" in str(e):
+                    return 0, 0
+                raise
+        return count, tokens or 0
+
     def commit(self) -> int:
-        """Write all buffered rows and id claims in one transaction; durable on return."""
-        if not self._pending_rows and not self._pending_ids:
+        """Write all buffered rows, id claims and partials in one transaction (a row's partial deleted with it);
+        durable on return. Returns the rows written."""
+        if not self._pending_rows and not self._pending_ids and not self._pending_partials:
             return 0
         rows = self._pending_rows
         now = time.time()
@@ -203,6 +236,10 @@ class Journal:
                     "INSERT INTO rows(idx, id, status, row, digest) VALUES (?, ?, ?, ?, ?)",
                     ((i, *fields) for i, fields in rows.items()),
                 )
+                self._conn.executemany("INSERT OR REPLACE INTO partials(idx, num_tokens, state) VALUES (?, ?, ?)",
+                                       ((i, n, state) for i, (n, state) in self._pending_partials.items()
+                                        if i not in rows))
+                self._conn.executemany("DELETE FROM partials WHERE idx = ?", ((i,) for i in rows))
                 prefix = self._advance_prefix(rows)
                 num_committed = self._num_committed + len(rows)
                 num_errors = self._num_errors + self._pending_errors
@@ -235,6 +272,7 @@ class Journal:
         self._num_committed, self._num_errors, self._prefix = num_committed, num_errors, prefix
         self._last_commit_time = now
         self._pending_rows, self._pending_ids, self._pending_errors = {}, {}, 0
+        self._pending_partials = {}
         self._columns, self._pending_columns = columns, set()
         return count
 

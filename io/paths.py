@@ -19,22 +19,53 @@ class PathClash(InputError):
 
 def check_run_paths(source: str, output: str, run_dir: str | os.PathLike, state_files: tuple[str, ...]) -> None:
     """Raise PathClash when the output or the run directory (or one of its `state_files`, or its manifest or
-    lock) is the input, or when the output is an existing folder. The output's temporary file needs no
-    check: it is a fresh name made with O_EXCL beside the output (`conveyor.io.atomic`)."""
+    lock) is the input, or when the output exists and is not a regular file (a folder, a device, a FIFO, a socket,
+    a link into /dev or /proc: the final rename would replace it). The output's temporary file needs no
+    check: it is a fresh name made with O_EXCL beside the output (`conveyor.io.atomic`). "-" is stdout."""
+    check_output_path(output)
     out = Path(output)
-    if out.is_dir():
-        raise PathClash(output, None, "-o names an existing folder; name the output file (.parquet or .jsonl)")
     inputs = _input_files(source)
     if not inputs:
         return
     run = Path(run_dir)
-    written = [("-o", out), ("the run directory", run),
+    written = [*([("-o", out)] if output != "-" else []), ("the run directory", run),
                *((f"the run directory's {name}", run / name) for name in (*state_files, "manifest.json", "lock"))]
     for what, path in written:
         for item in inputs:
             if _same(path, item):
                 raise PathClash(output, None, f"{what} ({path}) is the input ({source}); writing it would destroy "
                                               "the input: choose another output or --run-dir")
+
+
+def check_output_path(output: str) -> None:
+    """PathClash where -o exists and is not a regular file ("-", stdout, is not a path)."""
+    kind = None if output == "-" else _kind(Path(output))
+    if kind == "folder":
+        raise PathClash(output, None, "-o names an existing folder; name the output file (.parquet or .jsonl)")
+    if kind is not None:
+        raise PathClash(output, None, f"-o names {kind}, not a file: the output is written to a file by rename, "
+                                      "which would replace it; name a file, or -o - for stdout")
+
+
+def _kind(path: Path) -> str | None:
+    """What an existing -o that is not a regular file is ("a folder", "a FIFO", ...), else None (a regular file, a
+    link to one outside /dev and /proc, or nothing there yet)."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return "a link to nothing" if os.path.islink(path) else None
+    except OSError as e:
+        return f"something that cannot be read ({e.strerror})"
+    if stat.S_ISDIR(mode):
+        return "folder"
+    if stat.S_ISREG(mode):
+        real = os.path.realpath(path)
+        return f"a link to {real}" if real.startswith(("/dev/", "/proc/")) else None
+    for test, what in ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return what
+    return "something that is not a regular file"
 
 
 def _input_files(source: str) -> list[os.stat_result | Path]:

@@ -40,7 +40,7 @@ from conveyor.core import (
 )
 from conveyor.io.errors import SpecError
 from conveyor.io.journal import Journal
-from conveyor.io.paths import check_run_paths
+from conveyor.io.paths import check_output_path, check_run_paths
 from conveyor.io.pending import PendingRecords
 from conveyor.io.readers import fingerprint, fingerprints_content, open_reader
 from conveyor.io.records_run import run_records
@@ -51,7 +51,7 @@ from conveyor.io.run_spec import RunSpec
 from conveyor.io.shards import MergeResult, Shard, ShardError, ShardSet, clear_done, mark_done, merge, shard_dir
 from conveyor.io.sink import BadRecordStop, CommitPolicy, JournalSink, RunTotals
 from conveyor.io.validation import ValidationSink
-from conveyor.io.writers import check_keep_fields, infer_output_format, write_output
+from conveyor.io.writers import STDOUT, check_keep_fields, infer_output_format, write_output
 
 try:
     TOOL_VERSION = version("conveyor")
@@ -86,6 +86,9 @@ class RunResult:
             "preemptions": s.num_preemptions if s else 0,
             "prefix_cache_hit_rate": round(s.prefix_cache_hit_rate, 4) if s else 0.0,
             "resumed_from": t.resumed_from,
+            "continued": t.continued,  # records continued from an earlier process's partial ...
+            "tokens_carried_over": t.tokens_carried_over,  # ... and the tokens those held
+            "in_flight_saved": t.in_flight_saved if self.status == STOPPED else 0,  # partials kept at the stop
             "status": self.status,
         }
 
@@ -109,6 +112,7 @@ class Run:
         self.totals = RunTotals()
         self.engine = None  # core's Engine, once loaded
         self.engine_config: EngineConfig = spec.engine  # as it runs here, once `open` resolved it
+        self.partials: dict[int, dict] = {}  # the journal's partials, once `open` read them
         self.shard: Shard | None = None  # --shard: this run answers the records whose index is I mod N
         self.output_format = ""
         self.arithmetic: str | None = None  # the backend's arithmetic the rows so far were computed with
@@ -162,6 +166,7 @@ class Run:
         # records one by one against the digests the journal keeps of the records it answered.
         reader.with_digests = not fingerprints_content(manifest.input_fingerprint)
         t = self.totals
+        self.partials = self.journal.partials()  # records an earlier process left generating: they continue
         t.resumed_from = t.done = self.journal.num_committed()
         t.errors = self.journal.num_errors()
         t.ok = t.done - t.errors
@@ -190,8 +195,16 @@ class Run:
 
     def _check_output(self) -> str:
         output = self.spec.output
+        check_output_path(output.path)
         fmt = infer_output_format(output.path, output.format)
         check_keep_fields(self.spec.build.keep_fields)
+        if output.path == STDOUT:
+            if self.spec.state.shard is not None:
+                raise SpecError("-o -: a shard does not write the output (the last one to finish does, maybe in "
+                                "another process); name an output file")
+            if self.spec.state.run_dir is None:
+                raise SpecError("-o -: give --run-dir too: the run's state needs a folder, and stdout has no place "
+                                "beside it for one")
         return fmt
 
     def _manifest(self) -> Manifest:
@@ -228,7 +241,8 @@ class Run:
         BadRecordStop at the first bad record under --on-error fail (what finished is committed)."""
         state = self.spec.state
         sink = JournalSink(self.journal, CommitPolicy(state.checkpoint_every, state.checkpoint_seconds),
-                           self.spec.output.on_error, self._token_text, self.totals)
+                           self.spec.output.on_error, self._token_text, self.totals, self.engine.in_flight,
+                           self.partials)
         if run_records(self._pending, self.builder, self.engine, sink, should_stop, on_progress) == "stopped":
             return self._result(STOPPED, "run the same command again to resume")
         return self._finish()
@@ -278,6 +292,8 @@ class Run:
 
     def _result(self, status: str, message: str, output_written: bool = False) -> RunResult:
         stats = self.engine.stats() if self.engine else None
+        if stats is not None:
+            self.totals.generated_tokens = stats.num_generated_tokens
         profile = self.engine.profile() if self.engine and self.spec.profile else {}
         return RunResult(status, self.totals, stats, message, profile, output_written)
 
@@ -312,6 +328,8 @@ class Run:
         if spec.input.path == "-":
             raise SpecError("--executor ray: every worker reads the input, so it must be a file or dataset, not "
                             "stdin")
+        if spec.output.path == STDOUT:
+            raise SpecError("-o -: not with --executor ray, which writes the output from its shards; name a file")
         self.output_format = self._check_output()
         run_dir = self.base_run_dir
         check_run_paths(spec.input.path, spec.output.path, run_dir, STATE_FILES)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sys
 import time
 from typing import IO, Any, Iterable, Iterator
 
@@ -18,16 +19,23 @@ from conveyor.io.errors import SpecError
 from conveyor.io.rows import KIND_KEY, OPTIONAL_COLUMNS, OUTPUT_COLUMNS, base_schema, optional_schema
 
 OUTPUT_FORMATS = ("parquet", "jsonl", "openai-batch")
+STDOUT = "-"  # -o -: the finished output goes to stdout
 _EXTENSIONS = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl"}
 _INT64 = (-2**63, 2**63)
 
 
 def infer_output_format(path: str, output_format: str | None) -> str:
-    """"parquet", "jsonl" or "openai-batch", from --output-format or else the path's extension."""
+    """"parquet", "jsonl" or "openai-batch", from --output-format or else the path's extension (stdout: JSONL, or
+    openai-batch; Parquet is not written to a stream)."""
     if output_format is not None:
         if output_format not in OUTPUT_FORMATS:
             raise SpecError(f"--output-format {output_format!r} is not one of {', '.join(OUTPUT_FORMATS)}")
+        if path == STDOUT and output_format == "parquet":
+            raise SpecError("-o -: Parquet is not written to stdout; use --output-format jsonl or openai-batch, "
+                            "or name a .parquet file")
         return output_format
+    if path == STDOUT:
+        return "jsonl"
     fmt = _EXTENSIONS.get(os.path.splitext(path.lower())[1])
     if fmt is None:
         raise SpecError(f"cannot tell the output format of {path!r} from its extension; name it .parquet or "
@@ -61,10 +69,17 @@ def write_output(rows: Iterable[dict], path: str, output_format: str, keep_field
     if output_format == "parquet":
         with atomic_file(path, "wb") as f:
             return _write_parquet(rows, f, keep_fields, row_group_size, extra)
-    with atomic_file(path, "w") as f:
+    with (_stdout() if path == STDOUT else atomic_file(path, "w")) as f:
         if output_format == "jsonl":
             return _write_jsonl(rows, f, OUTPUT_COLUMNS + extra + keep_fields)
         return _write_openai_batch(rows, f, model_name)
+
+
+@contextlib.contextmanager
+def _stdout() -> Iterator[IO[str]]:
+    """stdout, for a run's finished output (written once every row is there: nothing half-done reaches it)."""
+    yield sys.stdout
+    sys.stdout.flush()
 
 
 # Characters that JSON leaves raw but that line splitters (Python's str.splitlines, JavaScript) treat as line

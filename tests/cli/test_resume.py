@@ -96,7 +96,7 @@ def _kill_resume_and_compare(tmp_path, rng_seed: int, options: list[str], probe_
         done_before = done
 
     status = run_in_process("status", output)
-    assert status.code == 0, status.err
+    assert status.code == 75, status.err  # not finished, resumable
     assert f"done:   {done_before} / {len(CHAT_RECORDS)}" in status.out
     assert "running: no" in status.out
     assert "resume with: conveyor run" in status.out and str(source) in status.out
@@ -133,7 +133,7 @@ def _check_lock_refusal_and_status_while_running(command, output, pid: int) -> N
     assert f"process {pid}" in second.err and "in use" in second.err
     assert len(second.err_lines) == 1 and "Traceback" not in second.err
     status = run_in_process("status", output)
-    assert status.code == 0 and f"running: yes, process {pid}" in status.out
+    assert status.code == 75 and f"running: yes, process {pid}" in status.out
 
 
 REAL = ["--max-num-seqs", "4", "--max-tokens", "16"]

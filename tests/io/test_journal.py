@@ -277,3 +277,39 @@ def test_read_only_open_beside_a_writer(path):
         with Journal(path, read_only=True, verify=False) as reader:
             assert reader.num_committed() == 2 and reader.num_errors() == 2
             assert reader.contiguous_prefix() == 2
+
+
+def test_partials_are_committed_with_rows_and_go_with_their_row(path):
+    with Journal(path) as j:
+        j.add(row(0))
+        j.set_partials({1: {"tokens": [5, 6, 7], "logprobs": None}, 2: {"tokens": [9], "logprobs": [[9, -0.5, []]]}})
+        j.commit()
+        assert j.partials() == {1: {"tokens": [5, 6, 7], "logprobs": None},
+                                2: {"tokens": [9], "logprobs": [[9, -0.5, []]]}}
+        assert j.partial_tokens() == (2, 4)
+        j.add(row(1))  # record 1 finished: its partial goes in the same transaction
+        j.set_partials({2: {"tokens": [9, 10], "logprobs": [[9, -0.5, []], [10, -0.25, []]]}})
+        j.commit()
+    with Journal(path) as j:
+        assert j.partials() == {2: {"tokens": [9, 10], "logprobs": [[9, -0.5, []], [10, -0.25, []]]}}
+        assert j.num_committed() == 2
+
+
+def test_a_journal_of_the_release_before_partials_resumes(path):
+    with Journal(path) as j:
+        commit_rows(j, [0, 1])
+    conn = sqlite3.connect(path)  # what the earlier release left: schema version 2, no partials table
+    conn.execute("DROP TABLE partials")
+    conn.execute("UPDATE meta SET value = '2' WHERE key = 'schema_version'")
+    conn.commit()
+    conn.close()
+    with Journal(path, read_only=True, verify=False) as old:
+        assert old.partials() == {} and old.partial_tokens() == (0, 0)  # `conveyor status` reads it as it is
+    with Journal(path) as j:  # a run opens it: migrated
+        assert j.num_committed() == 2 and j.partials() == {}
+        j.set_partials({2: {"tokens": [1], "logprobs": None}})
+        j.commit()
+        assert j.partials() == {2: {"tokens": [1], "logprobs": None}}
+    conn = sqlite3.connect(path)
+    assert conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()[0] == "3"
+    conn.close()

@@ -46,7 +46,7 @@ def test_a_record_goes_in_as_a_request_and_comes_out_as_its_row(journal):
         ("r4", 4, "ok", "hi", 2, 7)
     assert (row["queue_s"], row["ttft_s"], row["latency_s"]) == (0.5, 1.0, 2.0)
     t = sink.totals
-    assert (t.done, t.ok, t.errors, t.prompt_tokens, t.completion_tokens, t.new_completion_tokens) == (1, 1, 0, 3, 2, 2)
+    assert (t.done, t.ok, t.errors, t.prompt_tokens, t.completion_tokens) == (1, 1, 0, 3, 2)
 
 
 def test_a_bad_record_and_a_repeated_id_become_error_rows_without_a_request(journal):
