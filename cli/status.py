@@ -35,8 +35,8 @@ def show_status(output: str, run_dir: str | None) -> int:
     out.write("last checkpoint: " + (time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(last)) if last else "none")
               + "\n")
     holder = info.get("lock_holder")
-    finished = not holder and Path(output).exists() and total is not None and done >= total \
-        and not info.get("journal_error")
+    finished = not holder and Path(output).exists() and (total is None or done >= total) \
+        and not info.get("num_partials") and not info.get("journal_error")
     if holder:
         out.write(f"running: yes, process {holder.get('pid')}\n")
     elif finished:
