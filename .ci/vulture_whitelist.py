@@ -6,6 +6,12 @@ status_command
 merge_command
 models_command
 json_schema  # `conveyor run`'s options reach build_config through locals()
+served_model_name  # so does --served-model-name (BuildOptions.served_model_names)
+no_ignore_eos  # and the hidden --no-NAME of a switch (cli/options.py `negatives`)
+no_prompt_logprobs
+no_quiet
+no_profile
+_root  # the app's callback: --version
 
 # Signal handlers, context managers and transformers' attention interface have fixed signatures.
 frame

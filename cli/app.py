@@ -11,6 +11,7 @@ import typer
 from conveyor.cli.command_line import set_command_line
 from conveyor.cli.exit_codes import ExitCode, code_for, message_for
 from conveyor.cli.options import (
+    ChatFieldOpt,
     ConfigOpt,
     IdFieldOpt,
     InputArg,
@@ -21,8 +22,12 @@ from conveyor.cli.options import (
     MessagesFieldOpt,
     ModelOpt,
     PromptFieldOpt,
+    PromptTemplateAsOpt,
+    PromptTemplateOpt,
+    ServedModelNameOpt,
     SplitOpt,
     SystemPromptOpt,
+    TruncatePromptTokensOpt,
 )
 from conveyor.cli.run import EXAMPLES, run_command
 
@@ -36,6 +41,23 @@ app = typer.Typer(
 app.command("run", epilog=EXAMPLES)(run_command)
 
 
+def _show_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            typer.echo(f"conveyor {version('conveyor')}")
+        except PackageNotFoundError:  # a source tree never installed
+            typer.echo("conveyor (version unknown: not installed)")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", help="Print conveyor's version and exit.",
+                                       callback=_show_version, is_eager=True)) -> None:
+    """Offline LLM batch inference over large datasets: prompts in, completions out, resumable."""
+
+
 @app.command("validate")
 def validate_command(
     input: InputArg,
@@ -43,6 +65,11 @@ def validate_command(
     model: ModelOpt = None,
     max_tokens: MaxTokensOpt = None,
     system_prompt: SystemPromptOpt = None,
+    chat_field: ChatFieldOpt = None,
+    prompt_template: PromptTemplateOpt = None,
+    prompt_template_as: PromptTemplateAsOpt = None,
+    truncate_prompt_tokens: TruncatePromptTokensOpt = None,
+    served_model_name: ServedModelNameOpt = None,
     prompt_field: PromptFieldOpt = None,
     messages_field: MessagesFieldOpt = None,
     id_field: IdFieldOpt = None,
@@ -75,15 +102,20 @@ def status_command(
 
 @app.command("merge")
 def merge_command(
-    output: str = typer.Option(..., "--output", "-o", help="The output file the shards were run for."),
+    output_arg: str = typer.Argument(None, metavar="OUTPUT", help="The output file the shards were run for (as "
+                                     "`conveyor status` takes it)."),
+    output_opt: str = typer.Option(None, "--output", "-o", help="The same, as an option."),
     run_dir: str = typer.Option(None, help="The run directory the shards used (default: <output>.conveyor)."),
     output_format: str = typer.Option(None, help="parquet, jsonl or openai-batch (default: the shards')."),
 ) -> int:
     """Write OUTPUT from the shards of `conveyor run ... --shard I/N`, in input order; refuses while a shard is
     missing, unfinished or run with other settings."""
+    from conveyor.cli.exit_codes import UsageError
     from conveyor.cli.merge import merge_shards
 
-    return merge_shards(output, run_dir, output_format)
+    if (output_arg is None) == (output_opt is None):
+        raise UsageError("conveyor merge: name the output file once, as OUTPUT or with -o")
+    return merge_shards(output_arg or output_opt, run_dir, output_format)
 
 
 @app.command("models")

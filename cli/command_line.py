@@ -15,6 +15,14 @@ def set_command_line(args: list[str]) -> None:
     _command = list(args)
 
 
+def given_last(*options: str) -> str | None:
+    """Which of `options` (such as "--quiet", "--no-quiet") comes last in this command's arguments; None where
+    none does."""
+    args = _command if _command is not None else sys.argv[1:]
+    found = [(i, option) for i, arg in enumerate(args) for option in options if arg == option]
+    return max(found)[1] if found else None
+
+
 def command_line() -> str | None:
     """This process's `conveyor ...` command, to resume it with; None where it is unknown."""
     args = _command if _command is not None else sys.argv[1:]

@@ -17,11 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from conveyor.cli.exit_codes import UsageError
-from conveyor.core import BACKENDS, DTYPES, ConfigError, EngineConfig, SamplingParams, parse_memory
+from conveyor.cli.prompt_options import check_prompt_options
+from conveyor.core import BACKENDS, DTYPES, REASONING_PARSERS, ConfigError, EngineConfig, SamplingParams, parse_memory
 from conveyor.io.run_spec import (
     INPUT_FORMATS,
     ON_ERROR,
     OUTPUT_FORMATS,
+    TEMPLATE_AS,
     BuildOptions,
     InputOptions,
     OutputOptions,
@@ -37,7 +39,7 @@ EXECUTORS = ("local", "ray")  # this process, or one engine per worker on a Ray 
 class CliSettings:
     """What only the command line reads: how the run is shown, stopped and spread."""
 
-    quiet: bool = False  # no progress display
+    quiet: bool = False  # warnings and errors only: no progress display, no summary
     summary_json: str | None = None  # write the run summary as JSON here
     max_runtime: float | None = None  # seconds; then stop cleanly (exit 75)
     executor: str = EXECUTORS[0]
@@ -53,11 +55,13 @@ class Invocation:
 
 # option key -> (the dataclass it fills, its field there). "spec" fields are RunSpec's own.
 OPTIONS: dict[str, tuple[type, str]] = {
-    "model": (RunSpec, "model"), "profile": (RunSpec, "profile"),
+    "model": (RunSpec, "model"), "profile": (RunSpec, "profile"), "reasoning_parser": (RunSpec, "reasoning_parser"),
     **{k: (SamplingParams, k) for k in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "ignore_eos",
                                          "min_tokens", "logprobs", "prompt_logprobs")},
     **{k: (BuildOptions, k) for k in ("seed", "system_prompt", "prompt_field", "messages_field", "id_field",
-                                       "keep_fields")},
+                                       "keep_fields", "chat_field", "prompt_template", "prompt_template_as",
+                                       "truncate_prompt_tokens", "n")},
+    "served_model_name": (BuildOptions, "served_model_names"),  # vLLM's option name
     **{k: (EngineConfig, k) for k in ("dtype", "device", "backend", "max_num_seqs", "max_num_batched_tokens",
                                        "num_kv_blocks", "kv_cache_memory", "gpu_memory_utilization", "block_size",
                                        "max_grammar_compile_s", "max_grammar_bytes")},
@@ -78,6 +82,8 @@ _CHOICES = {
     "backend": BACKENDS,
     "executor": EXECUTORS,
     "on_error": ON_ERROR,
+    "prompt_template_as": TEMPLATE_AS,
+    "reasoning_parser": (None, *REASONING_PARSERS),
     "input_format": (None, *INPUT_FORMATS),
     "output_format": (None, *OUTPUT_FORMATS),
 }
@@ -169,6 +175,7 @@ def build_config(flags: dict[str, Any], config_path: str | None) -> Invocation:
             allowed = ", ".join(c for c in choices if c)
             raise UsageError(f"{option_name(key)}: {values[key]!r} is not one of {allowed}")
     _check_types(values)
+    check_prompt_options(values)
     try:
         return _invocation(values)
     except ConfigError as e:
@@ -214,14 +221,21 @@ def _grammar(values: dict[str, Any]):
 
 
 def _as_str_tuple(key: str, value: Any) -> tuple[str, ...]:
+    """--stop: each string whole; --choice: split on commas, every space kept (" yes, no" offers " yes" and " no"), a
+    config file's list taken item by item (a choice may hold a comma); --keep-fields: names, split and stripped."""
     if isinstance(value, str):
-        items = [value] if key == "stop" else [v.strip() for v in value.split(",") if v.strip()]
+        if key == "stop":
+            items = [value]
+        elif key == "choice":
+            items = [v for v in value.split(",") if v]
+        else:
+            items = [v.strip() for v in value.split(",") if v.strip()]
     elif isinstance(value, (list, tuple)):
         items = []
         for v in value:
             if not isinstance(v, str):
                 raise UsageError(f"{option_name(key)}: expected strings, got {v!r}")
-            items.extend([v] if key == "stop" else [s.strip() for s in v.split(",") if s.strip()])
+            items.extend([v] if key in ("stop", "choice") else [s.strip() for s in v.split(",") if s.strip()])
     else:
         raise UsageError(f"{option_name(key)}: expected a string or a list of strings, got {value!r}")
     return tuple(items)
@@ -229,7 +243,8 @@ def _as_str_tuple(key: str, value: Any) -> tuple[str, ...]:
 
 _STR_KEYS = {"input", "output", "model", "dtype", "device", "backend", "system_prompt", "prompt_field",
              "messages_field", "id_field", "input_format", "output_format", "split", "on_error", "summary_json",
-             "run_dir", "json_schema", "regex", "shard", "executor"}
+             "run_dir", "json_schema", "regex", "shard", "executor", "chat_field", "prompt_template",
+             "prompt_template_as", "reasoning_parser"}
 
 
 def _check_strings(values: dict[str, Any]) -> None:
@@ -260,7 +275,7 @@ def _check_device(device: str) -> None:
 
 
 # Types a config file may get wrong (flags arrive typed); the values themselves are checked by the dataclasses.
-_INT_KEYS = {"max_tokens", "top_k", "seed", "min_tokens", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks",
+_INT_KEYS = {"max_tokens", "top_k", "seed", "n", "min_tokens", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks",
              "block_size", "limit", "checkpoint_every", "logprobs", "num_workers"}
 _FLOAT_KEYS = {"temperature", "top_p", "min_p", "checkpoint_seconds", "log_every", "gpu_memory_utilization",
                "max_grammar_compile_s"}

@@ -57,9 +57,15 @@ MinPOpt = Annotated[Optional[float], typer.Option(help=f"Drop tokens below min_p
                                                   rich_help_panel=GEN)]
 SeedOpt = Annotated[Optional[int], typer.Option(help="Run seed; each record's seed derives from it and the record's "
                                                      f"id. {_d('seed')}", rich_help_panel=GEN)]
+NOpt = Annotated[Optional[int], typer.Option("--n", help="Completions per record (1-128; a record's own n replaces "
+                                                   "it): one row each, with sample_index; sample 0 is the n = 1 "
+                                                   f"output. {_d('n')}", rich_help_panel=GEN)]
 StopOpt = Annotated[Optional[list[str]], typer.Option(help="Stop string (repeatable).", rich_help_panel=GEN)]
-IgnoreEosOpt = Annotated[Optional[bool], typer.Option("--ignore-eos/--no-ignore-eos",
-                                                      help="Keep generating past EOS.", rich_help_panel=GEN)]
+# A switch shows its --name alone; its --no-name (false over a --config file's true) is accepted but not listed, so
+# that --help's option column stays narrow enough at 80 columns for the help beside it (`negatives`).
+IgnoreEosOpt = Annotated[Optional[bool], typer.Option("--ignore-eos", help="Keep generating past EOS.",
+                                                      rich_help_panel=GEN)]
+NoIgnoreEosOpt = Annotated[bool, typer.Option("--no-ignore-eos", hidden=True)]
 MinTokensOpt = Annotated[Optional[int], typer.Option(help=f"Generate at least this many tokens. {_d('min_tokens')}",
                                                      rich_help_panel=GEN)]
 JsonSchemaOpt = Annotated[Optional[str], typer.Option(help="A file with a JSON schema every output must match "
@@ -70,11 +76,35 @@ RegexOpt = Annotated[Optional[str], typer.Option(help="Every output matches this
                                                  rich_help_panel=GEN)]
 LogprobsOpt = Annotated[Optional[int], typer.Option(help="Per output token: its logprob and this many top "
                                                          "alternatives (0-20).", rich_help_panel=GEN)]
-PromptLogprobsOpt = Annotated[Optional[bool], typer.Option("--prompt-logprobs/--no-prompt-logprobs",
+PromptLogprobsOpt = Annotated[Optional[bool], typer.Option("--prompt-logprobs",
                                                            help="The logprob of every prompt token, and their sum "
                                                                 "(scoring, perplexity).", rich_help_panel=GEN)]
-SystemPromptOpt = Annotated[Optional[str], typer.Option(help="System message for chat records that have none.",
+NoPromptLogprobsOpt = Annotated[bool, typer.Option("--no-prompt-logprobs", hidden=True)]
+ReasoningParserOpt = Annotated[Optional[str], typer.Option(
+    help="Put the output's reasoning section (<think>...</think>) in a `reasoning` column and the answer in `output`: "
+    "deepseek_r1, qwen3, or auto (from the chat template). Grammars and stop strings apply to the answer.",
+    rich_help_panel=GEN)]
+SystemPromptOpt = Annotated[Optional[str], typer.Option(help="System message (TEXT, or @FILE) for chat records that "
+                                                             "have none: messages records, --chat-field, "
+                                                             "--prompt-template-as chat. Not with raw prompts.",
                                                         rich_help_panel=GEN)]
+ChatFieldOpt = Annotated[Optional[str], typer.Option(help="Field whose text is the user message, sent through the "
+                                                          "model's chat template (what an instruct model expects).",
+                                                     rich_help_panel=DATA)]
+PromptTemplateOpt = Annotated[Optional[str], typer.Option(
+    help="TEXT or @FILE with {field} placeholders (field names only; {{ and }} are braces), filled from each "
+    "record's fields. It builds a raw prompt (no chat template); with --prompt-template-as chat, the user message "
+    "sent through the chat template.", rich_help_panel=DATA)]
+PromptTemplateAsOpt = Annotated[Optional[str], typer.Option(help="What --prompt-template builds: prompt (a raw "
+                                                                 "prompt) or chat (the user message). "
+                                                                 f"{_d('prompt_template_as')}", rich_help_panel=DATA)]
+TruncatePromptTokensOpt = Annotated[Optional[str], typer.Option(
+    help="K or auto: keep a prompt's last K tokens (as vLLM's truncate_prompt_tokens; auto: as many as the context "
+    "leaves after the record's max_tokens); rows say how many were cut (prompt_tokens_truncated). Unset: an "
+    "over-long prompt is an error row.", rich_help_panel=GEN)]
+ServedModelNameOpt = Annotated[Optional[str], typer.Option(
+    help="NAME[,NAME...]: the model names an OpenAI batch body may give; another is an error line. Unset: --model "
+    "as given and its last path part.", rich_help_panel=DATA)]
 PromptFieldOpt = Annotated[Optional[str], typer.Option(help=f"Field holding a raw prompt. {_d('prompt_field')}",
                                                        rich_help_panel=DATA)]
 MessagesFieldOpt = Annotated[Optional[str], typer.Option(help=f"Field holding chat messages. {_d('messages_field')}",
@@ -116,8 +146,9 @@ MaxGrammarBytesOpt = Annotated[Optional[str], typer.Option(
     f"{_d('max_grammar_bytes')}", rich_help_panel=GEN)]
 BlockSizeOpt = Annotated[Optional[int], typer.Option(help=f"Tokens per KV block. {_d('block_size')}",
                                                      rich_help_panel=ENG)]
-QuietOpt = Annotated[Optional[bool], typer.Option("--quiet/--no-quiet", "-q", help="No progress display.",
-                                                  rich_help_panel=RUN)]
+QuietOpt = Annotated[Optional[bool], typer.Option("--quiet", "-q", help="Print only warnings and errors (no "
+                                                  "progress, no summary).", rich_help_panel=RUN)]
+NoQuietOpt = Annotated[bool, typer.Option("--no-quiet", hidden=True)]
 SummaryJsonOpt = Annotated[Optional[str], typer.Option(help="Write the run summary as JSON here.",
                                                        rich_help_panel=RUN)]
 RunDirOpt = Annotated[Optional[str], typer.Option(help="Run directory (default: <output>.conveyor).",
@@ -137,5 +168,25 @@ ExecutorOpt = Annotated[Optional[str], typer.Option(help="local (this process) o
                                                    rich_help_panel=RUN)]
 NumWorkersOpt = Annotated[Optional[int], typer.Option(help="--executor ray: engines to run \\[default: the cluster's "
                                                           "GPUs, else 1].", rich_help_panel=RUN)]
-ProfileOpt = Annotated[Optional[bool], typer.Option("--profile/--no-profile",
-                                                    help="Print where step time goes.", rich_help_panel=RUN)]
+ProfileOpt = Annotated[Optional[bool], typer.Option("--profile", help="Print where step time goes.",
+                                                    rich_help_panel=RUN)]
+NoProfileOpt = Annotated[bool, typer.Option("--no-profile", hidden=True)]
+
+
+_SHORT = {"--quiet": ("-q",)}  # switches' short forms
+
+
+def negatives(flags: dict) -> dict:
+    """`flags` with each hidden --no-NAME folded into NAME (False); where both are given, the later one on the
+    command line wins (as a flag appended to a command overrides the same flag before it)."""
+    from conveyor.cli.command_line import given_last
+
+    out = dict(flags)
+    for key in [k for k in flags if k.startswith("no_")]:
+        name = key.removeprefix("no_")
+        if out.pop(key):
+            option = "--" + name.replace("_", "-")
+            positive = (option, *_SHORT.get(option, ()))
+            if not out.get(name) or given_last(*positive, "--no-" + option[2:]) not in positive:
+                out[name] = False
+    return out

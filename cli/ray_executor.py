@@ -147,7 +147,9 @@ def run_on_ray(invocation: Invocation) -> int:
     totals = _add(results)
     if any(r["exit_code"] == ExitCode.STOPPED for r in results):
         reason = stopper.reason or next(r["message"] for r in results if r["exit_code"] == ExitCode.STOPPED)
-        _print_summary({**totals, "status": "stopped"}, f"stopped ({reason}); run the same command again to resume")
+        if not cli.quiet:
+            _print_summary({**totals, "status": "stopped"}, f"stopped ({reason}); run the same command again to "
+                           "resume")
         return int(ExitCode.STOPPED)
     merged = driver.merge()
     skip = spec.output.on_error == "skip"
@@ -155,7 +157,8 @@ def run_on_ray(invocation: Invocation) -> int:
                   ok=merged.rows - (0 if skip else merged.errors))
     code = ExitCode.SOME_ERRORS if merged.errors and not skip else ExitCode.OK
     totals["status"] = code.name.lower()
-    _print_summary(totals, f"{workers_n} workers; merged {merged.shards} shards")
+    if not cli.quiet:
+        _print_summary(totals, f"{workers_n} workers; merged {merged.shards} shards")
     if cli.summary_json:
         write_summary_json(cli.summary_json, totals)
     if not cli.quiet:
@@ -211,7 +214,7 @@ def _wait(ray, pending: list, cli, stopper: StopController, stop_path: Path) -> 
 
 
 def _add(results: list[dict]) -> dict:
-    keys = ("records", "ok", "errors", "prompt_tokens", "completion_tokens", "preemptions", "resumed_from")
+    keys = ("records", "samples", "ok", "errors", "prompt_tokens", "completion_tokens", "preemptions", "resumed_from")
     out = {k: sum(r["summary"].get(k, 0) for r in results) for k in keys}
     out["load_s"] = max((r["summary"].get("load_s", 0) for r in results), default=0)
     out["elapsed_s"] = max((r["summary"].get("elapsed_s", 0) for r in results), default=0)

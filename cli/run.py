@@ -17,15 +17,15 @@ Examples:
 
   conveyor run prompts.jsonl -o answers.jsonl --temperature 0 --max-tokens 64
 
-  conveyor run data.parquet -o out.parquet --prompt-field question --keep-fields topic,source
+  conveyor run qa.parquet -o out.parquet --prompt-field q --keep-fields topic
 
   conveyor run batch.jsonl -o results.jsonl --output-format openai-batch
 
-  conveyor run tickets.jsonl -o labels.parquet --choice bug,feature,question --logprobs 3
+  conveyor run tickets.jsonl -o labels.parquet --choice bug,feature,question
 
-  conveyor run big.jsonl -o out.parquet --max-runtime 50m --quiet   # from cron; rerun to resume
+  conveyor run big.jsonl -o out.parquet --max-runtime 50m --quiet   # cron
 
-  conveyor run prompts.jsonl -o out.parquet --config configs/greedy-eval.yaml --max-tokens 32
+  conveyor run prompts.jsonl -o out.parquet --config configs/greedy-eval.yaml
 """
 
 
@@ -43,8 +43,10 @@ def run_command(
     top_k: opt.TopKOpt = None,
     min_p: opt.MinPOpt = None,
     seed: opt.SeedOpt = None,
+    n: opt.NOpt = None,
     stop: opt.StopOpt = None,
     ignore_eos: opt.IgnoreEosOpt = None,
+    no_ignore_eos: opt.NoIgnoreEosOpt = False,
     min_tokens: opt.MinTokensOpt = None,
     json_schema: opt.JsonSchemaOpt = None,
     choice: opt.ChoiceOpt = None,
@@ -53,7 +55,14 @@ def run_command(
     max_grammar_bytes: opt.MaxGrammarBytesOpt = None,
     logprobs: opt.LogprobsOpt = None,
     prompt_logprobs: opt.PromptLogprobsOpt = None,
+    no_prompt_logprobs: opt.NoPromptLogprobsOpt = False,
+    reasoning_parser: opt.ReasoningParserOpt = None,
     system_prompt: opt.SystemPromptOpt = None,
+    chat_field: opt.ChatFieldOpt = None,
+    prompt_template: opt.PromptTemplateOpt = None,
+    prompt_template_as: opt.PromptTemplateAsOpt = None,
+    truncate_prompt_tokens: opt.TruncatePromptTokensOpt = None,
+    served_model_name: opt.ServedModelNameOpt = None,
     prompt_field: opt.PromptFieldOpt = None,
     messages_field: opt.MessagesFieldOpt = None,
     id_field: opt.IdFieldOpt = None,
@@ -71,6 +80,7 @@ def run_command(
     gpu_memory_utilization: opt.GpuMemoryOpt = None,
     block_size: opt.BlockSizeOpt = None,
     quiet: opt.QuietOpt = None,
+    no_quiet: opt.NoQuietOpt = False,
     summary_json: opt.SummaryJsonOpt = None,
     run_dir: opt.RunDirOpt = None,
     checkpoint_every: opt.CheckpointEveryOpt = None,
@@ -80,9 +90,10 @@ def run_command(
     executor: opt.ExecutorOpt = None,
     num_workers: opt.NumWorkersOpt = None,
     profile: opt.ProfileOpt = None,
+    no_profile: opt.NoProfileOpt = False,
 ) -> int:
     """Generate a completion for every record of INPUT into OUTPUT; resumable: rerun to continue."""
-    flags = dict(locals())
+    flags = opt.negatives(dict(locals()))
     config_path = flags.pop("config")
     flags["restart"] = restart or None
     return execute(build_config(flags, config_path))
@@ -131,7 +142,10 @@ def execute(invocation: Invocation) -> int:
     summary = result.summary()
     message = f"stopped ({stopper.reason}); {result.message}" if result.status == STOPPED else result.message
     to_stdout = spec.output.path == "-"  # stdout carries the output: everything else goes to stderr
-    _print_summary(summary, message, sys.stderr if to_stdout else sys.stdout)
+    if cli.quiet:  # warnings and errors only
+        warn_missing_keep_fields(summary)
+    else:
+        _print_summary(summary, message, sys.stderr if to_stdout else sys.stdout)
     if result.profile:
         _print_profile(result.profile, sys.stderr if to_stdout else sys.stdout)
     if cli.summary_json:
@@ -195,7 +209,9 @@ def _print_summary(summary: dict, message: str, stream=None) -> None:
     table.add_column("metric")
     table.add_column("value", justify="right")
     rows = [
-        ("records", summary["records"]), ("ok", summary["ok"]), ("errors", summary["errors"]),
+        ("records", summary["records"] if summary.get("samples", summary["records"]) == summary["records"]
+         else f"{summary['records']} ({summary['samples']} samples)"),
+        ("ok", summary["ok"]), ("errors", summary["errors"]),
         ("prompt tokens", summary["prompt_tokens"]), ("completion tokens", summary["completion_tokens"]),
         ("model load", f"{summary['load_s']:.1f} s"), ("generation", f"{summary['elapsed_s']:.1f} s"),
         ("output tokens/s", f"{summary['output_tokens_per_s']:.1f}"), ("preemptions", summary["preemptions"]),
@@ -215,6 +231,14 @@ def _print_summary(summary: dict, message: str, stream=None) -> None:
     console.print(table)
     if message:
         sys.stderr.write(f"conveyor: {message}\n")
+    warn_missing_keep_fields(summary)
+
+
+def warn_missing_keep_fields(summary: dict) -> None:
+    """A --keep-fields field no record had: its column is all null (a typo, most likely)."""
+    for name in summary.get("keep_fields_missing", ()):
+        sys.stderr.write(f"conveyor: warning: keep field {name!r} was in no record (its column is all null); check "
+                         "--keep-fields\n")
 
 
 def _print_profile(profile: dict, out) -> None:

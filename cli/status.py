@@ -27,7 +27,9 @@ def show_status(output: str, run_dir: str | None) -> int:
         out.write(f"journal: {info['journal_error']}\n")
     if info.get("input_path"):
         out.write(f"input:  {info['input_path']}\nmodel:  {info.get('model')}\n")
-    out.write(f"done:   {done}" + (f" / {total}" if total is not None else "") + f"  (errors {info.get('num_errors', 0)})\n")
+    samples = info.get("num_samples", done)
+    out.write(f"done:   {done}" + (f" / {total}" if total is not None else "") + f"  (errors {info.get('num_errors', 0)})"
+              + (f"  {samples} samples\n" if samples != done else "\n"))
     if info.get("num_partials"):
         out.write(f"in flight: {info['num_partials']} records hold {info['partial_tokens']} generated tokens "
                   "(continued where they stopped when the run resumes)\n")
@@ -86,7 +88,7 @@ def _show_shards(path: Path, shards: list[ShardStatus], output: str) -> int:
     if finished == count:
         written = Path(output).exists()
         out.write(f"output: {output} {'written' if written else 'not written yet'} "
-                  f"(`conveyor merge -o {shlex.quote(output)}` writes it from the shards)\n")
+                  f"(`conveyor merge {shlex.quote(output)}` writes it from the shards)\n")
         return 0 if written else 75
     else:  # (stopped shards said theirs above)
         if known and _SHARD_ARG.search(known):

@@ -18,12 +18,14 @@ from conveyor.core.grammar import Grammars, compiling
 from conveyor.core.loading import check_before_loading, load_engine, load_tokenizer, resolve_engine_config
 from conveyor.core.model_loader import EMBEDDED_MODELS, is_embedded_cached, models_cache_dir
 from conveyor.core.outputs import GenerationRequest, InFlight, ModelLimits, RequestOutput
+from conveyor.core.reasoning import REASONING_PARSERS, resolve_reasoning
 from conveyor.core.request import FinishReason
 from conveyor.core.sampling_params import MAX_LOGPROBS, Grammar, SamplingParams
 from conveyor.core.schedule_types import TokenLogprobs
+from conveyor.core.schema_check import schema_error
 
 __all__ = ["BACKENDS", "DEFAULT_KV_CACHE_MEMORY", "DEFAULT_MODEL", "DEVICE_DEFAULTS", "DTYPES", "EMBEDDED_MODELS",
-           "MAX_LOGPROBS", "ConfigError", "EngineConfig", "FinishReason", "GenerationRequest", "Grammar", "Grammars", "InFlight",
+           "MAX_LOGPROBS", "REASONING_PARSERS", "resolve_reasoning", "schema_error", "ConfigError", "EngineConfig", "FinishReason", "GenerationRequest", "Grammar", "Grammars", "InFlight",
            "ModelLimits", "ModelLoadError", "RequestOutput", "SamplingParams", "check_before_loading", "compiling",
            "is_embedded_cached",
            "load_engine", "load_tokenizer",

@@ -41,7 +41,11 @@ def load_tokenizer(model: str) -> tuple[Any, int]:
 def check_before_loading(model: str, config: EngineConfig, grammar: Grammar | None = None) -> None:
     """What the engine would refuse only once `model` is loaded, checked from its config and tokenizer alone (read
     only where needed): a KV budget given that holds no block (ConfigError kv_cache_memory), and a run's own
-    grammar that does not compile (ConfigError grammar). `config` as resolved (its dtype concrete)."""
+    grammar that does not compile (ConfigError grammar); and a model that is nowhere to be had (ConfigError model: a
+    path not there, a hub id neither cached nor on a reachable hub). `config` as resolved (its dtype concrete)."""
+    from conveyor.core.model_loader import check_model
+
+    check_model(model)
     if config.kv_cache_memory is not None and config.num_kv_blocks is None:
         from conveyor.core.model_loader import load_config
 

@@ -5,7 +5,8 @@ request asks for it, before sampling (the C++ pass or torch's, the same edits fo
     BadWords     the last token of a bad word banned where the output ends with the rest of it
     LogitBias    OpenAI's logit_bias, added
     Penalties    presence / frequency over the generated tokens, repetition over prompt and generated ones
-    GrammarMask  every token the request's grammar does not allow next banned (structured outputs)
+    GrammarMask  every token the request's grammar does not allow next banned (structured outputs), once its
+                 reasoning section (if any) has ended
 
 `Processors.plan(entries, states)` finds each processor's rows once per step; a step whose rows ask for
 nothing costs one pass over its entries' sampling params and no tensor work. Per-request state (token
@@ -104,7 +105,7 @@ class GrammarMask(LogitsProcessor):
         self.apply_bitmask = apply_bitmask
 
     def wants(self, entry, state) -> bool:
-        return entry.sampling.grammar is not None
+        return entry.sampling.grammar is not None and state.answering
 
     def apply(self, logits, rows, entries, states, failed) -> None:
         """Each row's allowed tokens from its own matcher (a matcher that raises fails its row), then one masking

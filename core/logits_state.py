@@ -3,8 +3,9 @@
 It advances only when the scheduler accepts a sampled token (`accept`), and it depends only on the
 request's prompt and accepted output tokens. Preemption by recompute keeps those tokens, so the state
 stays valid across it; chunked prefill and prefix caching never touch it; a resumed run starts the
-request afresh, state and all. So a record's processed logits are a function of its tokens, like the
-logits themselves.
+request afresh, state and all. Where the output has a reasoning section, the state also knows whether its
+end tag has been generated (`answering`): the grammar matcher takes no token before. So a record's
+processed logits are a function of its tokens, like the logits themselves.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from conveyor.core.sampling_params import SamplingParams
 
 
 class LogitsState:
-    __slots__ = ("counts", "seen", "tail", "tail_len", "matcher", "grammar_failed")
+    __slots__ = ("counts", "seen", "tail", "tail_len", "matcher", "grammar_failed", "reasoning_end", "recent",
+                 "num_output", "answer_start")
 
     def __init__(self, sampling: SamplingParams, prompt_token_ids: list[int], matcher: Any = None) -> None:
         self.counts: Counter[int] | None = (Counter() if sampling.presence_penalty or sampling.frequency_penalty
@@ -26,11 +28,18 @@ class LogitsState:
         self.tail: list[int] = []  # the last tail_len generated tokens, for bad words of several tokens
         self.matcher = matcher  # xgrammar.GrammarMatcher, or None
         self.grammar_failed = False  # the grammar refused a token (nothing was allowed): the request stops
+        # A reasoning section (core/reasoning.py): the grammar and stop strings wait for its end tag's tokens
+        reasoning = sampling.reasoning
+        self.reasoning_end = () if reasoning is None else reasoning.end_ids
+        self.answer_start: int | None = 0 if reasoning is None or reasoning.ended_in(prompt_token_ids) else None
+        self.recent: list[int] = []  # the last len(reasoning_end) tokens, while reasoning
+        self.num_output = 0  # output tokens accepted
 
     @classmethod
     def needed(cls, sampling: SamplingParams) -> bool:
         return bool(sampling.presence_penalty or sampling.frequency_penalty or sampling.repetition_penalty != 1.0
-                    or sampling.grammar is not None or any(len(w) > 1 for w in sampling.bad_words))
+                    or sampling.grammar is not None or any(len(w) > 1 for w in sampling.bad_words)
+                    or sampling.reasoning is not None)
 
     def accept(self, token: int) -> None:
         if self.counts is not None:
@@ -40,9 +49,21 @@ class LogitsState:
         if self.tail_len:
             self.tail.append(token)
             del self.tail[:-self.tail_len]
+        self.num_output += 1
+        if self.answer_start is None:  # still reasoning: the grammar starts after the end tag
+            self.recent.append(token)
+            del self.recent[:-len(self.reasoning_end)]
+            if tuple(self.recent) == self.reasoning_end:
+                self.answer_start = self.num_output
+            return
         if self.matcher is not None and not self.matcher.is_terminated():
             if not self.matcher.accept_token(token):
                 self.grammar_failed = True
+
+    @property
+    def answering(self) -> bool:
+        """Whether the output is past its reasoning (always, without one): its grammar and stop strings apply."""
+        return self.answer_start is not None
 
     @property
     def grammar_done(self) -> bool:

@@ -7,6 +7,8 @@ cached as a safetensors folder under the user's cache directory, so later loads 
 
 from __future__ import annotations
 
+import functools
+import os
 import subprocess
 import sys
 import zipfile
@@ -104,7 +106,48 @@ def _resolve(model: str) -> tuple[str, str | None]:
     if Path(model).exists() and not (Path(model) / "config.json").exists():
         raise ModelLoadError(f"--model {model}: the folder has no config.json; "
                              "give a Hugging Face model folder, a .gguf file or a model id")
+    if not Path(model).exists():
+        check_hub_model(model)
     return model, None  # a local folder or a hub id
+
+
+def check_model(model: str) -> None:
+    """ConfigError (model), at once, where `model` names nothing that can load: a .gguf file or folder that is not
+    there, or a hub id neither cached nor to be had (`check_hub_model`). Before the model loads (no conversion)."""
+    if model in EMBEDDED_MODELS:
+        return
+    try:
+        _resolve(model)
+    except ModelLoadError as e:
+        raise ConfigError("model", str(e).removeprefix("--")) from None
+
+
+@functools.lru_cache(maxsize=8)
+def check_hub_model(model: str) -> None:
+    """A hub id is used from the Hugging Face cache where it is there; otherwise, unless HF_HUB_OFFLINE forbids it,
+    one quick request (no retries) says whether the hub has it: ConfigError (model) at once, in one line, where it
+    does not or cannot be reached, instead of the downloads' minute of retries."""
+    from huggingface_hub import HfApi, constants, try_to_load_from_cache
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+    if isinstance(try_to_load_from_cache(model, "config.json"), str):
+        return
+    named = (f"model {model}: not an embedded model ({', '.join(EMBEDDED_MODELS)}), a local folder, a .gguf file or a "
+             "model in the Hugging Face cache")
+    if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE"):
+        raise ConfigError("model", f"{named}, and HF_HUB_OFFLINE is set; download it first (hf download {model}) or "
+                          "give its folder")
+    try:
+        HfApi().model_info(model, timeout=10)
+    except GatedRepoError:
+        return  # the download says what access it needs
+    except RepositoryNotFoundError:
+        raise ConfigError("model", f"{named}, and the Hugging Face hub has no such model (or it is private: log in "
+                          "with hf auth login); check the name") from None
+    except Exception as e:  # noqa: BLE001 - no network, a proxy, a timeout: all say the same
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError("model", f"{named}, and the Hugging Face hub cannot be reached ({first}); check network "
+                          "access, or give a local folder") from None
 
 
 def ensure_embedded(name: str) -> Path:

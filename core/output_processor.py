@@ -1,10 +1,13 @@
 """The one way a request's tokens become its RequestOutput: the text decoded once, stop strings checked as tokens
-arrive, logprobs gathered, a JSON schema's output validated, the output built. Pure Python.
+arrive, logprobs gathered, a reasoning section split from the answer, a JSON schema's output validated, the output
+built. Pure Python.
 
 A request's state lives on the request (`Request.output_state`), made when the engine adds it and only where it
-needs one (stop strings, logprobs). The scheduler asks `check_stop` after appending each sampled token, inside
-`update_from_output`, so a stop string finishes a request exactly where an EOS would; the engine hands the
-runner's logprobs over with `record` before that, and takes each finished request's `output`.
+needs one (stop strings, logprobs). Where the output has a reasoning section, stop strings are looked for in the
+answer only (from its first character on), and the schema validates the answer. The scheduler asks `check_stop`
+after appending each sampled token, inside `update_from_output`, so a stop string finishes a request exactly where
+an EOS would; the engine hands the runner's logprobs over with `record` before that, and takes each finished
+request's `output`.
 """
 
 from __future__ import annotations
@@ -21,13 +24,14 @@ from conveyor.core.stopping import find_stop_string
 class OutputState:
     """What a request's output gathers while it runs."""
 
-    __slots__ = ("detokenizer", "logprobs", "prompt_logprobs")
+    __slots__ = ("detokenizer", "logprobs", "prompt_logprobs", "answer_char")
 
     def __init__(self, detokenizer: IncrementalDetokenizer | None, logprobs: list[TokenLogprobs] | None,
-                 prompt_logprobs: list[TokenLogprobs | None] | None) -> None:
+                 prompt_logprobs: list[TokenLogprobs | None] | None, answer_char: int | None = 0) -> None:
         self.detokenizer = detokenizer  # where it has stop strings: its text so far, decoded as tokens arrive
         self.logprobs = logprobs  # one per output token so far, where asked for
         self.prompt_logprobs = prompt_logprobs  # one per prompt token (the first: None), where asked for
+        self.answer_char = answer_char  # where the answer begins in the detokenizer's text (None: still reasoning)
 
 
 class OutputProcessor:
@@ -41,14 +45,20 @@ class OutputProcessor:
         s = request.sampling
         if not s.stop and s.logprobs is None and s.prompt_logprobs is None:
             return
-        detokenizer = None
+        detokenizer, answer_char = None, 0
         if s.stop:
             detokenizer = IncrementalDetokenizer(self.tokenizer)
+            answer_start = _answer_start(request)
+            if answer_start is None:
+                answer_char = None
+            elif answer_start:  # a continued request past its reasoning: where its answer's text began
+                detokenizer.update(request.output_token_ids[:answer_start])
+                answer_char = len(detokenizer.text)
             if request.num_output_tokens:  # text it had, with no stop string found in it: none is looked for there
                 detokenizer.update(request.output_token_ids)
         request.output_state = OutputState(
             detokenizer, list(output_logprobs or ()) if s.logprobs is not None else None,
-            [None] * request.num_prompt_tokens if s.prompt_logprobs is not None else None)
+            [None] * request.num_prompt_tokens if s.prompt_logprobs is not None else None, answer_char)
 
     def logprobs_so_far(self, request: Request) -> tuple[TokenLogprobs, ...] | None:
         """The logprobs of the tokens `request` has generated, where it asks for them."""
@@ -73,18 +83,22 @@ class OutputProcessor:
         if detok is None:
             return None
         delta = detok.update(request.output_token_ids)
+        if state.answer_char is None:  # reasoning: no stop string is looked for until the answer begins
+            if _answer_start(request) is not None:
+                state.answer_char = len(detok.text)
+            return None
         if not delta or request.num_output_tokens < request.sampling.min_tokens:
             return None
-        return FinishReason.STOP if find_stop_string(detok.text, request.sampling.stop, len(delta)) is not None \
-            else None
+        found = find_stop_string(detok.text, request.sampling.stop, len(delta), state.answer_char)
+        return FinishReason.STOP if found is not None else None
 
     def output(self, request: Request) -> RequestOutput:
         """The finished request's output: its text (cut at the first stop string), logprobs and timings; for one
         that failed (its own data broke a step, or its text cannot be decoded), what failed instead of text."""
-        text = ""
+        text, reasoning = "", None
         if request.error is None:
             try:
-                text = self._text(request)
+                text, reasoning = self._text(request)
             except Exception as e:  # noqa: BLE001 - one request's tokens, never the run's
                 request.error = failed_while_running(failure("decoding its output", e))
                 request.finish(FinishReason.ERROR)
@@ -99,6 +113,7 @@ class OutputProcessor:
             req_id=request.req_id,
             output_token_ids=request.output_token_ids,
             text=text,
+            reasoning=reasoning,
             finish_reason=request.finish_reason.value,
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens,
@@ -113,14 +128,28 @@ class OutputProcessor:
             error=request.error,
         )
 
-    def _text(self, request: Request) -> str:
+    def _text(self, request: Request) -> tuple[str, str | None]:
+        """(the answer, cut at its first stop string; the reasoning, where the output has a section of it)."""
         state = request.output_state
         output_ids = request.output_token_ids
         if state is None or state.detokenizer is None:
-            return self.tokenizer.decode(output_ids, skip_special_tokens=True)
-        text = state.detokenizer.finish(output_ids)
-        cut = find_stop_string(text, request.sampling.stop, len(text))
-        return text if cut is None else text[:cut]
+            text = self.tokenizer.decode(output_ids, skip_special_tokens=True)
+        else:
+            text = state.detokenizer.finish(output_ids)
+        reasoning, parser = None, request.sampling.reasoning
+        answer_start = _answer_start(request)
+        if parser is not None:
+            reasoning, text = parser.split(text, answer_start)
+        if request.sampling.stop and answer_start is not None:
+            cut = find_stop_string(text, request.sampling.stop, len(text))
+            text = text if cut is None else text[:cut]
+        return text, reasoning
+
+
+def _answer_start(request: Request) -> int | None:
+    """The output token where its answer begins: 0 without a reasoning section, None while it is reasoning."""
+    state = request.logits_state
+    return 0 if request.sampling.reasoning is None or state is None else state.answer_start
 
 
 def _completed_schema(request: Request) -> bool:

@@ -45,7 +45,7 @@ class RequestOutput:
 
     req_id: str
     output_token_ids: list[int]
-    text: str  # detokenized output, special tokens skipped, trimmed at a stop string
+    text: str  # detokenized output, special tokens skipped, trimmed at a stop string (the answer, after reasoning)
     finish_reason: str  # "stop" | "length" | "abort" | "error"
     num_prompt_tokens: int
     num_cached_tokens: int  # prompt tokens whose K/V came from the prefix cache
@@ -56,6 +56,7 @@ class RequestOutput:
     finish_time: float
     logprobs: tuple[TokenLogprobs, ...] | None = None  # one per output token, where asked for
     prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None  # one per prompt token (the first: None)
+    reasoning: str | None = None  # the output's reasoning section, where its sampling has a parser and it had one
     note: str | None = None  # what a user should know about an ok output (a grammar that did not complete)
     error: str | None = None  # finish_reason "error": what failed while a step processed this request's data
 

@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, field
 
 from conveyor.core.errors import ConfigError
+from conveyor.core.reasoning import Reasoning
 
 GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "choice")
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's top_logprobs
@@ -55,6 +56,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # ... times how often it was generated
     repetition_penalty: float = 1.0  # logits of prompt and generated tokens divided (> 0) or multiplied by it
     grammar: Grammar | None = None  # the output must match it (structured outputs)
+    # The output's reasoning section (core/reasoning.py): its grammar and stop strings apply after it, to the answer
+    reasoning: Reasoning | None = None
     # Log-probabilities, from the model's own distribution (before any processor, temperature or truncation):
     logprobs: int | None = None  # per generated token: its logprob and this many top alternatives
     prompt_logprobs: int | None = None  # per prompt token likewise (the first has none)
@@ -141,6 +144,8 @@ class SamplingParams:
                               f"repetition_penalty must be in (0, 10] (1 is off), got {self.repetition_penalty}")
         if self.grammar is not None and not isinstance(self.grammar, Grammar):
             raise ConfigError("grammar", f"grammar must be a Grammar, got {self.grammar!r}")
+        if self.reasoning is not None and not isinstance(self.reasoning, Reasoning):
+            raise ConfigError("reasoning", f"reasoning must be a Reasoning, got {self.reasoning!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:

@@ -132,6 +132,8 @@ class Scheduler:
             request = self.waiting[0]
             # A request that wants its prompt's logprobs computes its whole prompt: cached blocks hold K/V, not them.
             cached = [] if request.sampling.prompt_logprobs is not None else bm.find_cached_prefix(request)
+            if self._prefix_being_computed(request, len(cached)):
+                break  # its next block is being computed by a running request: next step it is a cache hit
             num_cached = len(cached) * bm.block_size
             num_new = min(request.num_tokens - num_cached, budget.tokens)
             if not bm.can_allocate(cached, num_cached + num_new):
@@ -149,6 +151,22 @@ class Scheduler:
             self.running.append(request)
             scheduled.append(self._plan_entry(request, num_new))
             budget.tokens -= num_new
+
+    def _prefix_being_computed(self, request: Request, num_hits: int) -> bool:
+        """Whether the first full block of `request` past its `num_hits` cached ones is one a running request is
+        still prefilling (the same tokens after the same prefix): admitted now, it would compute that block again,
+        so it waits for it to be cached (the samples of one prompt prefill it once)."""
+        bm = self.block_manager
+        if not bm.enable_prefix_caching or request.sampling.prompt_logprobs is not None or \
+                num_hits >= (request.num_tokens - 1) // bm.block_size:
+            return False
+        wanted = request.block_hashes[num_hits]
+        for other in self.running:
+            first = other.num_computed_tokens // bm.block_size
+            if other.num_tokens - other.num_computed_tokens > 1 and \
+                    wanted in other.block_hashes[first:other.num_tokens // bm.block_size]:
+                return True
+        return False
 
     def _plan_entry(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens

@@ -40,6 +40,17 @@ class SchemaCheck:
         return found
 
 
+def schema_error(schema: Any) -> str | None:
+    """Why `schema` is not a valid JSON Schema (against the metaschema of the draft its `$schema` names, 2020-12
+    where it names none), or None where it is one."""
+    validator = _Validator(schema)
+    if validator._schema_error is None:
+        return None
+    error = validator._schema_error
+    where = "/".join(str(p) for p in error.absolute_path)
+    return (f"at /{where}: " if where else "") + error.message[:300]
+
+
 class _Validator:
     """A schema's validator, of the draft its `$schema` names (2020-12 where it names none)."""
 

@@ -20,15 +20,16 @@ def check_token_stop(request: Request, eos_token_ids: Collection[int]) -> Finish
     return None
 
 
-def find_stop_string(text: str, stop: Collection[str], num_new_chars: int) -> int | None:
-    """Index in `text` where the earliest stop string begins, if one ends in the last new chars.
+def find_stop_string(text: str, stop: Collection[str], num_new_chars: int, start: int = 0) -> int | None:
+    """Index in `text` where the earliest stop string begins, if one ends in the last new chars (and begins at
+    `start` or after: the answer's first character, after a reasoning section).
 
     Only the tail that could contain a stop string completed by the new characters is searched,
     so a long output costs O(len(stop string)) per step, not O(len(text)).
     """
     best: int | None = None
     for s in stop:
-        begin = max(0, len(text) - num_new_chars - len(s) + 1)
+        begin = max(start, len(text) - num_new_chars - len(s) + 1)
         i = text.find(s, begin)
         if i != -1 and (best is None or i < best):
             best = i

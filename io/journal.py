@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from conveyor.io.errors import JournalCorrupt
+from conveyor.io.rows import SAMPLES_KEY
 
 _SCHEMA_VERSION = 3  # 2: rows.digest; 3: partials
 _PAGE = 4096  # rows fetched per query when streaming
@@ -64,6 +65,7 @@ class Journal:
         self._pending_errors = 0
         self._pending_columns: set[str] = set()  # row keys first seen since the last commit
         self._pending_partials: dict[int, tuple[int, str]] = {}  # index -> (tokens, state JSON), for the next commit
+        self._pending_samples = 0  # output rows of the pending rows (a record with n > 1 has n)
         with self._guard():
             self._conn = self._connect()
             try:
@@ -76,6 +78,8 @@ class Journal:
                     "num_errors", "SELECT COUNT(*) FROM rows WHERE status = 'error'"
                 )
                 self._prefix = self._meta_int("contiguous_prefix", None)
+                samples = self._meta("num_samples")  # (absent until a record with n > 1: one per row)
+                self._num_samples = int(samples) if samples is not None else self._num_committed
                 last = self._meta("last_commit_time")
                 self._last_commit_time = float(last) if last is not None else None
                 self._columns: set[str] = set(json.loads(self._meta("columns") or "[]"))
@@ -163,8 +167,11 @@ class Journal:
         self._pending_rows[index] = (record_id, status, json.dumps(row, ensure_ascii=False), digest)
         self._pending_ids.setdefault(record_id, index)
         self._pending_errors += status == "error"
-        if not row.keys() <= self._columns:
-            self._pending_columns.update(row.keys() - self._columns)
+        samples = row.get(SAMPLES_KEY)
+        self._pending_samples += 1 if samples is None else len(samples)
+        for keys in [row.keys()] if samples is None else [row.keys(), *(s.keys() for s in samples)]:
+            if not keys <= self._columns:
+                self._pending_columns.update(keys - self._columns)
 
     def claim_id(self, record_id: str, index: int) -> bool:
         """Record `index` as the first occurrence of `record_id`, when the record is read.
@@ -194,7 +201,8 @@ class Journal:
     def set_partials(self, partials: dict[int, dict]) -> None:
         """Buffer the states of records still generating (index -> {"tokens": [...], "logprobs": [...] or None}),
         written by the next commit() with its rows; a record's partial goes when its row is committed."""
-        self._pending_partials = {index: (len(state["tokens"]), json.dumps(state)) for index, state in partials.items()}
+        self._pending_partials = {index: (_partial_tokens(state), json.dumps(state))
+                                  for index, state in partials.items()}
 
     def partials(self) -> dict[int, dict]:
         """The committed partials (index -> state): what a resumed run continues. Bounded by what was in flight."""
@@ -243,6 +251,7 @@ class Journal:
                 prefix = self._advance_prefix(rows)
                 num_committed = self._num_committed + len(rows)
                 num_errors = self._num_errors + self._pending_errors
+                num_samples = self._num_samples + self._pending_samples
                 self._conn.executemany(
                     "UPDATE meta SET value = ? WHERE key = ?",
                     [(str(num_committed), "num_committed"), (str(num_errors), "num_errors"),
@@ -252,6 +261,9 @@ class Journal:
                     "INSERT OR REPLACE INTO meta(key, value) VALUES ('last_commit_time', ?)",
                     (repr(now),),
                 )
+                if num_samples != num_committed:
+                    self._conn.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('num_samples', ?)",
+                                       (str(num_samples),))
                 columns = self._columns | self._pending_columns
                 if self._pending_columns:
                     self._conn.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('columns', ?)",
@@ -272,6 +284,7 @@ class Journal:
         self._num_committed, self._num_errors, self._prefix = num_committed, num_errors, prefix
         self._last_commit_time = now
         self._pending_rows, self._pending_ids, self._pending_errors = {}, {}, 0
+        self._num_samples, self._pending_samples = num_samples, 0
         self._pending_partials = {}
         self._columns, self._pending_columns = columns, set()
         return count
@@ -310,6 +323,10 @@ class Journal:
 
     def num_errors(self) -> int:
         return self._num_errors
+
+    def num_samples(self) -> int:
+        """The output rows the committed rows hold: one each, n for a record with n > 1."""
+        return self._num_samples
 
     def contiguous_prefix(self) -> int:
         """The smallest n such that every index < n is committed."""
@@ -386,6 +403,13 @@ class Journal:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _partial_tokens(state: dict) -> int:
+    """The tokens a partial holds: a record's, or the sum of its samples' (a record with n > 1)."""
+    if "samples" in state:
+        return sum(len(s.get("tokens", ())) for s in state["samples"].values())
+    return len(state["tokens"])
 
 
 def _row_mismatch(missing: list[int], extra: int | None, indices: range) -> str:

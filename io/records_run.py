@@ -66,10 +66,12 @@ def run_records(records: Iterable[RawRecord], builder, engine, sink: RecordSink,
 
 def _requests(records: Iterable[RawRecord], builder, sink: RecordSink, should_stop: Callable[[], bool]) -> Iterator:
     """Each record built and admitted by the sink: the requests to generate (a record that became a row here
-    yields none). Ends early once `should_stop()` says so."""
+    yields none, one with n > 1 one per sample). Ends early once `should_stop()` says so."""
     for raw in records:
         request = sink.admit(raw, builder.build(raw))
-        if request is not None:
+        if isinstance(request, list):
+            yield from request
+        elif request is not None:
             yield request
         if should_stop():
             return

@@ -14,21 +14,38 @@ import json
 import math
 from typing import Any
 
-from conveyor.core import MAX_LOGPROBS, Grammar
+from conveyor.core import MAX_LOGPROBS, Grammar, schema_error
 
 GRAMMAR_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice")
 FIELDS = (*GRAMMAR_FIELDS, "logprobs", "top_logprobs", "prompt_logprobs", "logit_bias", "presence_penalty",
           "frequency_penalty", "repetition_penalty", "bad_words")
 # vLLM request fields conveyor does not implement: an error that names them, never silently ignored.
-# (best_of, use_beam_search, truncate_prompt_tokens and spaces_between_special_tokens are accepted at their
-# defaults: AT_DEFAULT.)
+# (best_of, use_beam_search and spaces_between_special_tokens are accepted at their defaults: AT_DEFAULT.)
 UNSUPPORTED = ("guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern", "structural_tag",
                "allowed_token_ids", "logits_processors", "best_of", "use_beam_search", "length_penalty",
-               "truncate_prompt_tokens", "spaces_between_special_tokens")
+               "spaces_between_special_tokens")
+# The sampling options a plain record may name: vLLM's SamplingParams fields and OpenAI's chat-completions body
+# fields. Each one conveyor applies, or refuses (an error naming it unless at a value AT_DEFAULT accepts): a
+# plain record's field of one of these names is never taken for data (request_builder checks them).
+VLLM_SAMPLING_FIELDS = (
+    "n", "best_of", "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "top_k",
+    "min_p", "seed", "stop", "stop_token_ids", "bad_words", "include_stop_str_in_output", "ignore_eos", "max_tokens",
+    "min_tokens", "logprobs", "prompt_logprobs", "detokenize", "skip_special_tokens", "spaces_between_special_tokens",
+    "logits_processors", "truncate_prompt_tokens", "output_kind", "guided_decoding", "structured_outputs",
+    "logit_bias", "allowed_token_ids", "extra_args")
+OPENAI_CHAT_FIELDS = (
+    "messages", "model", "audio", "frequency_penalty", "function_call", "functions", "logit_bias", "logprobs",
+    "max_completion_tokens", "max_tokens", "metadata", "modalities", "n", "parallel_tool_calls", "prediction",
+    "presence_penalty", "prompt_cache_key", "reasoning_effort", "response_format", "safety_identifier", "seed",
+    "service_tier", "stop", "store", "stream", "stream_options", "temperature", "tool_choice", "tools",
+    "top_logprobs", "top_p", "user", "verbosity", "web_search_options")
+# Of those, the ones that describe the request rather than how to generate it: data in a plain record.
+REQUEST_METADATA = ("messages", "model", "metadata", "prompt_cache_key", "safety_identifier", "store", "user")
 # Fields accepted only at a value that asks for nothing other than what conveyor does: their defaults, or a
 # no-op (tool_choice "none" without tools; a service tier, which only schedules). Any other value is an error
 # naming the field and the values it may take, never an option silently dropped. An OpenAI batch body is checked
-# for all of them; a plain record only for the UNSUPPORTED ones (its other fields may be data of any name).
+# for all of them; a plain record for the UNSUPPORTED ones and the sampling names above (its other fields may be
+# data of any name).
 AT_DEFAULT = {
     "echo": (False,), "suffix": (None,), "best_of": (None, 1), "use_beam_search": (None, False),
     "stream_options": (None,), "tools": (None, []), "tool_choice": (None, "none", "auto"),
@@ -37,7 +54,7 @@ AT_DEFAULT = {
     "service_tier": (None, "auto", "default"), "skip_special_tokens": (None, True),
     "spaces_between_special_tokens": (None, True), "include_stop_str_in_output": (None, False),
     "add_generation_prompt": (None, True), "continue_final_message": (None, False), "priority": (None, 0),
-    "truncate_prompt_tokens": (None,),
+    "stream": (None, False),
 }
 
 
@@ -91,9 +108,12 @@ def run_grammar(json_schema_text: str | None, choice: tuple[str, ...], regex: st
         try:
             schema = json.loads(json_schema_text)
         except ValueError as e:
-            raise ValueError(f"--json-schema: the file is not valid JSON ({e})") from None
+            raise ValueError(f"the file is not valid JSON ({e})") from None
         if not isinstance(schema, dict):
-            raise ValueError("--json-schema: the file must hold a JSON schema object")
+            raise ValueError("the file must hold a JSON schema object")
+        problem = schema_error(schema)
+        if problem is not None:
+            raise ValueError(f"not a valid JSON schema ({problem}); fix the schema")
         return Grammar("json_schema", json.dumps(schema, sort_keys=True))
     if choice:
         return Grammar("choice", json.dumps(list(choice), ensure_ascii=False))

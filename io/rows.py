@@ -15,11 +15,17 @@ from typing import Any
 # Neither is an output column.
 KIND_KEY = "__conveyor_kind"
 WHERE_KEY = "__conveyor_where"
+# A record with n > 1 is one journal row (its record-level "id", "index", "status": "error" where a sample is an
+# error row, and WHERE_KEY) holding its n sample rows, each with its "sample_index", under this key; `output_rows`
+# gives them back as the output's rows.
+SAMPLES_KEY = "__conveyor_samples"
 OUTPUT_COLUMNS = ("id", "index", "status", "output", "finish_reason", "prompt_tokens", "completion_tokens",
                   "error", "seed", "queue_s", "ttft_s", "latency_s")
 # Columns a run has where its records asked for them (the caller says which), between the fixed ones and the
 # keep fields: per token {token, id, logprob, top: [{token, id, logprob}]}.
-OPTIONAL_COLUMNS = ("logprobs", "prompt_logprobs", "prompt_logprob_sum")
+OPTIONAL_COLUMNS = ("logprobs", "prompt_logprobs", "prompt_logprob_sum", "sample_index", "reasoning",
+                    "prompt_tokens_truncated")  # the prompt tokens truncation cut
+SAMPLE_INDEX = "sample_index"  # 0 to n - 1; a run's files have it where some record has n > 1, or --n > 1
 
 
 def base_schema():
@@ -37,6 +43,10 @@ def optional_schema(name: str):
 
     if name == "prompt_logprob_sum":
         return pa.float64()
+    if name == "reasoning":  # the output's reasoning section (--reasoning-parser), null where it had none
+        return pa.string()
+    if name in (SAMPLE_INDEX, "prompt_tokens_truncated"):
+        return pa.int64()
     alternative = pa.struct([("token", pa.string()), ("id", pa.int64()), ("logprob", pa.float64())])
     return pa.list_(pa.struct([("token", pa.string()), ("id", pa.int64()), ("logprob", pa.float64()),
                                ("top", pa.list_(alternative))]))
@@ -44,9 +54,12 @@ def optional_schema(name: str):
 
 def error_row(e) -> dict[str, Any]:
     """The row of a record that could not run (`request_builder.ErrorRow`)."""
-    return {"id": e.id, "index": e.index, "status": "error", "output": None, "finish_reason": None,
-            "prompt_tokens": e.prompt_tokens, "completion_tokens": 0, "error": e.error, "seed": e.seed,
-            "queue_s": None, "ttft_s": None, "latency_s": None, KIND_KEY: None, **e.kept}
+    row = {"id": e.id, "index": e.index, "status": "error", "output": None, "finish_reason": None,
+           "prompt_tokens": e.prompt_tokens, "completion_tokens": 0, "error": e.error, "seed": e.seed,
+           "queue_s": None, "ttft_s": None, "latency_s": None, KIND_KEY: None, **e.kept}
+    if e.prompt_tokens_truncated is not None:
+        row["prompt_tokens_truncated"] = e.prompt_tokens_truncated
+    return row
 
 
 def ok_row(b, out, token_text: Callable[[int], str] = str, where: str | None = None) -> dict[str, Any]:
@@ -58,6 +71,10 @@ def ok_row(b, out, token_text: Callable[[int], str] = str, where: str | None = N
            "latency_s": round(out.latency_s, 6), KIND_KEY: b.kind, **b.kept}
     if where is not None and b.id_given:
         row[WHERE_KEY] = where
+    if b.prompt_tokens_truncated is not None:
+        row["prompt_tokens_truncated"] = b.prompt_tokens_truncated
+    if b.sampling.reasoning is not None:
+        row["reasoning"] = out.reasoning
     if out.logprobs is not None:
         row["logprobs"] = [_logprob_entry(lp, token_text) for lp in out.logprobs]
     if out.prompt_logprobs is not None:
@@ -69,13 +86,39 @@ def ok_row(b, out, token_text: Callable[[int], str] = str, where: str | None = N
     return row
 
 
+def group_row(samples: list[dict], where: str | None) -> dict[str, Any]:
+    """The journal row of a record with n > 1: its sample rows (in sample order, each with its sample_index) under
+    SAMPLES_KEY; status "error" where one of them is an error row. `where`: the record's place, where it has an id."""
+    first = samples[0]
+    row = {"id": first["id"], "index": first["index"],
+           "status": "ok" if all(s["status"] == "ok" for s in samples) else "error", SAMPLES_KEY: samples}
+    if where is not None:
+        row[WHERE_KEY] = where
+    return row
+
+
+def output_rows(row: dict[str, Any]) -> list[dict[str, Any]]:
+    """A journal row as the output's rows: a record with n > 1 its sample rows, any other itself (sample 0)."""
+    return row[SAMPLES_KEY] if SAMPLES_KEY in row else [row]
+
+
+def without_errors(row: dict[str, Any]) -> dict[str, Any] | None:
+    """A journal row without its error rows (--on-error skip): None where nothing is left."""
+    if SAMPLES_KEY not in row:
+        return None if row["status"] == "error" else row
+    kept = [s for s in row[SAMPLES_KEY] if s["status"] != "error"]
+    return {**row, "status": "ok", SAMPLES_KEY: kept} if kept else None
+
+
 def duplicate_id_message(where: str, record_id: str) -> str:
     return f"{where}: duplicate id {record_id!r} (first seen earlier in the input); make ids unique or use --id-field"
 
 
 def duplicate_id_row(row: dict[str, Any]) -> dict[str, Any]:
     """An ok `row` turned into the row its record gets when an earlier record holds its id: the row a single
-    run gives it (shards find such ids only when they merge)."""
+    run gives it (shards find such ids only when they merge): one error row, for a record with n > 1 too."""
+    if SAMPLES_KEY in row:
+        row = {**row[SAMPLES_KEY][0], WHERE_KEY: row.get(WHERE_KEY)}
     out = {k: v for k, v in row.items() if k not in OPTIONAL_COLUMNS and k != WHERE_KEY}
     out.update(status="error", output=None, finish_reason=None, prompt_tokens=None, completion_tokens=0,
                queue_s=None, ttft_s=None, latency_s=None, **{KIND_KEY: None},

@@ -37,6 +37,7 @@ from conveyor.core import (
     load_engine,
     load_tokenizer,
     resolve_engine_config,
+    resolve_reasoning,
 )
 from conveyor.io.errors import SpecError
 from conveyor.io.journal import Journal
@@ -45,6 +46,7 @@ from conveyor.io.pending import PendingRecords
 from conveyor.io.readers import fingerprint, fingerprints_content, open_reader
 from conveyor.io.records_run import run_records
 from conveyor.io.request_builder import RequestBuilder
+from conveyor.io.rows import SAMPLE_INDEX, without_errors
 from conveyor.io.run_dir import STATE_FILES, Manifest, RunDir
 from conveyor.io.run_info import read_run_info, write_run_info
 from conveyor.io.run_spec import RunSpec
@@ -70,12 +72,14 @@ class RunResult:
     message: str = ""  # what to tell the user beside the summary
     profile: dict[str, float] = field(default_factory=dict)  # seconds per step phase, where asked for
     output_written: bool = False  # the output file was written (a shard writes it only when it merges)
+    keep_fields_missing: tuple[str, ...] = ()  # --keep-fields that no record of the input had (a column of nulls)
 
     def summary(self) -> dict[str, Any]:
         t = self.totals
         s = self.engine_stats
         return {
             "records": t.done,
+            "samples": t.samples,  # output rows: a record with n > 1 has n
             "ok": t.ok,
             "errors": t.errors,
             "prompt_tokens": t.prompt_tokens,
@@ -89,6 +93,7 @@ class RunResult:
             "continued": t.continued,  # records continued from an earlier process's partial ...
             "tokens_carried_over": t.tokens_carried_over,  # ... and the tokens those held
             "in_flight_saved": t.in_flight_saved if self.status == STOPPED else 0,  # partials kept at the stop
+            "keep_fields_missing": list(self.keep_fields_missing),
             "status": self.status,
         }
 
@@ -143,6 +148,8 @@ class Run:
                 raise
             option = {"regex": "--regex", "choice": "--choice"}.get(spec.sampling.grammar.kind, "--json-schema")
             raise SpecError(f"{option}: {e}") from None
+        if spec.reasoning_parser is not None:  # a model without think tags: refused before it loads
+            self._reasoning(load_tokenizer(spec.model)[0])
         run_dir = self.base_run_dir
         if spec.state.shard is not None:
             self.shard = Shard.parse(spec.state.shard)
@@ -170,6 +177,7 @@ class Run:
         t.resumed_from = t.done = self.journal.num_committed()
         t.errors = self.journal.num_errors()
         t.ok = t.done - t.errors
+        t.samples = self.journal.num_samples()
         count = reader.count()
         if count is not None and spec.input.limit is not None:
             count = min(count, spec.input.limit)
@@ -220,7 +228,19 @@ class Run:
         if self.spec.profile:
             self.engine.enable_profiling()
         self.totals.load_s = time.monotonic() - start
-        self.builder = RequestBuilder(self.engine.tokenizer, self.spec.build, self.spec.sampling, self.engine.limits)
+        sampling = self.spec.sampling
+        if self.spec.reasoning_parser is not None:
+            sampling = dataclasses.replace(sampling, reasoning=self._reasoning(self.engine.tokenizer))
+        self.builder = RequestBuilder(self.engine.tokenizer, self.spec.build, sampling, self.engine.limits,
+                                      self.spec.model)
+
+    def _reasoning(self, tokenizer):
+        """The run's reasoning section (core.reasoning.Reasoning) for the model's tokenizer; SpecError naming
+        --reasoning-parser where the model has none."""
+        try:
+            return resolve_reasoning(self.spec.reasoning_parser, tokenizer)
+        except ConfigError as e:
+            raise SpecError(e.named("--reasoning-parser")) from None
 
     def _check_arithmetic(self, now: str) -> None:
         """Say so where this run's rows so far were computed with other kernels or another device (a resume on
@@ -243,7 +263,8 @@ class Run:
         sink = JournalSink(self.journal, CommitPolicy(state.checkpoint_every, state.checkpoint_seconds),
                            self.spec.output.on_error, self._token_text, self.totals, self.engine.in_flight,
                            self.partials)
-        if run_records(self._pending, self.builder, self.engine, sink, should_stop, on_progress) == "stopped":
+        records = self._noting_keep_fields(self._pending)
+        if run_records(records, self.builder, self.engine, sink, should_stop, on_progress) == "stopped":
             return self._result(STOPPED, "run the same command again to resume")
         return self._finish()
 
@@ -263,12 +284,14 @@ class Run:
 
         def rows():  # every record read has exactly one row, checked as they stream (not by the counters)
             for row in self.journal.iter_rows_expecting(range(self.input_records)):
-                if skip_errors and row["status"] == "error":
-                    continue
+                if skip_errors:
+                    row = without_errors(row)
+                    if row is None:
+                        continue
                 yield row
 
         write_output(rows(), spec.output.path, self.output_format, spec.build.keep_fields, model_name=spec.model,
-                     optional=self.journal.columns())
+                     optional=self.journal.columns() | ({SAMPLE_INDEX} if spec.build.n > 1 else set()))
         return self._result(status, "", output_written=True)
 
     def _finish_shard(self, status: str) -> RunResult:
@@ -282,11 +305,12 @@ class Run:
         if waiting:
             return self._result(status, f"shard {self.shard} done; waiting for shard{'s' if len(waiting) > 1 else ''} "
                                 f"{', '.join(waiting)}: the last to finish writes {output} (or run "
-                                f"`conveyor merge -o {output}` once all are done)")
+                                f"`conveyor merge {output}` once all are done)")
         try:
             merged = merge(self.base_run_dir, output, self.output_format)
-        except ShardError as e:  # another shard's problem: this one's rows stand
-            return self._result(status, f"shard {self.shard} done, but {output} cannot be written yet: {e}")
+        except ShardError as e:  # another shard's problem: this one's rows stand (a warning: said even when quiet)
+            self.say(f"warning: shard {self.shard} done, but {output} cannot be written yet: {e}")
+            return self._result(status, "")
         return self._result(SOME_ERRORS if merged.has_error_rows else OK,
                             f"all {self.shard.count} shards done: merged {merged.rows} rows", output_written=True)
 
@@ -295,7 +319,18 @@ class Run:
         if stats is not None:
             self.totals.generated_tokens = stats.num_generated_tokens
         profile = self.engine.profile() if self.engine and self.spec.profile else {}
-        return RunResult(status, self.totals, stats, message, profile, output_written)
+        missing = ()
+        if status != STOPPED and self.shard is None and not self.totals.resumed_from:  # every record read here
+            missing = tuple(f for f in self.spec.build.keep_fields if f not in self.totals.keep_fields_seen)
+        return RunResult(status, self.totals, stats, message, profile, output_written, missing)
+
+    def _noting_keep_fields(self, records):
+        """`records`, noting which --keep-fields they have (one no record has is said in the summary)."""
+        wanted, seen = self.spec.build.keep_fields, self.totals.keep_fields_seen
+        for raw in records:
+            if raw.record is not None and len(seen) < len(wanted):
+                seen.update(name for name in wanted if name in raw.record)
+            yield raw
 
     def close(self) -> None:
         if self.journal is not None:
@@ -310,7 +345,7 @@ class Run:
         spec = self.spec
         reader = open_reader(spec.input.path, spec.input.format, spec.input.split, spec.input.max_record_bytes)
         tokenizer, limits = load_tokenizer(spec.model)
-        builder = RequestBuilder(tokenizer, spec.build, spec.sampling, limits)
+        builder = RequestBuilder(tokenizer, spec.build, spec.sampling, limits, spec.model)
         limit = spec.input.limit
         records = itertools.takewhile(lambda raw: limit is None or raw.index < limit, reader)
         with tempfile.TemporaryDirectory(prefix="conveyor-validate-") as scratch, \

@@ -277,6 +277,7 @@ class RunDir:
                                                 f"{journal.num_committed()}: it was changed outside conveyor; run "
                                                 "with --restart to start over")
                     out["num_errors"] = journal.num_errors()
+                    out["num_samples"] = journal.num_samples()
                     out["num_partials"], out["partial_tokens"] = journal.partial_tokens()
                     out["contiguous_prefix"] = journal.contiguous_prefix()
                     out["last_commit_time"] = journal.last_commit_time()

@@ -12,14 +12,14 @@ from typing import Any
 from conveyor.core import DEFAULT_MODEL, EngineConfig, SamplingParams
 from conveyor.io.readers.record import DEFAULT_MAX_RECORD_BYTES
 from conveyor.io.readers.record import FORMATS as INPUT_FORMATS
-from conveyor.io.request_builder import BuildOptions
+from conveyor.io.request_builder import TEMPLATE_AS, BuildOptions
 from conveyor.io.request_options import run_grammar
 from conveyor.io.sink import ON_ERROR, CommitPolicy
 from conveyor.io.writers import OUTPUT_FORMATS
 
 # What building a spec takes besides the dataclasses below: the choices of its options and the run's grammar.
-__all__ = ["INPUT_FORMATS", "ON_ERROR", "OUTPUT_FORMATS", "BuildOptions", "InputOptions", "OutputOptions",
-           "RunSpec", "StateOptions", "run_grammar"]
+__all__ = ["INPUT_FORMATS", "ON_ERROR", "OUTPUT_FORMATS", "TEMPLATE_AS", "BuildOptions", "InputOptions",
+           "OutputOptions", "RunSpec", "StateOptions", "run_grammar"]
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,7 @@ class RunSpec:
     engine: EngineConfig = field(default_factory=EngineConfig)
     state: StateOptions = field(default_factory=StateOptions)
     profile: bool = False  # split the engine's step time into its phases
+    reasoning_parser: str | None = None  # core.reasoning.REASONING_PARSERS: the output's reasoning in its own column
 
     def generation_config(self) -> dict[str, Any]:
         """What decides the output rows: a change of any of these under a run directory is drift. (The engine's
@@ -74,6 +75,12 @@ class RunSpec:
         later = {"regex": grammar.spec if grammar is not None and grammar.kind == "regex" else None,
                  "logprobs": s.logprobs, "prompt_logprobs": s.prompt_logprobs is not None,
                  "choice": json.loads(grammar.spec) if grammar is not None and grammar.kind == "choice" else [],
-                 "json_schema": grammar.spec if grammar is not None and grammar.kind == "json_schema" else None}
+                 "json_schema": grammar.spec if grammar is not None and grammar.kind == "json_schema" else None,
+                 "reasoning_parser": self.reasoning_parser, "chat_field": b.chat_field,
+                 "prompt_template": b.prompt_template,
+                 "prompt_template_as": b.prompt_template_as if b.prompt_template is not None else None,
+                 "truncate_prompt_tokens": b.truncate_prompt_tokens,
+                 "served_model_names": list(b.served_model_names),
+                 "n": b.n if b.n != 1 else None}
         out.update({k: v for k, v in later.items() if not (v is None or v is False or v == [])})
         return out

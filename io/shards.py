@@ -30,7 +30,7 @@ from pathlib import Path
 from conveyor.io.atomic import atomic_write_text
 from conveyor.io.errors import SpecError
 from conveyor.io.journal import Journal, JournalCorrupt
-from conveyor.io.rows import duplicate_id_row
+from conveyor.io.rows import SAMPLE_INDEX, SAMPLES_KEY, duplicate_id_row, without_errors
 from conveyor.io.run_dir import Manifest, RunDir, RunDirError, _drift
 
 MARKER = "shard.json"
@@ -181,7 +181,7 @@ class ShardSet:
             streams = (_checked_rows(m, j, total) for m, j in zip(members, journals))
             for row in heapq.merge(*streams, key=lambda r: r["index"]):
                 first = firsts.get(row["id"])
-                if first is not None and first != row["index"] and row["status"] == "ok":
+                if first is not None and first != row["index"] and (row["status"] == "ok" or SAMPLES_KEY in row):
                     row = duplicate_id_row(row)
                 yield row
         finally:
@@ -237,8 +237,8 @@ def _checked_rows(member: _Member, journal: Journal, total: int) -> Iterator[dic
 
 @dataclass
 class MergeResult:
-    rows: int  # written
-    errors: int  # error rows (written, or left out under --on-error skip)
+    rows: int  # records written (a record with n > 1: its samples' rows)
+    errors: int  # records with an error row (written, or left out under --on-error skip)
     shards: int
     skipped_errors: bool  # the shards ran with --on-error skip
 
@@ -263,12 +263,15 @@ def merge(run_dir: str | Path, output: str, output_format: str | None = None) ->
         for row in shards.rows(members):
             if row["status"] == "error":
                 counts["errors"] += 1
-                if skip:
+                if skip:  # (a record with n > 1 keeps its ok samples' rows)
+                    row = without_errors(row)
+                    if row is not None:
+                        yield row
                     continue
             counts["rows"] += 1
             yield row
 
     write_output(rows(), output, output_format or first.manifest.output_format,
                  tuple(first.manifest.generation_config.get("keep_fields") or ()), model_name=first.manifest.model,
-                 optional=shards.columns(members))
+                 optional=shards.columns(members) | ({SAMPLE_INDEX} if "n" in first.manifest.generation_config else set()))
     return MergeResult(counts["rows"], counts["errors"], len(members), skip)

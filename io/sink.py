@@ -7,6 +7,10 @@ claims ids through the journal (a repeated id is an error row), turns completion
 (`rows.py`), keeps the run's totals and commits by its `CommitPolicy`: each commit also keeps the tokens of the
 requests still generating (partials), and a record admitted again continues from its partial, so a stop or a
 kill -9 loses no more than the generation since the last commit.
+
+A record with n > 1 is a request per sample (`BuiltRequest.to_generation_request`); its journal row is added once
+every sample has finished (`rows.group_row`), and until then its partial holds the rows of the samples that
+finished and the tokens of those still generating: each (record, sample) is written exactly once.
 """
 
 from __future__ import annotations
@@ -20,8 +24,8 @@ from typing import Any
 from conveyor.core import GenerationRequest, InFlight, TokenLogprobs
 from conveyor.io.journal import Journal
 from conveyor.io.readers import RawRecord
-from conveyor.io.request_builder import BuiltRequest, ErrorRow
-from conveyor.io.rows import duplicate_id_message, error_row, ok_row
+from conveyor.io.request_builder import BuiltRequest, ErrorRow, sample_seed
+from conveyor.io.rows import SAMPLE_INDEX, duplicate_id_message, error_row, group_row, ok_row, output_rows
 
 ON_ERROR = ("record", "skip", "fail")
 
@@ -39,7 +43,8 @@ class RunTotals:
     """Counts for the summary and the progress display; this process's generation only for speed."""
 
     total: int | None = None  # records in the input (after --limit, in this shard), when cheaply known
-    done: int = 0  # rows in the journal (committed or pending), all runs together
+    done: int = 0  # rows in the journal (committed or pending), all runs together: records
+    samples: int = 0  # the output rows those hold (a record with n > 1 has n)
     ok: int = 0
     errors: int = 0
     prompt_tokens: int = 0
@@ -49,9 +54,10 @@ class RunTotals:
     first_admit: float | None = None
     last_active: float | None = None  # the last step or finished record
     resumed_from: int = 0  # rows already committed when this process started
-    continued: int = 0  # records this process continued from an earlier one's partial
+    continued: int = 0  # records this process continued from an earlier one's partial (or its finished samples)
     tokens_carried_over: int = 0  # the tokens those partials held
     in_flight_saved: int = 0  # records still generating whose tokens the last commit kept (a stop's)
+    keep_fields_seen: set[str] = dataclasses.field(default_factory=set)  # --keep-fields some record read here had
 
     @property
     def elapsed_s(self) -> float:
@@ -74,7 +80,8 @@ class CommitPolicy:
 
 class RecordSink:
     def admit(self, raw: RawRecord, built: BuiltRequest | ErrorRow):
-        """The GenerationRequest to submit for this record, or None when it became a row here."""
+        """The GenerationRequest to submit for this record (a list of them for a record with n > 1), or None when
+        it became a row here."""
         raise NotImplementedError
 
     def rejected(self, req_id: str, error: str) -> None:
@@ -110,7 +117,8 @@ class JournalSink(RecordSink):
         self.totals = totals if totals is not None else RunTotals()
         self.engine_in_flight = engine_in_flight
         self.partials = dict(partials or {})  # index -> a partial not yet continued
-        self.in_flight: dict[str, tuple[BuiltRequest, str]] = {}  # request id -> (record, where it was read)
+        self.in_flight: dict[str, tuple[BuiltRequest, str, int]] = {}  # request id -> (record, where read, sample)
+        self.samples: dict[int, dict[int, dict]] = {}  # index of a record with n > 1 -> its finished samples' rows
         self._last_commit = time.monotonic()
 
     def admit(self, raw: RawRecord, built: BuiltRequest | ErrorRow):
@@ -118,29 +126,77 @@ class JournalSink(RecordSink):
             built = ErrorRow(index=built.index, id=built.id, kept=built.kept, seed=built.sampling.seed,
                              error=duplicate_id_message(record_location(raw), built.id), digest=built.digest)
         if isinstance(built, BuiltRequest):
-            self.in_flight[str(built.index)] = (built, record_location(raw))
             if self.totals.first_admit is None:
                 self.totals.first_admit = time.monotonic()
-            return self._continued(built, self.partials.pop(built.index, None))
+            partial = self.partials.pop(built.index, None)
+            if built.n > 1:
+                return self._admit_samples(built, record_location(raw), partial)
+            self.in_flight[str(built.index)] = (built, record_location(raw), 0)
+            request = self._continued(built.to_generation_request(), partial)
+            self.totals.continued += bool(request.output_token_ids)
+            return request
         self._bad(built)
         return None
 
-    def _continued(self, built: BuiltRequest, partial: dict | None) -> GenerationRequest:
-        """The record's request, continuing from its partial where it has one that fits it (one that does not,
-        from a journal edited by hand, is dropped: the record starts over)."""
-        request = built.to_generation_request()
-        state = partial_state(partial, built.sampling)
+    def _admit_samples(self, built: BuiltRequest, where: str, partial: dict | None) -> list[GenerationRequest] | None:
+        """A record with n > 1: a request per sample, but for the samples its partial holds finished (their rows
+        are kept); a sample it holds tokens of continues from them."""
+        saved = partial.get("samples") if isinstance(partial, dict) else None
+        saved = saved if isinstance(saved, dict) else {}
+        done: dict[int, dict] = {}
+        requests = []
+        for k in range(built.n):
+            state = saved.get(str(k))
+            row = state.get("row") if isinstance(state, dict) else None
+            if isinstance(row, dict) and row.get("index") == built.index and row.get(SAMPLE_INDEX) == k and \
+                    row.get("status") in ("ok", "error"):
+                done[k] = row
+                continue
+            request = self._continued(built.to_generation_request(k), state)
+            self.in_flight[request.req_id] = (built, where, k)
+            requests.append(request)
+        self.totals.continued += bool(done) or any(r.output_token_ids for r in requests)
+        self.samples[built.index] = done
+        if not requests:  # (every sample had finished: the row was due at the next commit)
+            self._sample_done(built, where, None, None)
+            return None
+        return requests
+
+    def _continued(self, request: GenerationRequest, partial: dict | None) -> GenerationRequest:
+        """`request`, continuing from its partial where it has one that fits it (one that does not, from a
+        journal edited by hand, is dropped: the request starts over)."""
+        state = partial_state(partial, request.sampling)
         if state is None:
             return request
-        self.totals.continued += 1
         self.totals.tokens_carried_over += len(state.output_token_ids)
         return dataclasses.replace(request, output_token_ids=state.output_token_ids,
                                    output_logprobs=state.output_logprobs)
 
     def rejected(self, req_id: str, error: str) -> None:
-        built, where = self.in_flight.pop(req_id)
-        self._bad(ErrorRow(index=built.index, id=built.id, kept=built.kept, seed=built.sampling.seed,
-                           error=f"{where}: {error}", digest=built.digest))
+        built, where, k = self.in_flight.pop(req_id)
+        self._failed(built, where, k, ErrorRow(index=built.index, id=built.id, kept=built.kept, seed=built.sampling.seed,
+                                                error=f"{where}: {error}", digest=built.digest))
+
+    def _failed(self, built: BuiltRequest, where: str, sample: int, e: ErrorRow) -> None:
+        """A request that could not run or broke a step: the record's error row, or its sample's."""
+        if built.n == 1:
+            self._bad(e)
+            return
+        if self.on_error == "fail":
+            self.journal.commit()
+            raise BadRecordStop(e.error)
+        self._sample_done(built, where, sample, error_row(e))
+
+    def _sample_done(self, built: BuiltRequest, where: str, sample: int | None, row: dict | None) -> None:
+        """Sample `sample` of a record with n > 1 ended as `row`; the record's row once all n have."""
+        done = self.samples[built.index]
+        if row is not None:
+            row[SAMPLE_INDEX] = sample
+            row["seed"] = sample_seed(built.sampling.seed, sample) if sample else built.sampling.seed
+            done[sample] = row
+        if len(done) == built.n:
+            del self.samples[built.index]
+            self._add(group_row([done[k] for k in range(built.n)], where if built.id_given else None), built.digest)
 
     def _bad(self, e: ErrorRow) -> None:
         if self.on_error == "fail":
@@ -149,12 +205,17 @@ class JournalSink(RecordSink):
         self._add(error_row(e), e.digest)
 
     def finished(self, out) -> None:
-        built, where = self.in_flight.pop(out.req_id)
+        built, where, k = self.in_flight.pop(out.req_id)
         if out.error is not None:  # it could not run (its grammar), or its own data broke a step: an error row
-            self._bad(ErrorRow(index=built.index, id=built.id, kept=built.kept, seed=built.sampling.seed,
-                               error=f"{where}: {out.error}", prompt_tokens=out.num_prompt_tokens, digest=built.digest))
+            self._failed(built, where, k, ErrorRow(
+                index=built.index, id=built.id, kept=built.kept, seed=built.sampling.seed,
+                error=f"{where}: {out.error}", prompt_tokens=out.num_prompt_tokens, digest=built.digest))
             return
-        self._add(ok_row(built, out, self.token_text, where), built.digest)
+        row = ok_row(built, out, self.token_text, where)
+        if built.n == 1:
+            self._add(row, built.digest)
+        else:
+            self._sample_done(built, where, k, row)
         self.totals.last_active = time.monotonic()
 
     def _add(self, row: dict[str, Any], digest: str | None) -> None:
@@ -163,10 +224,13 @@ class JournalSink(RecordSink):
         t.done += 1
         if row["status"] == "ok":
             t.ok += 1
-            t.prompt_tokens += row["prompt_tokens"]
-            t.completion_tokens += row["completion_tokens"]
         else:
             t.errors += 1
+        for sample in output_rows(row):
+            t.samples += 1
+            if sample["status"] == "ok":
+                t.prompt_tokens += sample["prompt_tokens"]
+                t.completion_tokens += sample["completion_tokens"]
 
     def tick(self, now: float) -> None:
         """Between steps: commit by the policy (rows, and partials, every `every_seconds` whatever finished)."""
@@ -179,8 +243,19 @@ class JournalSink(RecordSink):
     def commit(self, now: float | None = None) -> None:
         """Commit the finished rows and, with them, the tokens of the requests still generating."""
         if self.engine_in_flight is not None:
-            partials = {int(req_id): partial_json(state) for req_id, state in self.engine_in_flight().items()
-                        if req_id in self.in_flight}
+            partials: dict[int, dict] = {}
+            for req_id, state in self.engine_in_flight().items():
+                entry = self.in_flight.get(req_id)
+                if entry is None:
+                    continue
+                built, _, k = entry
+                if built.n == 1:
+                    partials[built.index] = partial_json(state)
+                else:  # a record with n > 1: {"samples": {k: tokens, or the row of a finished sample}}
+                    partials.setdefault(built.index, {"samples": {}})["samples"][str(k)] = partial_json(state)
+            for index, done in self.samples.items():
+                for k, row in done.items():
+                    partials.setdefault(index, {"samples": {}})["samples"][str(k)] = {"row": row}
             self.journal.set_partials(partials)
             self.totals.in_flight_saved = len(partials)
         self.journal.commit()

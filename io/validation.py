@@ -29,6 +29,8 @@ class ValidationSink(RecordSink):
         self.errors: list[str] = []
         self.num_errors = 0
         self.grammars: Grammars | None = None  # made on the first record with a grammar
+        # The first ok record's place and its prompt as the model gets it (decoded, special tokens shown).
+        self.first_prompt: tuple[str, str] | None = None
 
     def admit(self, raw, built):
         self.records += 1
@@ -47,6 +49,9 @@ class ValidationSink(RecordSink):
             if self.records % self.COMMIT_EVERY == 0:
                 self.ids.commit()
         self.lengths[len(built.prompt_token_ids)] += 1
+        if self.first_prompt is None:
+            self.first_prompt = (record_location(raw),
+                                 self.tokenizer.decode(built.prompt_token_ids, skip_special_tokens=False))
         return None  # built and checked; nothing to generate
 
     def _error(self, message: str) -> None:

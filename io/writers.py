@@ -16,7 +16,15 @@ from typing import IO, Any, Iterable, Iterator
 
 from conveyor.io.atomic import atomic_file
 from conveyor.io.errors import SpecError
-from conveyor.io.rows import KIND_KEY, OPTIONAL_COLUMNS, OUTPUT_COLUMNS, base_schema, optional_schema
+from conveyor.io.rows import (
+    KIND_KEY,
+    OPTIONAL_COLUMNS,
+    OUTPUT_COLUMNS,
+    SAMPLE_INDEX,
+    base_schema,
+    optional_schema,
+    output_rows,
+)
 
 OUTPUT_FORMATS = ("parquet", "jsonl", "openai-batch")
 STDOUT = "-"  # -o -: the finished output goes to stdout
@@ -66,6 +74,8 @@ def write_output(rows: Iterable[dict], path: str, output_format: str, keep_field
     keep_fields = tuple(keep_fields)
     check_keep_fields(keep_fields)
     extra = tuple(c for c in OPTIONAL_COLUMNS if c in set(optional))
+    if output_format != "openai-batch":  # a row per sample; openai-batch: a line per record, its n choices
+        rows = _sample_rows(rows, SAMPLE_INDEX in extra)
     if output_format == "parquet":
         with atomic_file(path, "wb") as f:
             return _write_parquet(rows, f, keep_fields, row_group_size, extra)
@@ -92,6 +102,14 @@ def json_line(value, **kw) -> str:
     return json.dumps(value, ensure_ascii=False, **kw).translate(_LINE_BREAKS) + "\n"
 
 
+def _sample_rows(rows: Iterable[dict], numbered: bool) -> Iterator[dict]:
+    """Journal rows as output rows: a record with n > 1 its n sample rows (in sample order); `numbered`: every row
+    has its sample_index (0 for a record's only row)."""
+    for row in rows:
+        for sample in output_rows(row):
+            yield {**sample, SAMPLE_INDEX: 0} if numbered and SAMPLE_INDEX not in sample else sample
+
+
 def _write_jsonl(rows: Iterable[dict], f: IO[str], columns: tuple[str, ...]) -> int:
     num_rows = 0
     for row in rows:
@@ -104,9 +122,28 @@ def _write_openai_batch(rows: Iterable[dict], f: IO[str], model_name: str) -> in
     created = int(time.time())
     num_rows = 0
     for row in rows:
-        f.write(json_line(_openai_line(row, model_name, created)))
+        f.write(json_line(_openai_record_line(row, model_name, created)))
         num_rows += 1
     return num_rows
+
+
+def _openai_record_line(row: dict, model_name: str, created: int) -> dict:
+    """A record's line: a record with n > 1 has its n choices in it ("index": k), as OpenAI answers n; usage counts
+    the prompt once and every choice's tokens. An error of one sample makes the line an error naming it."""
+    samples = output_rows(row)
+    lines = [_openai_line(sample, model_name, created) for sample in samples]
+    if len(lines) == 1:
+        return lines[0]
+    for k, line in enumerate(lines):
+        if line["response"] is None:
+            return {**line, "error": {**line["error"], "message": f"sample {k}: {line['error']['message']}"}}
+    body = lines[0]["response"]["body"]
+    body["choices"] = [{**line["response"]["body"]["choices"][0], "index": k} for k, line in enumerate(lines)]
+    prompt_tokens = body["usage"]["prompt_tokens"]
+    completion_tokens = sum(line["response"]["body"]["usage"]["completion_tokens"] for line in lines)
+    body["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                     "total_tokens": prompt_tokens + completion_tokens}
+    return lines[0]
 
 
 def _openai_line(row: dict, model_name: str, created: int) -> dict:
@@ -123,10 +160,14 @@ def _openai_line(row: dict, model_name: str, created: int) -> dict:
         body_id, kind = f"cmpl-{index}", "text_completion"
         choice = {"index": 0, "text": row.get("output"), "logprobs": _completion_logprobs(logprobs),
                   "finish_reason": finish_reason}
+        if "reasoning" in row:  # (vLLM's name; a completion has no message to hold it)
+            choice["reasoning_content"] = row["reasoning"]
     else:
         body_id, kind = f"chatcmpl-{index}", "chat.completion"
         choice = {"index": 0, "message": {"role": "assistant", "content": row.get("output"), "refusal": None},
                   "logprobs": _chat_logprobs(logprobs), "finish_reason": finish_reason}
+        if "reasoning" in row:  # --reasoning-parser: as vLLM's OpenAI server gives it
+            choice["message"]["reasoning_content"] = row["reasoning"]
     body = {"id": body_id, "object": kind, "created": created, "model": model_name, "choices": [choice],
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                       "total_tokens": prompt_tokens + completion_tokens}}

@@ -49,3 +49,34 @@ def tiny_model(tmp_path_factory):
     LlamaForCausalLM(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+THINK_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['role'] == 'assistant' and message.get('reasoning_content') %}"
+    "{{ '<think>' + message['reasoning_content'] + '</think>' }}{% endif %}"
+    "{{ message['content'] + '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def think_model(tmp_path_factory):
+    """`tiny_model` with a reasoning model's tokenizer: <think> and </think> added as tokens, and a chat template
+    that writes them (qwen3's way: the output may open the reasoning)."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from conveyor.core.model_loader import ensure_embedded
+
+    folder = tmp_path_factory.mktemp("think-model")
+    tokenizer = AutoTokenizer.from_pretrained(ensure_embedded("smollm2-135m-instruct"))
+    tokenizer.add_tokens(["<think>", "</think>"])
+    tokenizer.chat_template = THINK_TEMPLATE
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder

@@ -19,7 +19,8 @@ def is_datasets_folder(path: Path) -> bool:
 
 
 class DatasetsFolderReader(Reader):
-    """A Dataset (or one split of a DatasetDict) saved with save_to_disk; resume seeks by row."""
+    """A Dataset (or one split of a DatasetDict, named by --split where it has several) saved with save_to_disk;
+    resume seeks by row."""
 
     format = "datasets"
 
@@ -37,7 +38,9 @@ class DatasetsFolderReader(Reader):
             names = sorted(loaded)
             if split is None and len(names) == 1:
                 split = names[0]
-            split = split or "train"
+            if split is None:  # which one is the user's to say, not ours to guess
+                raise InputError(source, None, f"is a DatasetDict of the splits {', '.join(names)}; choose one with "
+                                               "--split")
             if split not in loaded:
                 raise InputError(source, None, f"has no split {split!r}; choose one of {', '.join(names)} "
                                                "with --split")

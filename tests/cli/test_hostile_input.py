@@ -113,7 +113,7 @@ def test_a_run_that_did_no_work_does_not_pin_its_settings(tiny_model, tmp_path):
     assert fixed.code == 0, fixed.err
     assert "starts over" in fixed.err and len(read_rows(out)) == 4
     typo = run_in_process("run", gz, "-o", tmp_path / "p.jsonl", "--model", tmp_path / "modle", *FAST)
-    assert typo.code == 1
+    assert typo.code == 2 and "modle" in typo.err, typo.err
     assert _run(tiny_model, gz, "-o", tmp_path / "p.jsonl").code == 0
 
 

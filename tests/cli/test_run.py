@@ -130,7 +130,7 @@ def test_openai_batch_output(tiny_model, tmp_path):
         {"custom_id": "req-bad", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "m"}},
     ]
     result = _run_tiny(tiny_model, write_jsonl(tmp_path / "batch.jsonl", lines), tmp_path / "results.jsonl",
-                       "--output-format", "openai-batch")
+                       "--output-format", "openai-batch", "--served-model-name", "m")
     assert result.code == 3, result.err
     out = read_rows(tmp_path / "results.jsonl")
     assert [o["custom_id"] for o in out] == ["req-chat", "req-text", "req-bad"]

@@ -15,7 +15,7 @@ RECORDS[4] = {"id": "bad", "prompt": ""}  # an error row
 RECORDS[9] = {"prompt": "no id: its index is its id"}
 RECORDS[12] = {"id": "r02", "prompt": "shard 0 of 3 repeats the id of record 2, in shard 2"}
 RECORDS[13] = {"id": "r01", "prompt": "shard 1 of 3 repeats the id of its own record 1"}
-OPTS = ("--temperature", "0.8", "--seed", "5", "--keep-fields", "topic", "--quiet")
+OPTS = ("--temperature", "0.8", "--seed", "5", "--keep-fields", "topic")  # (not --quiet: the shards' notes are read)
 
 
 def _run(tmp_path, tiny_model, src, out, *extra):

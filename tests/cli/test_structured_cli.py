@@ -115,7 +115,8 @@ def test_openai_batch_round_trip_with_response_format_and_logprobs(tiny_model, t
             "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}},
     ]
     out = tmp_path / "out.jsonl"
-    result = _run(tiny_model, write_jsonl(tmp_path / "batch.jsonl", lines), "-o", out, "--output-format", "openai-batch")
+    result = _run(tiny_model, write_jsonl(tmp_path / "batch.jsonl", lines), "-o", out, "--output-format", "openai-batch",
+                  "--served-model-name", "any")
     assert result.code == 3, result.err
     got = [json.loads(line) for line in out.read_text().splitlines()]
     chat = ChatCompletion.model_validate(got[0]["response"]["body"])

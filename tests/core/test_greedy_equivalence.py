@@ -183,8 +183,8 @@ def test_prefix_cache_serves_the_shared_system_prompt(smollm, prompts, reference
     names = [f"sys{i}" for i in range(len(SYSTEM_QUESTIONS))]
     outs, stats = _run(smollm, {n: prompts[n] for n in names}, EngineConfig(num_kv_blocks=128, max_num_seqs=3))
     assert stats.num_cached_prompt_tokens > 0 and stats.prefix_cache_hit_rate > 0
-    assert all(outs[n].num_cached_tokens == 0 for n in names[:3])  # admitted together, cache still cold
-    assert all(outs[n].num_cached_tokens >= 96 for n in names[3:])  # admitted later: the cache was warm
+    assert outs[names[0]].num_cached_tokens == 0  # the first computes the shared system prompt, once: the others
+    assert all(outs[n].num_cached_tokens >= 96 for n in names[1:])  # wait for it (a step) and take it from the cache
     _assert_same(outs, {n: references[n] for n in names})
 
 

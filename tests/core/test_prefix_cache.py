@@ -168,15 +168,17 @@ def test_scheduler_serves_a_shared_prefix_from_the_cache():
     assert_no_leaks(sched)
 
 
-def test_requests_admitted_in_the_same_step_do_not_share_uncomputed_blocks():
+def test_a_request_waits_for_the_prefix_a_running_request_is_computing():
     sched = make_scheduler(num_blocks=32, block_size=4)
     runner = FakeRunner(sched)
     for name in ("a", "b"):
         runner.add(make_request(name, prompt=PREFIX + [1], max_tokens=2))
     plan, _ = step(sched, runner)
-    assert [e.start_pos for e in plan.scheduled] == [0, 0]
-    a, b = sched.running
-    assert not set(a.block_ids) & set(b.block_ids)
+    assert [(e.req_id, e.start_pos) for e in plan.scheduled] == [("a", 0)]  # b would compute a's blocks again
+    plan, _ = step(sched, runner)
+    assert [(e.req_id, e.start_pos) for e in plan.scheduled] == [("a", 13), ("b", 12)]
+    a, b = (e.block_ids for e in plan.scheduled)
+    assert a[:3] == b[:3] and a[3] != b[3]
     run_to_completion(sched, runner)
     c = make_request("c", prompt=PREFIX + [1], max_tokens=2)  # the cache now holds one copy
     runner.add(c)

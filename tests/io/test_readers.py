@@ -290,7 +290,9 @@ def test_datasets_folder(tmp_path):
 
     splits = tmp_path / "dd"
     DatasetDict({"train": Dataset.from_list(rows), "test": Dataset.from_list(rows[:2])}).save_to_disk(str(splits))
-    assert records(open_reader(str(splits))) == rows
+    with pytest.raises(InputError, match="is a DatasetDict of the splits test, train; choose one with --split"):
+        open_reader(str(splits))  # never a guess at "train"
+    assert records(open_reader(str(splits), split="train")) == rows
     assert records(open_reader(str(splits), split="test")) == rows[:2]
     with pytest.raises(InputError, match="has no split 'dev'; choose one of test, train"):
         open_reader(str(splits), split="dev")

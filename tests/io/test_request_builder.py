@@ -180,8 +180,9 @@ def test_openai_completion_line_and_errors(tokenizer):
                     ).startswith("line 5: url '/v1/embeddings' is not supported")
     url = "/v1/completions"
     assert "field 'body' must be an object" in error_of(build(tokenizer, {"custom_id": "c", "body": "x"}))
-    assert "body.n = 2 is not supported" in error_of(
-        build(tokenizer, {"custom_id": "c", "url": url, "body": {"prompt": "x", "n": 2}}))
+    assert build(tokenizer, {"custom_id": "c", "url": url, "body": {"prompt": "x", "n": 2}}).n == 2
+    assert "body.n must be from 1 to 128" in error_of(
+        build(tokenizer, {"custom_id": "c", "url": url, "body": {"prompt": "x", "n": 129}}))
     assert error_of(build(tokenizer, {"custom_id": "c", "url": url, "body": {"prompt": "x", "temperature": "warm"}})
                     ).startswith("line 5: body.temperature must be a number")
     missing = error_of(build(tokenizer, {"custom_id": "c", "url": url, "body": {"model": "m"}}))
@@ -202,9 +203,10 @@ def test_a_malformed_batch_line_is_an_error_line_keeping_its_custom_id(tokenizer
     assert says in error_of(result) and result.id == line["custom_id"]
 
 
-def test_a_plain_records_n_is_refused_until_samples_exist(tokenizer):
-    assert "n = 3 is not supported" in error_of(build(tokenizer, {"prompt": "x", "n": 3}))
-    assert isinstance(build(tokenizer, {"prompt": "x", "n": 1}), BuiltRequest)
+def test_a_plain_records_n_asks_for_that_many_samples(tokenizer):
+    assert build(tokenizer, {"prompt": "x", "n": 3}).n == 3
+    assert build(tokenizer, {"prompt": "x", "n": 1}).n == 1
+    assert "n must be from 1 to 128" in error_of(build(tokenizer, {"prompt": "x", "n": 0}))
 
 
 @pytest.mark.parametrize("override, field", [
@@ -300,9 +302,11 @@ def test_prompt_too_long_for_the_context(tokenizer):
     num_tokens = len(tokenizer(prompt, add_special_tokens=True)["input_ids"])
     result = build(tokenizer, {"prompt": prompt}, max_model_len=num_tokens)
     assert error_of(result) == (f"line 5: prompt is {num_tokens} tokens but the model's context is {num_tokens}; "
-                                f"shorten it to at most {num_tokens - 1} tokens")
+                                f"shorten it to at most {num_tokens - 1} tokens, or let conveyor cut the prompt's "
+                                "start with --truncate-prompt-tokens auto")
     assert result.prompt_tokens == num_tokens
     result = build(tokenizer, {"prompt": prompt, "max_tokens": 10}, max_model_len=num_tokens + 4)
-    assert error_of(result).endswith("lower max_tokens to at most 4")
+    assert error_of(result).endswith("lower max_tokens to at most 4, or let conveyor cut the prompt's start with "
+                                     "--truncate-prompt-tokens auto")
     assert isinstance(build(tokenizer, {"prompt": prompt, "max_tokens": 4}, max_model_len=num_tokens + 4),
                       BuiltRequest)
