@@ -24,6 +24,7 @@ from conveyor.cli.options import (
     PromptFieldOpt,
     PromptTemplateAsOpt,
     PromptTemplateOpt,
+    ScheduleOpt,
     ServedModelNameOpt,
     SplitOpt,
     SystemPromptOpt,
@@ -77,6 +78,7 @@ def validate_command(
     split: SplitOpt = None,
     limit: LimitOpt = None,
     max_record_bytes: MaxRecordBytesOpt = None,
+    schedule: ScheduleOpt = None,
     show_errors: int = typer.Option(10, help="How many error messages to print."),
 ) -> int:
     """Parse, template and tokenize every record as `conveyor run` would (the model's tokenizer and context

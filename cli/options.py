@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from conveyor.cli.config import default_of, default_text, size_text
-from conveyor.core import DEFAULT_KV_CACHE_MEMORY, DEVICE_DEFAULTS
+from conveyor.core import DEFAULT_KV_CACHE_MEMORY, DEVICE_DEFAULTS, MIN_WAITING
 
 _CPU, _GPU = DEVICE_DEFAULTS["cpu"], DEVICE_DEFAULTS["cuda"]
 _SHOWN = {  # defaults that depend on the device, or read better than the field's value
@@ -19,6 +19,7 @@ _SHOWN = {  # defaults that depend on the device, or read better than the field'
     "gpu_memory_utilization": _GPU["gpu_memory_utilization"],
     "max_record_bytes": size_text(default_of("max_record_bytes")),
     "max_grammar_bytes": size_text(default_of("max_grammar_bytes")),
+    "lookahead": f"max(2 x --max-num-seqs, {MIN_WAITING})",
 }
 
 
@@ -144,6 +145,13 @@ MaxGrammarCompileOpt = Annotated[Optional[float], typer.Option(
 MaxGrammarBytesOpt = Annotated[Optional[str], typer.Option(
     help="A record's grammar bigger than this (e.g. 256KiB) is an error row, never compiled. "
     f"{_d('max_grammar_bytes')}", rich_help_panel=GEN)]
+ScheduleOpt = Annotated[Optional[str], typer.Option(
+    help="The order requests run in: fcfs (input order), priority (a record's priority field, lower first), sjf "
+    "(shortest prompt + max_tokens first) or lpm (longest cached prefix first). The outputs are the same under "
+    f"each. {_d('schedule')}", rich_help_panel=ENG)]
+LookaheadOpt = Annotated[Optional[int], typer.Option(
+    help="--schedule priority, sjf or lpm: the waiting records it chooses among. "
+    f"{_d('lookahead')}", rich_help_panel=ENG)]
 BlockSizeOpt = Annotated[Optional[int], typer.Option(help=f"Tokens per KV block. {_d('block_size')}",
                                                      rich_help_panel=ENG)]
 QuietOpt = Annotated[Optional[bool], typer.Option("--quiet", "-q", help="Print only warnings and errors (no "

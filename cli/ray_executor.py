@@ -86,6 +86,7 @@ class ShardWorker:
         finally:
             run.close()
         return {"shard": shard, "exit_code": int(ExitCode[result.status.upper()]), "summary": result.summary(),
+                "figures": result.figures_state(),  # the driver's percentiles are over every worker's rows
                 "message": stopper.reason or result.message,  # (a stopped worker's: why)
                 "node": socket.gethostname()}
 
@@ -100,6 +101,7 @@ def run_on_ray(invocation: Invocation) -> int:
     from conveyor.io.run import Run
 
     spec, cli = invocation.spec, invocation.cli
+    started = time.monotonic()
     driver = Run(spec)
     run_dir = driver.open_split()
     check_summary_path(cli.summary_json)
@@ -144,7 +146,7 @@ def run_on_ray(invocation: Invocation) -> int:
             stop_path.unlink(missing_ok=True)
         if owned:
             ray.shutdown()
-    totals = _add(results)
+    totals = _add(results, time.monotonic() - started)
     if any(r["exit_code"] == ExitCode.STOPPED for r in results):
         reason = stopper.reason or next(r["message"] for r in results if r["exit_code"] == ExitCode.STOPPED)
         if not cli.quiet:
@@ -154,7 +156,7 @@ def run_on_ray(invocation: Invocation) -> int:
     merged = driver.merge()
     skip = spec.output.on_error == "skip"
     totals.update(records=merged.rows + (merged.errors if skip else 0), errors=merged.errors,
-                  ok=merged.rows - (0 if skip else merged.errors))
+                  ok=merged.rows - (0 if skip else merged.errors), wall_s=round(time.monotonic() - started, 3))
     code = ExitCode.SOME_ERRORS if merged.errors and not skip else ExitCode.OK
     totals["status"] = code.name.lower()
     if not cli.quiet:
@@ -213,7 +215,9 @@ def _wait(ray, pending: list, cli, stopper: StopController, stop_path: Path) -> 
     return results
 
 
-def _add(results: list[dict]) -> dict:
+def _add(results: list[dict], wall_s: float) -> dict:
+    from conveyor.io.run import run_figures
+
     keys = ("records", "samples", "ok", "errors", "prompt_tokens", "completion_tokens", "preemptions", "resumed_from")
     out = {k: sum(r["summary"].get(k, 0) for r in results) for k in keys}
     out["load_s"] = max((r["summary"].get("load_s", 0) for r in results), default=0)
@@ -222,4 +226,9 @@ def _add(results: list[dict]) -> dict:
                                     / max(len(results), 1))
     # the workers' rates added: the cluster's while they all run
     out["output_tokens_per_s"] = round(sum(r["summary"].get("output_tokens_per_s", 0) for r in results), 2)
+    out["wall_s"] = round(wall_s, 3)  # the driver's, from its start to the workers' end
+    first = results[0]["summary"] if results else {}
+    for key in ("model", "model_path", "dtype", "backend"):  # the same spec on every worker
+        out[key] = first.get(key)
+    out.update(run_figures([r["figures"] for r in results]))
     return out

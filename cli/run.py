@@ -79,6 +79,8 @@ def run_command(
     kv_cache_memory: opt.KvMemoryOpt = None,
     gpu_memory_utilization: opt.GpuMemoryOpt = None,
     block_size: opt.BlockSizeOpt = None,
+    schedule: opt.ScheduleOpt = None,
+    lookahead: opt.LookaheadOpt = None,
     quiet: opt.QuietOpt = None,
     no_quiet: opt.NoQuietOpt = False,
     summary_json: opt.SummaryJsonOpt = None,
@@ -216,6 +218,7 @@ def _print_summary(summary: dict, message: str, stream=None) -> None:
         ("model load", f"{summary['load_s']:.1f} s"), ("generation", f"{summary['elapsed_s']:.1f} s"),
         ("output tokens/s", f"{summary['output_tokens_per_s']:.1f}"), ("preemptions", summary["preemptions"]),
         ("prefix-cache hit rate", f"{summary['prefix_cache_hit_rate']:.1%}"),
+        *_figure_rows(summary),
     ]
     if summary["resumed_from"]:
         rows.append(("resumed from", summary["resumed_from"]))
@@ -232,6 +235,31 @@ def _print_summary(summary: dict, message: str, stream=None) -> None:
     if message:
         sys.stderr.write(f"conveyor: {message}\n")
     warn_missing_keep_fields(summary)
+
+
+def _figure_rows(summary: dict) -> list[tuple[str, str]]:
+    """The summary table's rows of wall time, model and the latency and occupancy figures (where it has them)."""
+    rows = []
+    if "wall_s" in summary:
+        rows.append(("wall time", f"{summary['wall_s']:.1f} s"))
+    if summary.get("model"):
+        ran = ", ".join(str(summary[key]) for key in ("dtype", "backend") if summary.get(key))
+        rows.append(("model", f"{summary['model']} ({ran})" if ran else summary["model"]))
+    for key, name in (("ttft_s", "time to first token"), ("latency_s", "latency"), ("queue_s", "queue time"),
+                      ("tpot_s", "time per output token")):
+        figures = summary.get(key)
+        if figures and any(v is not None for v in figures.values()):
+            rows.append((f"{name} {'/'.join(figures)}", _seconds(list(figures.values()))))
+    if summary.get("steps"):
+        rows.append(("mean running (occupancy)", f"{summary['mean_running']:.1f} ({summary['occupancy']:.0%})"))
+        rows.append(("engine steps", summary["steps"]))
+    return rows
+
+
+def _seconds(values: list[float | None]) -> str:
+    """'12.3 / 20.1 ms', or in seconds where one is 1 s or more."""
+    scale, unit = (1, "s") if max(v or 0 for v in values) >= 1 else (1000, "ms")
+    return " / ".join("-" if v is None else f"{v * scale:.{3 if unit == 's' else 1}f}" for v in values) + f" {unit}"
 
 
 def warn_missing_keep_fields(summary: dict) -> None:

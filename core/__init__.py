@@ -10,6 +10,7 @@ from conveyor.core.config import (
                                   DEFAULT_MODEL,
                                   DEVICE_DEFAULTS,
                                   DTYPES,
+                                  MIN_WAITING,
                                   EngineConfig,
                                   parse_memory,
 )
@@ -21,11 +22,12 @@ from conveyor.core.outputs import GenerationRequest, InFlight, ModelLimits, Requ
 from conveyor.core.reasoning import REASONING_PARSERS, resolve_reasoning
 from conveyor.core.request import FinishReason
 from conveyor.core.sampling_params import MAX_LOGPROBS, Grammar, SamplingParams
+from conveyor.core.schedule_policy import SCHEDULES
 from conveyor.core.schedule_types import TokenLogprobs
 from conveyor.core.schema_check import schema_error
 
 __all__ = ["BACKENDS", "DEFAULT_KV_CACHE_MEMORY", "DEFAULT_MODEL", "DEVICE_DEFAULTS", "DTYPES", "EMBEDDED_MODELS",
-           "MAX_LOGPROBS", "REASONING_PARSERS", "resolve_reasoning", "schema_error", "ConfigError", "EngineConfig", "FinishReason", "GenerationRequest", "Grammar", "Grammars", "InFlight",
+           "MAX_LOGPROBS", "REASONING_PARSERS", "SCHEDULES", "MIN_WAITING", "resolve_reasoning", "schema_error", "ConfigError", "EngineConfig", "FinishReason", "GenerationRequest", "Grammar", "Grammars", "InFlight",
            "ModelLimits", "ModelLoadError", "RequestOutput", "SamplingParams", "check_before_loading", "compiling",
            "is_embedded_cached",
            "load_engine", "load_tokenizer",

@@ -8,6 +8,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from conveyor.core.errors import ConfigError
+from conveyor.core.schedule_policy import SCHEDULES
 
 DEFAULT_MODEL = "smollm2-135m-instruct"  # the embedded model (core/model_loader.py), fetched on first use
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -53,7 +54,13 @@ class EngineConfig:
     kv_cache_memory: str | int | None = None
     gpu_memory_utilization: float | None = None  # on a GPU, the fraction of its memory the engine may take
     enable_prefix_caching: bool = True
-    max_waiting: int | None = None  # backpressure: requests held in WAITING; None = max(2 x max_num_seqs, 64)
+    max_waiting: int | None = None  # backpressure: requests held in WAITING; None = lookahead, else its default
+    # The order waiting requests run in (core/schedule_policy.py): fcfs, priority, sjf or lpm. The outputs are the
+    # same under each; only speed and latency move.
+    schedule: str = SCHEDULES[0]
+    # The waiting requests a schedule other than fcfs chooses among (the reader's look-ahead): None = max(2 x
+    # max_num_seqs, 64).
+    lookahead: int | None = None
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
     dtype: str = "auto"  # one of DTYPES
     backend: str = "auto"  # one of BACKENDS (core/backends)
@@ -64,7 +71,8 @@ class EngineConfig:
     max_grammar_bytes: int = 256 << 10
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting", "num_kv_blocks"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting", "num_kv_blocks",
+                     "lookahead"):
             value = getattr(self, name)
             if value is None and name != "block_size":
                 continue
@@ -90,6 +98,20 @@ class EngineConfig:
             raise ConfigError("backend", f"backend must be one of {', '.join(BACKENDS)}; got {self.backend!r}")
         if self.dtype not in DTYPES:
             raise ConfigError("dtype", f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
+        self._check_schedule()
+
+    def _check_schedule(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ConfigError("schedule", f"schedule must be one of {', '.join(SCHEDULES)}; got {self.schedule!r}")
+        if self.lookahead is not None and self.schedule == SCHEDULES[0]:
+            raise ConfigError("lookahead", "lookahead: fcfs runs requests in input order whatever it sees ahead; "
+                              "give it with schedule priority, sjf or lpm, or drop it", self.lookahead)
+        if self.lookahead is not None and self.max_waiting is not None and self.lookahead != self.max_waiting:
+            raise ConfigError("lookahead", f"lookahead {self.lookahead} and max_waiting {self.max_waiting} both "
+                              "bound the waiting requests; give one", self.lookahead)
+        if self.schedule == "lpm" and not self.enable_prefix_caching:
+            raise ConfigError("schedule", "schedule lpm orders requests by their prefix-cache hits, but prefix "
+                              "caching is off; turn it on or choose another schedule", self.schedule)
 
     def for_device(self, device_type: str) -> EngineConfig:
         """This config with the defaults of a `device_type` ("cpu" or "cuda") device filled in where not given."""
@@ -97,5 +119,5 @@ class EngineConfig:
         changes = {k: v for k, v in defaults.items() if getattr(self, k) is None}
         seqs = changes.get("max_num_seqs", self.max_num_seqs)
         if self.max_waiting is None:
-            changes["max_waiting"] = max(2 * seqs, MIN_WAITING)
+            changes["max_waiting"] = self.lookahead if self.lookahead is not None else max(2 * seqs, MIN_WAITING)
         return dataclasses.replace(self, **changes) if changes else self

@@ -42,6 +42,8 @@ class EngineStats:
     num_cached_prompt_tokens: int
     num_generated_tokens: int
     num_steps: int
+    num_forward_steps: int = 0  # steps that ran a forward pass (num_steps also counts those with nothing to run)
+    num_scheduled_rows: int = 0  # requests scheduled, summed over those steps: / num_forward_steps = mean running
 
 
 @dataclass(frozen=True)
@@ -96,13 +98,14 @@ class Engine:
         self.eos_token_ids = eos_ids_of(model, tokenizer)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.eos_token_ids)
+                                   self.eos_token_ids, schedule=config.schedule)
         self.runner = ModelRunner(self.backend, self.kv_cache, self.eos_token_ids)
         self.outputs = OutputProcessor(tokenizer)
         self._grammars: Grammars | None = None  # made on the first request with a grammar
         # requests whose grammar compiles, in arrival order (with the logprobs a continued one carries)
         self._compiling: list[tuple[Request, Future, tuple | None]] = []
         self.num_generated_tokens = 0
+        self.num_scheduled_rows = 0  # requests scheduled, summed over the steps that ran
         # Seconds per phase of step(); perf_counter is cheap enough to keep always on.
         self._timings = {"schedule_s": 0.0, "update_s": 0.0, "output_s": 0.0, "step_s": 0.0, "steps": 0}
         self._last_step = None  # (plan, number of tokens sampled, seconds) of the last step
@@ -232,6 +235,7 @@ class Engine:
         result = self.runner.execute(plan, states)
         t2 = time.perf_counter()
         self.num_generated_tokens += len(result.sampled_token_ids)
+        self.num_scheduled_rows += len(plan.scheduled)
         self.outputs.record(result, requests)
         finished = self.scheduler.update_from_output(plan, result, self.outputs.check_stop)
         t3 = time.perf_counter()
@@ -301,4 +305,6 @@ class Engine:
             num_cached_prompt_tokens=s.num_cached_prompt_tokens,
             num_generated_tokens=self.num_generated_tokens,
             num_steps=s.num_steps,
+            num_forward_steps=self._timings["steps"],
+            num_scheduled_rows=self.num_scheduled_rows,
         )

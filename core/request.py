@@ -51,7 +51,7 @@ class Request:
         "req_id", "token_ids", "num_prompt_tokens", "sampling", "priority", "status",
         "num_computed_tokens", "num_cached_tokens", "block_ids", "block_hashes", "finish_reason",
         "arrival_time", "first_scheduled_time", "first_token_time", "finish_time", "num_preemptions",
-        "logits_state", "output_state", "error",
+        "logits_state", "output_state", "error", "arrival_seq", "num_overtaken",
     )
 
     def __init__(self, req_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
@@ -77,6 +77,8 @@ class Request:
         self.logits_state = None  # LogitsState (logits_state.py) where a processor keeps state; advanced on accept
         self.output_state = None  # OutputState (output_processor.py) where the output needs more than its tokens
         self.error: str | None = None  # what failed, where it finished with FinishReason.ERROR
+        self.arrival_seq = 0  # its place in the order requests reached the scheduler (set by it)
+        self.num_overtaken = 0  # requests that arrived after it admitted before it (sjf's aging; schedule_policy)
 
     @property
     def num_tokens(self) -> int:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from conveyor.core.block_manager import BlockManager
 from conveyor.core.errors import failed_while_running, failure
 from conveyor.core.request import FinishReason, Request, RequestStatus
+from conveyor.core.schedule_policy import SCHEDULES, make_policy
 from conveyor.core.schedule_types import RunnerOutput, ScheduledRequest, SchedulerOutput
 from conveyor.core.stopping import check_token_stop
 
@@ -47,11 +48,12 @@ class Scheduler:
     """Queues, token budget, chunked prefill, prefix-cache admission and preemption by recompute.
 
     `running` is in admission order (the newest at the end: the preemption victim). `waiting` is
-    ordered by (priority, arrival); a preempted request goes back to its very front.
+    ordered by (priority, arrival); a preempted request goes back to its very front. A `schedule` other than
+    fcfs (schedule_policy.py) reorders both queues at the start of each step.
     """
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 eos_token_ids: Collection[int] = (), clock=time.monotonic) -> None:
+                 eos_token_ids: Collection[int] = (), clock=time.monotonic, schedule: str = SCHEDULES[0]) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -61,12 +63,16 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
+        self.policy = make_policy(schedule, block_manager, max_num_seqs)
+        self._num_arrived = 0
 
     # -- queues --------------------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
         self.check(request)
         self.requests[request.req_id] = request
+        request.arrival_seq = self._num_arrived
+        self._num_arrived += 1
         if not self.waiting or request.priority >= self.waiting[-1].priority:
             self.waiting.append(request)
         else:  # rare: keep (priority, arrival) order
@@ -100,8 +106,15 @@ class Scheduler:
         budget = _Budget(self.max_num_batched_tokens)
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
+        self.policy.order_running(self.running)
+        self.policy.order_waiting(self.waiting, self.running)
+        if self.policy.preempts_for_waiting:
+            self._preempt_for_waiting(preempted)
+            if preempted:
+                self.policy.order_waiting(self.waiting, self.running)
+        forced = len(preempted)
         self._schedule_running(budget, scheduled, preempted)
-        if not preempted:
+        if len(preempted) == forced:  # (preempted to admit the first waiting request: admit it)
             self._schedule_waiting(budget, scheduled)
         self.stats.num_steps += 1
         return SchedulerOutput(scheduled=scheduled, num_batched_tokens=self.max_num_batched_tokens - budget.tokens,
@@ -120,7 +133,7 @@ class Scheduler:
                 if victim is request:
                     break
             if request.status is not RequestStatus.RUNNING:
-                break  # it preempted itself: everything after it is gone too
+                continue  # it preempted itself (fcfs: everything after it is gone too, so this ends the loop)
             self.block_manager.append_slots(request, end)
             scheduled.append(self._plan_entry(request, num_new))
             budget.tokens -= num_new
@@ -151,6 +164,25 @@ class Scheduler:
             self.running.append(request)
             scheduled.append(self._plan_entry(request, num_new))
             budget.tokens -= num_new
+            self.policy.admitted(request, self.waiting)
+
+    def _preempt_for_waiting(self, preempted: list[str]) -> None:
+        """The priority schedule: while the first waiting request cannot be admitted (no room for its first chunk
+        in the KV pool, or the sequence cap reached), preempt the last running request (the lowest priority, the
+        newest of those) if its priority is strictly lower (a larger number)."""
+        if not self.waiting:
+            return
+        request, bm = self.waiting[0], self.block_manager
+        cached = [] if request.sampling.prompt_logprobs is not None else bm.find_cached_prefix(request)
+        if self._prefix_being_computed(request, len(cached)):
+            return  # it waits a step for its prefix anyway
+        num_cached = len(cached) * bm.block_size
+        num_tokens = num_cached + min(request.num_tokens - num_cached, self.max_num_batched_tokens)
+        while self.running and self.running[-1].priority > request.priority and (
+                len(self.running) >= self.max_num_seqs or not bm.can_allocate(cached, num_tokens)):
+            victim = self.running[-1]
+            self._preempt(victim)
+            preempted.append(victim.req_id)
 
     def _prefix_being_computed(self, request: Request, num_hits: int) -> bool:
         """Whether the first full block of `request` past its `num_hits` cached ones is one a running request is

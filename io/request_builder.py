@@ -63,16 +63,18 @@ class BuiltRequest:
     digest: str | None = None  # the input record's digest, where the reader gave one
     prompt_tokens_truncated: int | None = None  # tokens cut from the prompt's start; None: no truncation asked
     n: int = 1  # completions (samples) to generate for it
+    priority: int = 0  # its `priority` field under --schedule priority (lower runs first)
 
     def to_generation_request(self, sample: int = 0) -> GenerationRequest:
         """The engine request of sample `sample` (0 <= sample < n): sample 0 is the record's request as it is with
         n = 1 (its id the index, its seed the record's); sample k > 0 has id "index/k" and seed sample_seed(seed, k)."""
         if sample == 0:
             return GenerationRequest(req_id=str(self.index), prompt_token_ids=self.prompt_token_ids,
-                                     sampling=self.sampling)
+                                     sampling=self.sampling, priority=self.priority)
         return GenerationRequest(req_id=f"{self.index}/{sample}", prompt_token_ids=self.prompt_token_ids,
                                  sampling=dataclasses.replace(self.sampling,
-                                                              seed=sample_seed(self.sampling.seed, sample)))
+                                                              seed=sample_seed(self.sampling.seed, sample)),
+                                 priority=self.priority)
 
 
 @dataclass(frozen=True)
@@ -115,11 +117,15 @@ class RequestBuilder:
     """Turns RawRecords into BuiltRequests or ErrorRows. Holds no per-run state of its own: `sampling` are the
     run's defaults a record's fields override (their seed replaced per record), `limits` what a request must fit
     (the model's context, its vocabulary: every token id a record gives is checked against it). `model` is the run's
-    --model: an OpenAI body's model must be one of its names (`served_names`) unless options name others."""
+    --model: an OpenAI body's model must be one of its names (`served_names`) unless options name others.
+    `priorities` (--schedule priority): a record's `priority` field (a plain record's or a body's) is an integer
+    that orders the requests (lower first); otherwise a plain record's `priority` is data, and a body's is refused
+    unless 0."""
 
     def __init__(self, tokenizer: Any, options: BuildOptions, sampling: SamplingParams, limits: ModelLimits,
-                 model: str | None = None) -> None:
+                 model: str | None = None, priorities: bool = False) -> None:
         self.tokenizer = tokenizer
+        self.priorities = priorities
         self.options = options
         self.sampling = sampling
         self.limits = limits
@@ -152,6 +158,7 @@ class RequestBuilder:
             fields, prefix = self._request_fields(record)
             seed = self._seed(fields, prefix, record_id if id_given else None, raw.index)
             n = self._samples(fields, prefix)
+            priority = self._priority(fields, prefix)
             sampling = self._sampling(fields, prefix, seed)
             keep = self._truncation(fields, prefix, sampling.max_tokens)
             kind, token_ids = self._tokenize(fields, prefix)
@@ -162,7 +169,8 @@ class RequestBuilder:
             self._check_length(num_tokens, sampling.max_tokens, truncated=keep is not None)
         except _Reject as e:
             return ErrorRow(raw.index, record_id, f"{where}: {e}", kept, seed, num_tokens, raw.digest, cut)
-        return BuiltRequest(raw.index, record_id, kind, token_ids, sampling, kept, id_given, raw.digest, cut, n=n)
+        return BuiltRequest(raw.index, record_id, kind, token_ids, sampling, kept, id_given, raw.digest, cut, n=n,
+                            priority=priority)
 
     def _record_id(self, record: dict) -> str | None:
         """The record's own id, or None where it has none."""
@@ -220,11 +228,24 @@ class RequestBuilder:
             raise _Reject(f"body.{unknown[0]} is not supported by conveyor; remove it (supported: "
                           f"{', '.join(sorted(_BODY_FIELDS - at_default))}; at their defaults only: "
                           f"{', '.join(sorted(at_default))})")
+        at_default = [name for name in request_options.AT_DEFAULT if not (name == "priority" and self.priorities)]
         try:
-            request_options.check_at_default(body, "body.", request_options.AT_DEFAULT)
+            request_options.check_at_default(body, "body.", at_default)
         except ValueError as e:
-            raise _Reject(str(e)) from None
+            hint = " (or order the requests by it with --schedule priority)" if str(e).startswith("body.priority ") \
+                else ""
+            raise _Reject(f"{e}{hint}") from None
         return body, "body."
+
+    def _priority(self, fields: dict, prefix: str) -> int:
+        """The record's priority under --schedule priority (0 where it gives none); 0 otherwise."""
+        value = fields.get("priority") if self.priorities else None
+        if value is None:
+            return 0
+        priority = _as_int(prefix + "priority", value)
+        if not -2**63 <= priority < 2**63:
+            raise _Reject(f"{prefix}priority must fit in 64 bits, got {priority}; lower numbers run first")
+        return priority
 
     def _seed(self, fields: dict, prefix: str, record_id: str | None, index: int) -> int:
         value = fields.get("seed")

@@ -40,6 +40,7 @@ from conveyor.core import (
     resolve_reasoning,
 )
 from conveyor.io.errors import SpecError
+from conveyor.io.figures import run_figures
 from conveyor.io.journal import Journal
 from conveyor.io.paths import check_output_path, check_run_paths
 from conveyor.io.pending import PendingRecords
@@ -61,7 +62,8 @@ except PackageNotFoundError:  # run from a source tree that was never installed
     TOOL_VERSION = "unknown"
 
 STOPPED, SOME_ERRORS, OK = "stopped", "some_errors", "ok"  # a run's outcome (the CLI's exit code)
-__all__ = ["OK", "SOME_ERRORS", "STOPPED", "BadRecordStop", "Run", "RunResult", "ValidationReport", "merge_shards"]
+__all__ = ["OK", "SOME_ERRORS", "STOPPED", "BadRecordStop", "Run", "RunResult", "ValidationReport", "merge_shards",
+           "run_figures"]
 
 
 @dataclass
@@ -73,6 +75,15 @@ class RunResult:
     profile: dict[str, float] = field(default_factory=dict)  # seconds per step phase, where asked for
     output_written: bool = False  # the output file was written (a shard writes it only when it merges)
     keep_fields_missing: tuple[str, ...] = ()  # --keep-fields that no record of the input had (a column of nulls)
+    wall_s: float = 0.0  # from the run's start (before its checks and the model's load) to this result
+    setup: dict[str, Any] = field(default_factory=dict)  # model, model_path, dtype, backend, max_num_seqs as run
+
+    def figures_state(self) -> dict[str, Any]:
+        """What the summary's latency and occupancy figures are made of (`run_figures`), as plain data: a Ray
+        worker sends it to the driver, whose figures are then over every worker's rows."""
+        s = self.engine_stats
+        return {"latency": self.totals.latency.state(), "scheduled_rows": s.num_scheduled_rows if s else 0,
+                "steps": s.num_forward_steps if s else 0, "max_num_seqs": self.setup.get("max_num_seqs")}
 
     def summary(self) -> dict[str, Any]:
         t = self.totals
@@ -94,6 +105,9 @@ class RunResult:
             "tokens_carried_over": t.tokens_carried_over,  # ... and the tokens those held
             "in_flight_saved": t.in_flight_saved if self.status == STOPPED else 0,  # partials kept at the stop
             "keep_fields_missing": list(self.keep_fields_missing),
+            "wall_s": round(self.wall_s, 3),
+            **{key: self.setup.get(key) for key in ("model", "model_path", "dtype", "backend")},
+            **run_figures([self.figures_state()]),  # over the ok rows this process wrote
             "status": self.status,
         }
 
@@ -114,6 +128,7 @@ class Run:
         self.command = command
         self.merge_when_done = merge_when_done  # a shard: the last to finish writes the output
         self.say = say
+        self.started = time.monotonic()  # the summary's wall_s counts from here
         self.totals = RunTotals()
         self.engine = None  # core's Engine, once loaded
         self.engine_config: EngineConfig = spec.engine  # as it runs here, once `open` resolved it
@@ -232,7 +247,7 @@ class Run:
         if self.spec.reasoning_parser is not None:
             sampling = dataclasses.replace(sampling, reasoning=self._reasoning(self.engine.tokenizer))
         self.builder = RequestBuilder(self.engine.tokenizer, self.spec.build, sampling, self.engine.limits,
-                                      self.spec.model)
+                                      self.spec.model, priorities=self.spec.engine.schedule == "priority")
 
     def _reasoning(self, tokenizer):
         """The run's reasoning section (core.reasoning.Reasoning) for the model's tokenizer; SpecError naming
@@ -322,7 +337,24 @@ class Run:
         missing = ()
         if status != STOPPED and self.shard is None and not self.totals.resumed_from:  # every record read here
             missing = tuple(f for f in self.spec.build.keep_fields if f not in self.totals.keep_fields_seen)
-        return RunResult(status, self.totals, stats, message, profile, output_written, missing)
+        return RunResult(status, self.totals, stats, message, profile, output_written, missing,
+                         time.monotonic() - self.started, self._setup())
+
+    def _setup(self) -> dict[str, Any]:
+        """The model as given and where it loaded from, and the dtype, backend and max_num_seqs it ran with (auto
+        resolved); None each where the model did not load."""
+        engine = self.engine
+        if engine is None:
+            return {"model": self.spec.model, "model_path": None, "dtype": None, "backend": None, "max_num_seqs": None}
+        model = self.spec.model
+        if model.endswith(".gguf"):
+            path = str(Path(model).expanduser().resolve())
+        else:  # an embedded model's cache folder, a folder, or a hub id
+            path = getattr(getattr(engine.model, "config", None), "name_or_path", None) or model
+            if Path(path).expanduser().exists():
+                path = str(Path(path).expanduser().resolve())
+        return {"model": model, "model_path": path, "dtype": self.engine_config.dtype, "backend": engine.backend.name,
+                "max_num_seqs": engine.config.max_num_seqs}
 
     def _noting_keep_fields(self, records):
         """`records`, noting which --keep-fields they have (one no record has is said in the summary)."""
@@ -345,7 +377,8 @@ class Run:
         spec = self.spec
         reader = open_reader(spec.input.path, spec.input.format, spec.input.split, spec.input.max_record_bytes)
         tokenizer, limits = load_tokenizer(spec.model)
-        builder = RequestBuilder(tokenizer, spec.build, spec.sampling, limits, spec.model)
+        builder = RequestBuilder(tokenizer, spec.build, spec.sampling, limits, spec.model,
+                                 priorities=spec.engine.schedule == "priority")
         limit = spec.input.limit
         records = itertools.takewhile(lambda raw: limit is None or raw.index < limit, reader)
         with tempfile.TemporaryDirectory(prefix="conveyor-validate-") as scratch, \

@@ -81,6 +81,8 @@ class RunSpec:
                  "prompt_template_as": b.prompt_template_as if b.prompt_template is not None else None,
                  "truncate_prompt_tokens": b.truncate_prompt_tokens,
                  "served_model_names": list(b.served_model_names),
-                 "n": b.n if b.n != 1 else None}
+                 "n": b.n if b.n != 1 else None,
+                 # (the other schedules give the same rows; this one reads a record's priority field)
+                 "schedule": self.engine.schedule if self.engine.schedule == "priority" else None}
         out.update({k: v for k, v in later.items() if not (v is None or v is False or v == [])})
         return out

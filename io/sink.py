@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from conveyor.core import GenerationRequest, InFlight, TokenLogprobs
+from conveyor.io.figures import LatencyFigures
 from conveyor.io.journal import Journal
 from conveyor.io.readers import RawRecord
 from conveyor.io.request_builder import BuiltRequest, ErrorRow, sample_seed
@@ -58,6 +59,7 @@ class RunTotals:
     tokens_carried_over: int = 0  # the tokens those partials held
     in_flight_saved: int = 0  # records still generating whose tokens the last commit kept (a stop's)
     keep_fields_seen: set[str] = dataclasses.field(default_factory=set)  # --keep-fields some record read here had
+    latency: LatencyFigures = dataclasses.field(default_factory=LatencyFigures)  # this process's ok rows' timings
 
     @property
     def elapsed_s(self) -> float:
@@ -231,6 +233,7 @@ class JournalSink(RecordSink):
             if sample["status"] == "ok":
                 t.prompt_tokens += sample["prompt_tokens"]
                 t.completion_tokens += sample["completion_tokens"]
+                t.latency.add_row(sample)
 
     def tick(self, now: float) -> None:
         """Between steps: commit by the policy (rows, and partials, every `every_seconds` whatever finished)."""

@@ -10,7 +10,14 @@ import typer
 
 from conveyor.cli.app import app
 from conveyor.cli.config import build_config
-from conveyor.core import DEFAULT_KV_CACHE_MEMORY, DEFAULT_MODEL, DEVICE_DEFAULTS, EngineConfig, SamplingParams
+from conveyor.core import (
+    DEFAULT_KV_CACHE_MEMORY,
+    DEFAULT_MODEL,
+    DEVICE_DEFAULTS,
+    MIN_WAITING,
+    EngineConfig,
+    SamplingParams,
+)
 from conveyor.io.readers.record import DEFAULT_MAX_RECORD_BYTES
 from conveyor.io.request_builder import BuildOptions
 from conveyor.io.run_spec import OutputOptions, StateOptions
@@ -44,6 +51,8 @@ SOURCES = {
     "--executor": "local",
     "--max-grammar-compile-s": EngineConfig().max_grammar_compile_s,
     "--max-grammar-bytes": f"{EngineConfig().max_grammar_bytes >> 10}KiB",
+    "--schedule": EngineConfig().schedule,
+    "--lookahead": f"max(2 x --max-num-seqs, {MIN_WAITING})",
 }
 SHOWN = re.compile(r"\\?\[default: ([^\]]*)\]")
 
