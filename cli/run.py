@@ -116,13 +116,15 @@ def execute(invocation: Invocation) -> int:
         raise UsageError("--num-workers: only with --executor ray (one engine per worker); without it, run shards "
                          "with --shard I/N")
     check_summary_path(cli.summary_json)
-    _quiet_libraries()
-    progress = make_progress(cli.quiet, cli.log_every)
-    run = Run(spec, command=command_line(), say=say)
     stopper = StopController(cli.max_runtime)
-    # From here on SIGTERM/SIGINT ask for a clean stop (exit 75), also while the model loads.
+    # From here on SIGTERM/SIGINT ask for a clean stop (exit 75), also while the libraries and the model load.
     stopper.install()
+    run = None
     try:
+        _quiet_libraries()
+        progress = make_progress(cli.quiet, cli.log_every)
+        run = Run(spec, command=command_line(), say=say)
+        stopper.start_clock()
         run.open()
         if not cli.quiet:
             if run.totals.resumed_from or run.partials:
@@ -140,7 +142,8 @@ def execute(invocation: Invocation) -> int:
             return int(ExitCode.SOME_ERRORS)
     finally:
         stopper.uninstall()
-        run.close()
+        if run is not None:
+            run.close()
     summary = result.summary()
     message = f"stopped ({stopper.reason}); {result.message}" if result.status == STOPPED else result.message
     to_stdout = spec.output.path == "-"  # stdout carries the output: everything else goes to stderr

@@ -23,6 +23,7 @@ STOP_SIGNALS = tuple(s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, 
 
 class StopController:
     def __init__(self, max_runtime: float | None = None) -> None:
+        self.max_runtime = max_runtime
         self.deadline = time.monotonic() + max_runtime if max_runtime else None
         self.reason: str | None = None
         self._previous: dict[int, object] = {}
@@ -32,6 +33,10 @@ class StopController:
         self._lock = threading.Lock()
         self._stop_file: tuple[str, str] | None = None  # (path, reason): stop once it exists
         self._next_look = 0.0
+
+    def start_clock(self) -> None:
+        """Count --max-runtime from now (the run's own start, after the process's libraries are loaded)."""
+        self.deadline = time.monotonic() + self.max_runtime if self.max_runtime else None
 
     def install(self) -> None:
         if self._previous:  # already installed: keep the handlers that were there before us

@@ -48,7 +48,7 @@ def test_windows_shorter_than_any_generation_finish_with_the_rows_of_one_run(tin
             break
         assert not out.exists()
     assert result.code == 0, result.err
-    assert len(summaries) >= 3, "the windows were meant to be shorter than every record's generation"
+    assert len(summaries) >= 2, "the windows were meant to be shorter than every record's generation"
     assert summaries[0]["records"] == 0 and summaries[0]["in_flight_saved"] == len(RECORDS)
     assert summaries[1]["continued"] > 0 and summaries[1]["tokens_carried_over"] > 0
     assert stable(read_rows(out)) == stable(reference)
