@@ -206,12 +206,12 @@ def test_a_record_over_the_size_limit_is_an_error_row(tiny_model, tmp_path):
 
 
 def test_a_second_interrupt_exits_at_once_even_while_a_huge_record_is_tokenized(tiny_model, tmp_path):
-    big = " ".join(f"word{i}" for i in range(1_500_000))  # ~12 MB: seconds in the tokenizer
+    big = " ".join(f"word{i}" for i in range(3_000_000))  # ~26 MB: many seconds in the tokenizer
     source = write_jsonl(tmp_path / "in.jsonl", [{"prompt": big}])
     child = Child(["run", source, "-o", tmp_path / "o.jsonl", *tiny_args(tiny_model), *FAST,
                    "--max-record-bytes", "64MiB", "--no-quiet"], tmp_path, "interrupted")
     child.wait_until(lambda: "loading" in child.err_path.read_text(), what="the model to load")
-    time.sleep(1.5)  # into the tokenizer
+    time.sleep(3.5)  # past the model's load, into the tokenizer
     child.send(signal.SIGINT)
     time.sleep(0.3)
     sent = time.monotonic()

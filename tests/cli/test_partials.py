@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sqlite3
 import time
 
@@ -98,7 +99,13 @@ def test_partials_keep_logprobs_stop_strings_grammars_and_preemption(tiny_model,
 def test_status_says_what_is_held_and_exits_by_the_runs_state(tiny_model, tmp_path):
     src, out = write_jsonl(tmp_path / "in.jsonl", RECORDS), tmp_path / "out.jsonl"
     assert run_in_process("status", out).code == 2  # no run there
-    stopped = run_in_process("run", src, "-o", out, *tiny_args(tiny_model), *OPTS, "--max-runtime", "1.5s")
+    run_dir, config = tmp_path / "out.jsonl.conveyor", tmp_path / "c.yaml"
+    config.write_text("checkpoint_seconds: 0.2\n", encoding="utf-8")
+    child = Child(["run", src, "-o", out, *tiny_args(tiny_model), *OPTS, "-c", config], tmp_path, "stopped")
+    child.wait_until(lambda: run_dir.joinpath("journal.sqlite").exists() and _partials(run_dir)[0] == len(RECORDS),
+                     timeout=120, what="every record generating")
+    child.send(signal.SIGTERM)
+    stopped = child.wait(timeout=60)
     assert stopped.code == 75, stopped.err
     status = run_in_process("status", out)
     assert status.code == 75 and "in flight: 6 records hold" in status.out and "resume with:" in status.out
