@@ -30,17 +30,18 @@ def _no_grammar_compiles_outlive_their_test():
             thread.join(timeout=300)
 
 
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory):
-    """A 2-layer random Llama (hidden 64) with the embedded SmolLM2 tokenizer and its chat template."""
+def _tiny_llama(folder, adapt_tokenizer=None):
+    """A 2-layer random Llama (hidden 64) saved in `folder` with the embedded SmolLM2 tokenizer, which
+    `adapt_tokenizer` may change first."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from conveyor.core.model_loader import ensure_embedded
 
-    folder = tmp_path_factory.mktemp("tiny-model")
     tokenizer = AutoTokenizer.from_pretrained(ensure_embedded("smollm2-135m-instruct"))
     assert tokenizer.chat_template, "the embedded tokenizer lost its chat template"
+    if adapt_tokenizer is not None:
+        adapt_tokenizer(tokenizer)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
@@ -49,6 +50,12 @@ def tiny_model(tmp_path_factory):
     LlamaForCausalLM(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """A 2-layer random Llama (hidden 64) with the embedded SmolLM2 tokenizer and its chat template."""
+    return _tiny_llama(tmp_path_factory.mktemp("tiny-model"))
 
 
 THINK_TEMPLATE = (
@@ -63,20 +70,9 @@ THINK_TEMPLATE = (
 def think_model(tmp_path_factory):
     """`tiny_model` with a reasoning model's tokenizer: <think> and </think> added as tokens, and a chat template
     that writes them (qwen3's way: the output may open the reasoning)."""
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from conveyor.core.model_loader import ensure_embedded
+    def with_think_tags(tokenizer):
+        tokenizer.add_tokens(["<think>", "</think>"])
+        tokenizer.chat_template = THINK_TEMPLATE
 
-    folder = tmp_path_factory.mktemp("think-model")
-    tokenizer = AutoTokenizer.from_pretrained(ensure_embedded("smollm2-135m-instruct"))
-    tokenizer.add_tokens(["<think>", "</think>"])
-    tokenizer.chat_template = THINK_TEMPLATE
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+    return _tiny_llama(tmp_path_factory.mktemp("think-model"), with_think_tags)
