@@ -16,7 +16,9 @@ Random weights are enough: equivalence is a property of the engine. Prompts are 
    gap between the two candidates' logits there (a gap near 0 is a float near-tie, not an engine bug).
 2. Exactness (bfloat16, seeded sampling at temperature 0.8, top-p 0.95): each record alone, then all records
    batched, chunked at a 48-token budget and preempted; how many records' outputs differ from alone. The
-   cuda backend does not promise batch invariance (cuBLAS), so this reports and does not fail.
+   cuda backend does not promise batch invariance (cuBLAS), so this reports and does not fail. Then speculative
+   decoding (float32, greedy, logit-biased outputs that repeat): records equal with and without it at 4 and 64
+   rows, draft acceptance and speed (reported, not failed, for the same reason).
 3. Throughput (bfloat16): benchmarks/bench_worker.py, one fresh process per engine (conveyor, transformers'
    static batches, transformers' continuous batching = `generate_batch`), --n requests with the benchmark
    workload's max_tokens; each engine's fraction of the GPU's roofline for the workload (steady decode at
@@ -239,6 +241,44 @@ def exactness(folder: Path, device: str, num_prompts: int, max_tokens: int, tiny
     return report
 
 
+def speculation(folder: Path, device: str, num_prompts: int, max_tokens: int, backend: str,
+                row_counts: tuple[int, ...]) -> dict:
+    """float32, greedy, --speculative ngram against none at `row_counts` rows: the tokens (random weights copy nothing,
+    so a logit bias narrows every output to a few tokens, which repeat and make drafts right), the acceptance and
+    the time. Reported, not failed: the cuda backend's linears change with a step's row count, and draft rows
+    change it."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from conveyor.core.config import EngineConfig
+    from conveyor.core.engine import Engine
+    from conveyor.core.outputs import GenerationRequest
+    from conveyor.core.sampling_params import SamplingParams
+
+    vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+    prompts = random_prompts(num_prompts, vocab, seed=5, lo=8, hi=120)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device).eval()
+    bias = {vocab - 3: 30.0, vocab - 2: 30.0, vocab - 1: 29.0}
+    report = {"records": len(prompts), "max_tokens": max_tokens, "rows": {}}
+    for rows in row_counts:
+        got = {}
+        for spec in (None, "ngram"):
+            engine = Engine(model, tokenizer, EngineConfig(dtype="float32", device=device, backend=backend,
+                                                           kv_cache_memory="1GiB", max_num_seqs=rows,
+                                                           speculative=spec))
+            t0 = time.perf_counter()
+            outs = {o.req_id: o.output_token_ids for o in engine.generate(
+                GenerationRequest(f"r{i}", p, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                                                             logit_bias=bias)) for i, p in enumerate(prompts))}
+            stats = engine.stats()
+            got[spec] = (outs, time.perf_counter() - t0, stats.num_draft_tokens, stats.num_accepted_draft_tokens)
+        (off, off_s, _, _), (on, on_s, drafted, accepted) = got[None], got["ngram"]
+        report["rows"][rows] = {"same_tokens": sum(on[k] == v for k, v in off.items()), "speedup": off_s / on_s,
+                                "draft_tokens": drafted, "accepted": accepted}
+    return report
+
+
 def roofline(shape: dict, work: list[dict], batch: int, bandwidth: float, flops: float, dtype_bytes: int) -> dict:
     """The workload's ceiling on this GPU: steady decode at `batch` rows, each reading the weights once per step
     and its own KV, or doing 2 x params FLOPs per token, whichever takes longer; and the read time of one such
@@ -308,6 +348,7 @@ def main() -> None:
     p.add_argument("--timeout", type=int, default=600, help="seconds per engine process")
     p.add_argument("--skip-throughput", action="store_true")
     p.add_argument("--skip-exactness", action="store_true")
+    p.add_argument("--skip-speculation", action="store_true")
     p.add_argument("--exact-records", type=int, default=16)
     p.add_argument("--backend", default="auto", help="conveyor's backend (default: cuda on a GPU)")
     p.add_argument("--bandwidth", type=float, default=4.3e12, help="bytes/s (H200, measured copy)")
@@ -370,6 +411,17 @@ def main() -> None:
             for name, c in ex["configs"].items():
                 print(f"exactness bfloat16 [{name}, {c['preemptions']} preemptions]: {ex['records'] - c['differ']}/"
                       f"{ex['records']} records equal to themselves alone", flush=True)
+            print(f"   ({time.perf_counter() - t0:.0f}s)", flush=True)
+
+        if not a.skip_speculation:
+            t0 = time.perf_counter()
+            sp = speculation(folder, a.device, 3 if a.tiny else a.exact_records * 4, 8 if a.tiny else a.eq_tokens * 2,
+                             a.backend, (4,) if a.tiny else (4, 64))
+            report["speculation_float32"] = sp
+            for rows, r in sp["rows"].items():
+                print(f"speculation float32 [{rows} rows]: {r['same_tokens']}/{sp['records']} records equal to no "
+                      f"speculation, {r['accepted']}/{r['draft_tokens']} draft tokens accepted, "
+                      f"{r['speedup']:.2f}x", flush=True)
             print(f"   ({time.perf_counter() - t0:.0f}s)", flush=True)
 
         if not a.skip_throughput:

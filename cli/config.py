@@ -23,6 +23,7 @@ from conveyor.core import (
     DTYPES,
     REASONING_PARSERS,
     SCHEDULES,
+    SPECULATIVE_METHODS,
     ConfigError,
     EngineConfig,
     SamplingParams,
@@ -73,7 +74,8 @@ OPTIONS: dict[str, tuple[type, str]] = {
     "served_model_name": (BuildOptions, "served_model_names"),  # vLLM's option name
     **{k: (EngineConfig, k) for k in ("dtype", "device", "backend", "max_num_seqs", "max_num_batched_tokens",
                                        "num_kv_blocks", "kv_cache_memory", "gpu_memory_utilization", "block_size",
-                                       "max_grammar_compile_s", "max_grammar_bytes", "schedule", "lookahead")},
+                                       "max_grammar_compile_s", "max_grammar_bytes", "schedule", "lookahead",
+                                       "speculative", "num_speculative_tokens")},
     "input_format": (InputOptions, "format"), "split": (InputOptions, "split"), "limit": (InputOptions, "limit"),
     "max_record_bytes": (InputOptions, "max_record_bytes"),
     "output_format": (OutputOptions, "format"), "on_error": (OutputOptions, "on_error"),
@@ -96,6 +98,7 @@ _CHOICES = {
     "input_format": (None, *INPUT_FORMATS),
     "output_format": (None, *OUTPUT_FORMATS),
     "schedule": SCHEDULES,
+    "speculative": (None, *SPECULATIVE_METHODS),
 }
 
 
@@ -254,7 +257,7 @@ def _as_str_tuple(key: str, value: Any) -> tuple[str, ...]:
 _STR_KEYS = {"input", "output", "model", "dtype", "device", "backend", "system_prompt", "prompt_field",
              "messages_field", "id_field", "input_format", "output_format", "split", "on_error", "summary_json",
              "run_dir", "json_schema", "regex", "shard", "executor", "chat_field", "prompt_template",
-             "prompt_template_as", "reasoning_parser", "schedule"}
+             "prompt_template_as", "reasoning_parser", "schedule", "speculative"}
 
 
 def _check_strings(values: dict[str, Any]) -> None:
@@ -286,7 +289,8 @@ def _check_device(device: str) -> None:
 
 # Types a config file may get wrong (flags arrive typed); the values themselves are checked by the dataclasses.
 _INT_KEYS = {"max_tokens", "top_k", "seed", "n", "min_tokens", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks",
-             "block_size", "limit", "checkpoint_every", "logprobs", "num_workers", "lookahead"}
+             "block_size", "limit", "checkpoint_every", "logprobs", "num_workers", "lookahead",
+             "num_speculative_tokens"}
 _FLOAT_KEYS = {"temperature", "top_p", "min_p", "checkpoint_seconds", "log_every", "gpu_memory_utilization",
                "max_grammar_compile_s"}
 _BOOL_KEYS = {"ignore_eos", "quiet", "restart", "profile", "prompt_logprobs"}

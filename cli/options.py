@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from conveyor.cli.config import default_of, default_text, size_text
-from conveyor.core import DEFAULT_KV_CACHE_MEMORY, DEVICE_DEFAULTS, MIN_WAITING
+from conveyor.core import DEFAULT_KV_CACHE_MEMORY, DEFAULT_SPECULATIVE_TOKENS, DEVICE_DEFAULTS, MIN_WAITING
 
 _CPU, _GPU = DEVICE_DEFAULTS["cpu"], DEVICE_DEFAULTS["cuda"]
 _SHOWN = {  # defaults that depend on the device, or read better than the field's value
@@ -20,6 +20,8 @@ _SHOWN = {  # defaults that depend on the device, or read better than the field'
     "max_record_bytes": size_text(default_of("max_record_bytes")),
     "max_grammar_bytes": size_text(default_of("max_grammar_bytes")),
     "lookahead": f"max(2 x --max-num-seqs, {MIN_WAITING})",
+    "speculative": "off",
+    "num_speculative_tokens": DEFAULT_SPECULATIVE_TOKENS,
 }
 
 
@@ -152,6 +154,13 @@ ScheduleOpt = Annotated[Optional[str], typer.Option(
 LookaheadOpt = Annotated[Optional[int], typer.Option(
     help="--schedule priority, sjf or lpm: the waiting records it chooses among. "
     f"{_d('lookahead')}", rich_help_panel=ENG)]
+SpeculativeOpt = Annotated[Optional[str], typer.Option(
+    help="ngram: speculative decoding by prompt lookup (each record's next tokens guessed from its own prompt and "
+    "output, verified in the same step; faster where outputs copy their input: extraction, rewriting, code "
+    f"edits). The outputs are the same with it and without. {_d('speculative')}", rich_help_panel=ENG)]
+NumSpeculativeTokensOpt = Annotated[Optional[int], typer.Option(
+    help=f"--speculative ngram: most draft tokens per record and step. {_d('num_speculative_tokens')}",
+    rich_help_panel=ENG)]
 BlockSizeOpt = Annotated[Optional[int], typer.Option(help=f"Tokens per KV block. {_d('block_size')}",
                                                      rich_help_panel=ENG)]
 QuietOpt = Annotated[Optional[bool], typer.Option("--quiet", "-q", help="Print only warnings and errors (no "

@@ -216,10 +216,12 @@ def _wait(ray, pending: list, cli, stopper: StopController, stop_path: Path) -> 
 
 
 def _add(results: list[dict], wall_s: float) -> dict:
-    from conveyor.io.run import run_figures
+    from conveyor.io.run import draft_acceptance_rate, run_figures
 
-    keys = ("records", "samples", "ok", "errors", "prompt_tokens", "completion_tokens", "preemptions", "resumed_from")
+    keys = ("records", "samples", "ok", "errors", "prompt_tokens", "completion_tokens", "preemptions", "resumed_from",
+            "draft_tokens", "accepted_draft_tokens")
     out = {k: sum(r["summary"].get(k, 0) for r in results) for k in keys}
+    out["draft_acceptance_rate"] = draft_acceptance_rate(out["draft_tokens"], out["accepted_draft_tokens"])
     out["load_s"] = max((r["summary"].get("load_s", 0) for r in results), default=0)
     out["elapsed_s"] = max((r["summary"].get("elapsed_s", 0) for r in results), default=0)
     out["prefix_cache_hit_rate"] = (sum(r["summary"].get("prefix_cache_hit_rate", 0) for r in results)

@@ -81,6 +81,8 @@ def run_command(
     block_size: opt.BlockSizeOpt = None,
     schedule: opt.ScheduleOpt = None,
     lookahead: opt.LookaheadOpt = None,
+    speculative: opt.SpeculativeOpt = None,
+    num_speculative_tokens: opt.NumSpeculativeTokensOpt = None,
     quiet: opt.QuietOpt = None,
     no_quiet: opt.NoQuietOpt = False,
     summary_json: opt.SummaryJsonOpt = None,
@@ -253,6 +255,9 @@ def _figure_rows(summary: dict) -> list[tuple[str, str]]:
         figures = summary.get(key)
         if figures and any(v is not None for v in figures.values()):
             rows.append((f"{name} {'/'.join(figures)}", _seconds(list(figures.values()))))
+    if summary.get("draft_tokens"):
+        rows.append(("draft tokens accepted", f"{summary['accepted_draft_tokens']} of {summary['draft_tokens']} "
+                                              f"({summary['draft_acceptance_rate']:.0%})"))
     if summary.get("steps"):
         rows.append(("mean running (occupancy)", f"{summary['mean_running']:.1f} ({summary['occupancy']:.0%})"))
         rows.append(("engine steps", summary["steps"]))

@@ -25,9 +25,10 @@ from conveyor.core.sampling_params import MAX_LOGPROBS, Grammar, SamplingParams
 from conveyor.core.schedule_policy import SCHEDULES
 from conveyor.core.schedule_types import TokenLogprobs
 from conveyor.core.schema_check import schema_error
+from conveyor.core.speculative import DEFAULT_SPECULATIVE_TOKENS, SPECULATIVE_METHODS
 
 __all__ = ["BACKENDS", "DEFAULT_KV_CACHE_MEMORY", "DEFAULT_MODEL", "DEVICE_DEFAULTS", "DTYPES", "EMBEDDED_MODELS",
-           "MAX_LOGPROBS", "REASONING_PARSERS", "SCHEDULES", "MIN_WAITING", "resolve_reasoning", "schema_error", "ConfigError", "EngineConfig", "FinishReason", "GenerationRequest", "Grammar", "Grammars", "InFlight",
+           "MAX_LOGPROBS", "REASONING_PARSERS", "SCHEDULES", "SPECULATIVE_METHODS", "DEFAULT_SPECULATIVE_TOKENS", "MIN_WAITING", "resolve_reasoning", "schema_error", "ConfigError", "EngineConfig", "FinishReason", "GenerationRequest", "Grammar", "Grammars", "InFlight",
            "ModelLimits", "ModelLoadError", "RequestOutput", "SamplingParams", "check_before_loading", "compiling",
            "is_embedded_cached",
            "load_engine", "load_tokenizer",

@@ -106,6 +106,18 @@ class BlockManager:
         assert self.can_append(request, num_tokens)
         self._grow(request, num_tokens)
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Give back `request`'s blocks past the first `num_tokens` slots (a step's rejected draft tokens held
+        them); they hold nothing worth keeping, so they are reused first."""
+        keep = self.blocks_for(num_tokens)
+        while len(request.block_ids) > keep:
+            block_id = request.block_ids.pop()
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count == 0 and block.block_hash is None, f"block {block_id} trimmed while in use"
+            self.free_queue[block_id] = None
+            self.free_queue.move_to_end(block_id, last=False)
+
     def _grow(self, request: Request, num_tokens: int) -> None:
         for _ in range(self.blocks_for(num_tokens) - len(request.block_ids)):
             request.block_ids.append(self._take_free_block())

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from conveyor.core.errors import ConfigError
 from conveyor.core.schedule_policy import SCHEDULES
+from conveyor.core.speculative import DEFAULT_SPECULATIVE_TOKENS, SPECULATIVE_METHODS
 
 DEFAULT_MODEL = "smollm2-135m-instruct"  # the embedded model (core/model_loader.py), fetched on first use
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -18,6 +19,7 @@ DEFAULT_KV_CACHE_MEMORY = "2GiB"  # the KV pool's budget on the CPU (a GPU's com
 DEVICE_DEFAULTS = {"cpu": {"max_num_seqs": 64, "max_num_batched_tokens": 2048},
                    "cuda": {"max_num_seqs": 256, "max_num_batched_tokens": 8192, "gpu_memory_utilization": 0.9}}
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)  # tokens per KV block the kernels take
+MAX_SPECULATIVE_TOKENS = 32  # draft tokens per request and step, at most
 MIN_WAITING = 64  # backpressure: at least this many requests may wait (max(2 x max_num_seqs, MIN_WAITING))
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
@@ -61,6 +63,11 @@ class EngineConfig:
     # The waiting requests a schedule other than fcfs chooses among (the reader's look-ahead): None = max(2 x
     # max_num_seqs, 64).
     lookahead: int | None = None
+    # Speculative decoding (core/speculative.py): "ngram" drafts a request's next tokens from its own prompt and
+    # output, up to num_speculative_tokens per step (None: DEFAULT_SPECULATIVE_TOKENS). The outputs are the same with
+    # it and without; only speed moves.
+    speculative: str | None = None
+    num_speculative_tokens: int | None = None
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
     dtype: str = "auto"  # one of DTYPES
     backend: str = "auto"  # one of BACKENDS (core/backends)
@@ -72,7 +79,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting", "num_kv_blocks",
-                     "lookahead"):
+                     "lookahead", "num_speculative_tokens"):
             value = getattr(self, name)
             if value is None and name != "block_size":
                 continue
@@ -99,6 +106,24 @@ class EngineConfig:
         if self.dtype not in DTYPES:
             raise ConfigError("dtype", f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
         self._check_schedule()
+        self._check_speculative()
+
+    def _check_speculative(self) -> None:
+        if self.speculative is not None and self.speculative not in SPECULATIVE_METHODS:
+            raise ConfigError("speculative", f"speculative must be {' or '.join(SPECULATIVE_METHODS)} (drafts from "
+                              f"the request's own tokens); got {self.speculative!r}", self.speculative)
+        if self.num_speculative_tokens is not None and self.speculative is None:
+            raise ConfigError("num_speculative_tokens", "num_speculative_tokens: drafts are made only with "
+                              "speculative ngram; give both, or drop it", self.num_speculative_tokens)
+        if self.num_speculative_tokens is not None and self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+            raise ConfigError("num_speculative_tokens", f"num_speculative_tokens: at most {MAX_SPECULATIVE_TOKENS} "
+                              f"draft tokens per step; got {self.num_speculative_tokens}", self.num_speculative_tokens)
+
+    @property
+    def speculative_tokens(self) -> int:
+        """Draft tokens per request and step, where speculation is on."""
+        n = self.num_speculative_tokens
+        return DEFAULT_SPECULATIVE_TOKENS if n is None else n
 
     def _check_schedule(self) -> None:
         if self.schedule not in SCHEDULES:

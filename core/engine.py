@@ -29,6 +29,10 @@ from conveyor.core.output_processor import OutputProcessor
 from conveyor.core.outputs import GenerationRequest, InFlight, RequestOutput
 from conveyor.core.request import FinishReason, Request
 from conveyor.core.scheduler import Scheduler
+from conveyor.core.speculative import CostCurve, SpeculativeConfig, Speculator
+
+MEASURED_ROWS = 256  # the speculator's cost curve is measured up to this many rows, and extended linearly past it
+MEASURED_CONTEXT = 128  # keys each measured row attends to
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,8 @@ class EngineStats:
     num_steps: int
     num_forward_steps: int = 0  # steps that ran a forward pass (num_steps also counts those with nothing to run)
     num_scheduled_rows: int = 0  # requests scheduled, summed over those steps: / num_forward_steps = mean running
+    num_draft_tokens: int = 0  # speculative decoding: draft tokens fed ...
+    num_accepted_draft_tokens: int = 0  # ... and accepted (equal to the token sampled there)
 
 
 @dataclass(frozen=True)
@@ -97,10 +103,11 @@ class Engine:
                                 layout)
         self.eos_token_ids = eos_ids_of(model, tokenizer)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.eos_token_ids, schedule=config.schedule)
         self.runner = ModelRunner(self.backend, self.kv_cache, self.eos_token_ids)
-        self.outputs = OutputProcessor(tokenizer)
+        speculator = self._speculator(num_blocks) if config.speculative is not None else None
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.eos_token_ids, schedule=config.schedule, speculator=speculator)
+        self.outputs = OutputProcessor(tokenizer, speculative=speculator is not None)
         self._grammars: Grammars | None = None  # made on the first request with a grammar
         # requests whose grammar compiles, in arrival order (with the logprobs a continued one carries)
         self._compiling: list[tuple[Request, Future, tuple | None]] = []
@@ -109,6 +116,17 @@ class Engine:
         # Seconds per phase of step(); perf_counter is cheap enough to keep always on.
         self._timings = {"schedule_s": 0.0, "update_s": 0.0, "output_s": 0.0, "step_s": 0.0, "steps": 0}
         self._last_step = None  # (plan, number of tokens sampled, seconds) of the last step
+
+    def _speculator(self, num_blocks: int) -> Speculator:
+        """The speculator, with the cost of this model's forward pass by its rows measured here, now (a second or
+        so on a CPU): powers of two up to the most rows a step of decodes and drafts can have."""
+        c = self.config
+        most = min(c.max_num_batched_tokens, c.max_num_seqs * (1 + c.speculative_tokens), MEASURED_ROWS)
+        counts = [1 << i for i in range(most.bit_length()) if 1 << i < most] + [most]
+        if len(counts) < 2:
+            counts = [1, 2]
+        seconds = self.runner.measure_rows(counts, context=MEASURED_CONTEXT, num_blocks=num_blocks)
+        return Speculator(SpeculativeConfig(c.speculative_tokens), CostCurve(list(zip(counts, seconds))))
 
     def enable_profiling(self) -> None:
         """Also split the runner's time into prepare / forward / sample (waits for the device)."""
@@ -234,10 +252,12 @@ class Engine:
         states = {e.req_id: s for e in plan.scheduled if (s := requests[e.req_id].logits_state) is not None}
         result = self.runner.execute(plan, states)
         t2 = time.perf_counter()
-        self.num_generated_tokens += len(result.sampled_token_ids)
         self.num_scheduled_rows += len(plan.scheduled)
         self.outputs.record(result, requests)
+        before = self.scheduler.stats.num_output_tokens
         finished = self.scheduler.update_from_output(plan, result, self.outputs.check_stop)
+        sampled = self.scheduler.stats.num_output_tokens - before
+        self.num_generated_tokens += sampled
         t3 = time.perf_counter()
         outputs = failed + [self.outputs.output(r) for r in finished]
         t4 = time.perf_counter()
@@ -247,7 +267,7 @@ class Engine:
         t["output_s"] += t4 - t3
         t["step_s"] += t4 - t0
         t["steps"] += 1
-        self._last_step = (plan, len(result.sampled_token_ids), t4 - t0)
+        self._last_step = (plan, sampled, t4 - t0)
         return outputs
 
     @property
@@ -295,6 +315,7 @@ class Engine:
 
     def stats(self) -> EngineStats:
         s = self.scheduler.stats
+        spec = self.scheduler.speculator.stats if self.scheduler.speculator is not None else None
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -307,4 +328,6 @@ class Engine:
             num_steps=s.num_steps,
             num_forward_steps=self._timings["steps"],
             num_scheduled_rows=self.num_scheduled_rows,
+            num_draft_tokens=spec.num_draft_tokens if spec else 0,
+            num_accepted_draft_tokens=spec.num_accepted_tokens if spec else 0,
         )

@@ -60,6 +60,19 @@ class LogitsState:
             if not self.matcher.accept_token(token):
                 self.grammar_failed = True
 
+    def fork(self) -> LogitsState:
+        """A copy that accepts tokens on its own (a step's draft tokens, tried position by position), leaving this
+        state as it is."""
+        other = LogitsState.__new__(LogitsState)
+        other.counts = None if self.counts is None else Counter(self.counts)
+        other.seen = None if self.seen is None else set(self.seen)
+        other.tail_len, other.tail = self.tail_len, list(self.tail)
+        other.matcher = None if self.matcher is None else self.matcher.fork()
+        other.grammar_failed = self.grammar_failed
+        other.reasoning_end, other.answer_start, other.recent = self.reasoning_end, self.answer_start, list(self.recent)
+        other.num_output = self.num_output
+        return other
+
     @property
     def answering(self) -> bool:
         """Whether the output is past its reasoning (always, without one): its grammar and stop strings apply."""

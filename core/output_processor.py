@@ -35,9 +35,10 @@ class OutputState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, speculative: bool = False) -> None:
         self.tokenizer = tokenizer
         self.schemas = SchemaCheck()
+        self.speculative = speculative  # outputs say how many draft tokens their request was fed and accepted
 
     def start(self, request: Request, output_logprobs=None) -> None:
         """Give `request` the state its output needs (none for most); a continued request's is replayed over the
@@ -63,12 +64,12 @@ class OutputProcessor:
     def logprobs_so_far(self, request: Request) -> tuple[TokenLogprobs, ...] | None:
         """The logprobs of the tokens `request` has generated, where it asks for them."""
         state = request.output_state
-        return None if state is None or state.logprobs is None else tuple(state.logprobs)
+        return None if state is None or state.logprobs is None else tuple(state.logprobs[:request.num_output_tokens])
 
     def record(self, result: RunnerOutput, requests: dict[str, Request]) -> None:
         """The step's logprobs, kept by the requests that asked for them (before their tokens are accepted)."""
-        for req_id, lp in result.logprobs.items():
-            requests[req_id].output_state.logprobs.append(lp)
+        for req_id, found in result.logprobs.items():
+            requests[req_id].output_state.logprobs.extend(found)
         for req_id, (first, found) in result.prompt_logprobs.items():
             slots = requests[req_id].output_state.prompt_logprobs
             for position, lp in enumerate(found, first):
@@ -122,9 +123,12 @@ class OutputProcessor:
             first_scheduled_time=first_scheduled,
             first_token_time=request.first_token_time or request.finish_time,
             finish_time=request.finish_time,
-            logprobs=None if state is None or state.logprobs is None else tuple(state.logprobs),
+            # (a step that sampled past a stop, after draft tokens, recorded logprobs its output does not keep)
+            logprobs=self.logprobs_so_far(request),
             prompt_logprobs=None if state is None or state.prompt_logprobs is None else tuple(state.prompt_logprobs),
             note=None if request.error is not None else _grammar_note(request),
+            num_draft_tokens=_drafts(request, self.speculative)[0],
+            num_accepted_draft_tokens=_drafts(request, self.speculative)[1],
             error=request.error,
         )
 
@@ -144,6 +148,14 @@ class OutputProcessor:
             cut = find_stop_string(text, request.sampling.stop, len(text))
             text = text if cut is None else text[:cut]
         return text, reasoning
+
+
+def _drafts(request: Request, speculative: bool) -> tuple[int | None, int | None]:
+    """(draft tokens fed for `request`, of those accepted), where speculation is on (else None, None)."""
+    if not speculative:
+        return None, None
+    state = request.draft_state
+    return (0, 0) if state is None else (state.drafted, state.accepted)
 
 
 def _answer_start(request: Request) -> int | None:

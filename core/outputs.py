@@ -59,6 +59,10 @@ class RequestOutput:
     reasoning: str | None = None  # the output's reasoning section, where its sampling has a parser and it had one
     note: str | None = None  # what a user should know about an ok output (a grammar that did not complete)
     error: str | None = None  # finish_reason "error": what failed while a step processed this request's data
+    # Speculative decoding (None where it is off): draft tokens fed for it in this process, and of those, the
+    # accepted ones (tokens of its output that took no step of their own)
+    num_draft_tokens: int | None = None
+    num_accepted_draft_tokens: int | None = None
 
     @property
     def num_output_tokens(self) -> int:

@@ -51,7 +51,7 @@ class Request:
         "req_id", "token_ids", "num_prompt_tokens", "sampling", "priority", "status",
         "num_computed_tokens", "num_cached_tokens", "block_ids", "block_hashes", "finish_reason",
         "arrival_time", "first_scheduled_time", "first_token_time", "finish_time", "num_preemptions",
-        "logits_state", "output_state", "error", "arrival_seq", "num_overtaken",
+        "logits_state", "output_state", "error", "arrival_seq", "num_overtaken", "draft_state",
     )
 
     def __init__(self, req_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
@@ -79,6 +79,7 @@ class Request:
         self.error: str | None = None  # what failed, where it finished with FinishReason.ERROR
         self.arrival_seq = 0  # its place in the order requests reached the scheduler (set by it)
         self.num_overtaken = 0  # requests that arrived after it admitted before it (sjf's aging; schedule_policy)
+        self.draft_state = None  # DraftState (speculative.py) once speculation drafted for it
 
     @property
     def num_tokens(self) -> int:

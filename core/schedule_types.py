@@ -13,7 +13,7 @@ from conveyor.core.sampling_params import SamplingParams
 @dataclass(frozen=True, slots=True)
 class ScheduledRequest:
     req_id: str
-    token_ids: tuple[int, ...]  # fed this step: a prefill chunk or one decode token
+    token_ids: tuple[int, ...]  # fed this step: a prefill chunk or one decode token (then its draft tokens, if any)
     start_pos: int  # position of token_ids[0] (= num_computed_tokens before the step)
     block_ids: tuple[int, ...]  # the whole block table, covering start_pos + len(token_ids) slots
     sample: bool  # true when the chunk reaches the last known token, so a token is sampled
@@ -22,6 +22,10 @@ class ScheduledRequest:
     # Prompt logprobs: the prompt tokens that rows 0, 1, ... of this chunk predict (rows predicting a token
     # past the prompt excluded); empty unless the request asks for them.
     prompt_targets: tuple[int, ...] = ()
+    # Speculative decoding: the last num_drafts of token_ids are guesses of its next tokens (core/speculative.py),
+    # fed after its last token; their rows are sampled too, and each is accepted where it equals the token sampled
+    # before it.
+    num_drafts: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -56,8 +60,10 @@ class TokenLogprobs:
 
 @dataclass(frozen=True, slots=True)
 class RunnerOutput:
-    sampled_token_ids: dict[str, int]  # req_id -> token, only where ScheduledRequest.sample was true
-    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # of the sampled tokens that asked
+    # req_id -> the tokens sampled, only where ScheduledRequest.sample was true: one, or where it carried drafts,
+    # one per draft accepted (equal to it) and then the token sampled after them
+    sampled_token_ids: dict[str, list[int]]
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # of the sampled tokens that asked
     # req_id -> (position of the first prompt token predicted, one entry per prompt_targets token)
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
     # req_id -> what failed while the step processed that request's own data (its logits processors): the

@@ -18,6 +18,7 @@ from conveyor.core.errors import failed_while_running, failure
 from conveyor.core.request import FinishReason, Request, RequestStatus
 from conveyor.core.schedule_policy import SCHEDULES, make_policy
 from conveyor.core.schedule_types import RunnerOutput, ScheduledRequest, SchedulerOutput
+from conveyor.core.speculative import Speculator
 from conveyor.core.stopping import check_token_stop
 
 
@@ -29,6 +30,7 @@ class SchedulerStats:
     num_computed_prompt_tokens: int = 0  # prompt tokens actually fed to the model (recompute included)
     num_cached_prompt_tokens: int = 0  # prompt tokens skipped thanks to the prefix cache
     num_steps: int = 0
+    num_output_tokens: int = 0  # tokens appended to requests' outputs
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -49,11 +51,14 @@ class Scheduler:
 
     `running` is in admission order (the newest at the end: the preemption victim). `waiting` is
     ordered by (priority, arrival); a preempted request goes back to its very front. A `schedule` other than
-    fcfs (schedule_policy.py) reorders both queues at the start of each step.
+    fcfs (schedule_policy.py) reorders both queues at the start of each step. With a `speculator`, the step's
+    decode rows may carry draft tokens in the token budget and free blocks left once everything else is planned
+    (speculative.py): drafts never delay, preempt or displace a request.
     """
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 eos_token_ids: Collection[int] = (), clock=time.monotonic, schedule: str = SCHEDULES[0]) -> None:
+                 eos_token_ids: Collection[int] = (), clock=time.monotonic, schedule: str = SCHEDULES[0],
+                 speculator: Speculator | None = None) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -64,6 +69,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
         self.policy = make_policy(schedule, block_manager, max_num_seqs)
+        self.speculator = speculator
         self._num_arrived = 0
 
     # -- queues --------------------------------------------------------------------------------
@@ -102,6 +108,7 @@ class Scheduler:
            (possibly itself) until it can.
         2. Unless that preempted someone, waiting requests in order while the token budget, the
            sequence cap and free blocks allow; a prompt larger than the budget left is chunked.
+        3. With a speculator, draft tokens for the decode rows, in the budget and blocks left.
         """
         budget = _Budget(self.max_num_batched_tokens)
         scheduled: list[ScheduledRequest] = []
@@ -116,6 +123,8 @@ class Scheduler:
         self._schedule_running(budget, scheduled, preempted)
         if len(preempted) == forced:  # (preempted to admit the first waiting request: admit it)
             self._schedule_waiting(budget, scheduled)
+        if self.speculator is not None and budget.tokens > 0:
+            self._add_drafts(budget, scheduled)
         self.stats.num_steps += 1
         return SchedulerOutput(scheduled=scheduled, num_batched_tokens=self.max_num_batched_tokens - budget.tokens,
                                preempted_req_ids=preempted)
@@ -166,6 +175,37 @@ class Scheduler:
             budget.tokens -= num_new
             self.policy.admitted(request, self.waiting)
 
+    def _add_drafts(self, budget: _Budget, scheduled: list[ScheduledRequest]) -> None:
+        """Draft tokens for the step's decode rows where the speculator finds they pay, in the token budget and the
+        free blocks left; their entries are planned again with the drafts after their last token."""
+        bm = self.block_manager
+        decodes = []
+        for e in scheduled:
+            if e.sample and e.num_tokens == 1:
+                request = self.requests[e.req_id]
+                # at most the tokens it may still generate after this step's first
+                decodes.append((request, min(budget.tokens, request.sampling.max_tokens - request.num_output_tokens - 1)))
+        if not decodes:
+            return
+        drafts = self.speculator.choose(decodes, self.max_num_batched_tokens - budget.tokens)
+        if not drafts:
+            return
+        for i, e in enumerate(scheduled):
+            draft = drafts.get(e.req_id)
+            if draft is None:
+                continue
+            draft = draft[:budget.tokens]
+            request = self.requests[e.req_id]
+            end = request.num_tokens + len(draft)
+            while draft and not bm.can_append(request, end):
+                draft.pop()
+                end -= 1
+            if not draft:
+                continue
+            bm.append_slots(request, end)
+            scheduled[i] = self._plan_entry(request, 1, tuple(draft))
+            budget.tokens -= len(draft)
+
     def _preempt_for_waiting(self, preempted: list[str]) -> None:
         """The priority schedule: while the first waiting request cannot be admitted (no room for its first chunk
         in the KV pool, or the sequence cap reached), preempt the last running request (the lowest priority, the
@@ -200,7 +240,7 @@ class Scheduler:
                 return True
         return False
 
-    def _plan_entry(self, request: Request, num_new: int) -> ScheduledRequest:
+    def _plan_entry(self, request: Request, num_new: int, drafts: tuple[int, ...] = ()) -> ScheduledRequest:
         start = request.num_computed_tokens
         end = start + num_new
         if start < request.num_prompt_tokens:
@@ -210,13 +250,14 @@ class Scheduler:
             targets = tuple(request.token_ids[start + 1:min(end, request.num_prompt_tokens - 1) + 1])
         return ScheduledRequest(
             req_id=request.req_id,
-            token_ids=tuple(request.token_ids[start:end]),
+            token_ids=tuple(request.token_ids[start:end]) + drafts,
             start_pos=start,
             block_ids=tuple(request.block_ids),
             sample=end == request.num_tokens,
             sampling=request.sampling,
             num_output_tokens=request.num_output_tokens,
             prompt_targets=targets,
+            num_drafts=len(drafts),
         )
 
     def _preempt(self, request: Request) -> None:
@@ -237,25 +278,40 @@ class Scheduler:
         """Advance every scheduled request; append sampled tokens; return those that finished.
 
         A request stops at its grammar's end, at a token stop (EOS, a stop token id, max_tokens), or where
-        `check_stop` (the engine's output processor: stop strings) says so after its token was appended. One whose
-        own data broke the step (`result.failed`, or its grammar or text raising here) ends with ERROR and
-        `request.error`; the others go on."""
+        `check_stop` (the engine's output processor: stop strings) says so after its token was appended; the tokens
+        sampled after that one are dropped. One whose own data broke the step (`result.failed`, or its grammar or
+        text raising here) ends with ERROR and `request.error`; the others go on. A request that carried drafts
+        keeps the K/V of those accepted, and gives back the blocks that only its rejected ones needed."""
         finished: list[Request] = []
         now = self.clock()
+        bm = self.block_manager
         for entry in plan.scheduled:
             request = self.requests.get(entry.req_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted meanwhile
-            request.num_computed_tokens += entry.num_tokens
-            self.block_manager.cache_full_blocks(request)
+            fed = entry.num_tokens - entry.num_drafts  # the request's own tokens: their K/V are now computed
             if not entry.sample:
+                request.num_computed_tokens += fed
+                bm.cache_full_blocks(request)
                 continue
+            reason, appended = None, 0
             why = result.failed.get(entry.req_id)
             if why is None:
                 try:
-                    reason = self._accept(request, result.sampled_token_ids[entry.req_id], now, check_stop)
+                    for token in result.sampled_token_ids[entry.req_id]:
+                        appended += 1
+                        reason = self._accept(request, token, now, check_stop)
+                        if reason is not None:
+                            break
                 except Exception as e:  # noqa: BLE001 - one request's data (its grammar, its text), never the run's
                     why = failure("accepting its token", e)
+            accepted = max(appended - 1, 0)  # tokens appended before the last: drafts, whose K/V was computed
+            request.num_computed_tokens += fed + accepted
+            bm.cache_full_blocks(request)
+            if entry.num_drafts:
+                self.speculator.verified(request, entry.num_drafts, min(accepted, entry.num_drafts))
+                bm.trim(request, request.num_tokens)
+            self.stats.num_output_tokens += appended
             if why is not None:
                 request.error = failed_while_running(why)
             if request.error is not None:

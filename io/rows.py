@@ -24,7 +24,8 @@ OUTPUT_COLUMNS = ("id", "index", "status", "output", "finish_reason", "prompt_to
 # Columns a run has where its records asked for them (the caller says which), between the fixed ones and the
 # keep fields: per token {token, id, logprob, top: [{token, id, logprob}]}.
 OPTIONAL_COLUMNS = ("logprobs", "prompt_logprobs", "prompt_logprob_sum", "sample_index", "reasoning",
-                    "prompt_tokens_truncated")  # the prompt tokens truncation cut
+                    "prompt_tokens_truncated",  # the prompt tokens truncation cut
+                    "draft_tokens", "accepted_draft_tokens")  # --speculative: fed to the model, and accepted
 SAMPLE_INDEX = "sample_index"  # 0 to n - 1; a run's files have it where some record has n > 1, or --n > 1
 
 
@@ -45,7 +46,7 @@ def optional_schema(name: str):
         return pa.float64()
     if name == "reasoning":  # the output's reasoning section (--reasoning-parser), null where it had none
         return pa.string()
-    if name in (SAMPLE_INDEX, "prompt_tokens_truncated"):
+    if name in (SAMPLE_INDEX, "prompt_tokens_truncated", "draft_tokens", "accepted_draft_tokens"):
         return pa.int64()
     alternative = pa.struct([("token", pa.string()), ("id", pa.int64()), ("logprob", pa.float64())])
     return pa.list_(pa.struct([("token", pa.string()), ("id", pa.int64()), ("logprob", pa.float64()),
@@ -75,6 +76,9 @@ def ok_row(b, out, token_text: Callable[[int], str] = str, where: str | None = N
         row["prompt_tokens_truncated"] = b.prompt_tokens_truncated
     if b.sampling.reasoning is not None:
         row["reasoning"] = out.reasoning
+    if out.num_draft_tokens is not None:
+        row["draft_tokens"] = out.num_draft_tokens
+        row["accepted_draft_tokens"] = out.num_accepted_draft_tokens
     if out.logprobs is not None:
         row["logprobs"] = [_logprob_entry(lp, token_text) for lp in out.logprobs]
     if out.prompt_logprobs is not None:

@@ -62,8 +62,13 @@ except PackageNotFoundError:  # run from a source tree that was never installed
     TOOL_VERSION = "unknown"
 
 STOPPED, SOME_ERRORS, OK = "stopped", "some_errors", "ok"  # a run's outcome (the CLI's exit code)
-__all__ = ["OK", "SOME_ERRORS", "STOPPED", "BadRecordStop", "Run", "RunResult", "ValidationReport", "merge_shards",
-           "run_figures"]
+__all__ = ["OK", "SOME_ERRORS", "STOPPED", "BadRecordStop", "Run", "RunResult", "ValidationReport",
+           "draft_acceptance_rate", "merge_shards", "run_figures"]
+
+
+def draft_acceptance_rate(draft_tokens: int, accepted: int) -> float:
+    """Accepted draft tokens over those fed (0 where none was)."""
+    return round(accepted / draft_tokens, 4) if draft_tokens else 0.0
 
 
 @dataclass
@@ -100,6 +105,10 @@ class RunResult:
             "output_tokens_per_s": round(t.output_tokens_per_s, 2),
             "preemptions": s.num_preemptions if s else 0,
             "prefix_cache_hit_rate": round(s.prefix_cache_hit_rate, 4) if s else 0.0,
+            "draft_tokens": s.num_draft_tokens if s else 0,  # --speculative: fed to the model ...
+            "accepted_draft_tokens": s.num_accepted_draft_tokens if s else 0,  # ... and accepted
+            "draft_acceptance_rate": draft_acceptance_rate(s.num_draft_tokens, s.num_accepted_draft_tokens) if s
+            else 0.0,
             "resumed_from": t.resumed_from,
             "continued": t.continued,  # records continued from an earlier process's partial ...
             "tokens_carried_over": t.tokens_carried_over,  # ... and the tokens those held

@@ -77,8 +77,9 @@ class StepRows:
     input_ids: list[int]
     positions: list[int]
     slots: list[int]  # where each row's K/V goes: block_id * block_size + offset
-    logit_rows: list[int]  # rows whose logits are wanted: the sampled ones, then prompt-logprob rows
-    num_sampled: int  # logit_rows[:num_sampled] are sampled
+    logit_rows: list[int]  # rows whose logits are wanted: the sampled ones, draft rows, then prompt-logprob rows
+    num_sampled: int  # logit_rows[:num_sampled] are sampled (one per sampled entry)
+    num_draft_rows: int = 0  # logit_rows[num_sampled:num_sampled + this]: the rows after draft tokens
 
 
 class StepAttention(ABC):

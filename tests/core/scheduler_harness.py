@@ -77,28 +77,38 @@ class FakeRunner:
         for e in plan.scheduled:
             expected = self.expected_tokens(e.req_id, e.num_output_tokens)
             start, end = e.start_pos, e.start_pos + e.num_tokens
+            known_end = end - e.num_drafts  # drafts are fed after the request's known tokens
             assert e.num_tokens > 0
             if e.req_id in self.next_pos:
                 assert start == self.next_pos[e.req_id], f"{e.req_id}: chunk starts at {start}, KV ends at " \
                                                          f"{self.next_pos[e.req_id]}"
             else:  # (re)admission: from 0, or from a block-aligned prefix-cache hit
                 assert start % bs == 0, f"{e.req_id}: admitted at {start}, not a block boundary"
-            assert end <= len(expected), f"{e.req_id}: feeds past its known tokens"
-            assert list(e.token_ids) == expected[start:end], f"{e.req_id}: wrong tokens fed at {start}"
-            assert e.sample == (end == len(expected)), f"{e.req_id}: sample={e.sample} at [{start}, {end})"
+            assert known_end <= len(expected), f"{e.req_id}: feeds past its known tokens"
+            assert list(e.token_ids[:e.num_tokens - e.num_drafts]) == expected[start:known_end], \
+                f"{e.req_id}: wrong tokens fed at {start}"
+            assert e.sample == (known_end == len(expected)), f"{e.req_id}: sample={e.sample} at [{start}, {end})"
+            assert not e.num_drafts or (e.sample and known_end - start == 1), f"{e.req_id}: drafts off a decode row"
             assert len(e.block_ids) * bs >= end, f"{e.req_id}: block table too short for {end} tokens"
             for p in range(start):  # computed earlier, or served by the prefix cache
                 slot = e.block_ids[p // bs] * bs + p % bs
                 assert self.pool.get(slot) == (p, expected[p]), (
                     f"{e.req_id}: slot of position {p} holds {self.pool.get(slot)}, want {(p, expected[p])}")
-            for p in range(start, end):
+            for p, token in zip(range(start, end), e.token_ids):  # (a rejected draft leaves a wrong token)
                 block = blocks[e.block_ids[p // bs]]
                 assert block.ref_count == 1, f"{e.req_id} writes into shared block {block.block_id}"
-                self.pool[block.block_id * bs + p % bs] = (p, expected[p])
-            self.next_pos[e.req_id] = end
+                self.pool[block.block_id * bs + p % bs] = (p, token)
+            self.next_pos[e.req_id] = known_end
             self.fed.setdefault(e.req_id, []).append((start, tuple(e.token_ids)))
             if e.sample:
-                sampled[e.req_id] = self.token_for(e.req_id, e.num_output_tokens)
+                tokens = [self.token_for(e.req_id, e.num_output_tokens)]
+                drafts = e.token_ids[e.num_tokens - e.num_drafts:]
+                for i, draft in enumerate(drafts):  # a draft is accepted where it equals the token sampled before it
+                    if tokens[-1] != draft:
+                        break
+                    tokens.append(self.token_for(e.req_id, e.num_output_tokens + i + 1))
+                self.next_pos[e.req_id] = known_end + len(tokens) - 1
+                sampled[e.req_id] = tokens
                 self.num_samples[e.req_id] = self.num_samples.get(e.req_id, 0) + 1
         return RunnerOutput(sampled_token_ids=sampled)
 
