@@ -107,7 +107,8 @@ def main() -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--rows", default="1,4,64", help="--max-num-seqs values")
-    p.add_argument("--k", default="4", help="draft tokens per step (comma-separated: each is a variant)")
+    p.add_argument("--k", default=None, help="draft tokens per step, comma-separated: each is a variant "
+                   "(default: the engine's)")
     p.add_argument("--min-n", type=int, default=None, help="shortest match (default: the engine's)")
     p.add_argument("--max-n", type=int, default=None, help="longest match (default: the engine's)")
     p.add_argument("--n", type=int, default=256, help="mixed: requests")
@@ -119,7 +120,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
-    args.k = [int(k) for k in args.k.split(",")]
+    from conveyor.core import DEFAULT_SPECULATIVE_TOKENS
+
+    args.k = [int(k) for k in (args.k or str(DEFAULT_SPECULATIVE_TOKENS)).split(",")]
 
     import torch
 

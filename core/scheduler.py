@@ -183,8 +183,8 @@ class Scheduler:
         for e in scheduled:
             if e.sample and e.num_tokens == 1:
                 request = self.requests[e.req_id]
-                # at most the tokens it may still generate after this step's first
-                decodes.append((request, min(budget.tokens, request.sampling.max_tokens - request.num_output_tokens - 1)))
+                after_first = request.sampling.max_tokens - request.num_output_tokens - 1  # it may still generate
+                decodes.append((request, min(budget.tokens, after_first)))
         if not decodes:
             return
         drafts = self.speculator.choose(decodes, self.max_num_batched_tokens - budget.tokens)

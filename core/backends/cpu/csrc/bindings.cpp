@@ -18,6 +18,8 @@ at::Tensor pair_gemm(at::Tensor x, at::Tensor packed, int64_t N, c10::optional<a
 bool pair_gemm_available();
 at::Tensor amx_gemm(at::Tensor x, at::Tensor packed, int64_t N, c10::optional<at::Tensor> bias);
 bool amx_gemm_available();
+double fma_peak_gflops(double seconds, bool bf16);
+bool peak_bf16_available();
 
 // Whether the compiler had 16-float registers (AVX-512F) for the kernels' 16-lane vectors (vec16.h).
 // Narrower targets spill each vector through the stack: 4-40x slower than torch (an AVX2 build).
@@ -44,6 +46,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pair_gemm_available", &pair_gemm_available, "whether pair_gemm is built in (AVX512-BF16)");
   m.def("amx_gemm", &amx_gemm, "x @ W.T (+ bias) in bf16 on AMX tiles, W prepacked by fused_llama.pack_amx (CPU)");
   m.def("amx_gemm_available", &amx_gemm_available, "whether amx_gemm can run here (AMX built in and permitted)");
+  m.def("fma_peak_gflops", &fma_peak_gflops,
+        "GFLOP/s of independent 512-bit multiply-adds on every thread for about `seconds` (float FMAs, or bf16 pair "
+        "products): the peak the kernel microbenchmark reads the linears against");
+  m.def("peak_bf16_available", &peak_bf16_available, "whether fma_peak_gflops can run bf16 pair products");
   m.def("apply_token_bitmask", &apply_token_bitmask,
         "logits of the listed rows set to -inf where the row's token bitmask does not allow the token (CPU)");
   m.def("argmax_rows", &argmax_rows, "first index of each row's maximum, as torch.argmax(x, -1) (CPU)");
