@@ -11,11 +11,12 @@ Routes: float32 -> `panel_gemm` (float FMAs over 32-column panels); bfloat16 -> 
 products), `amx_gemm` (AMX tiles) where the CPU has them, and `panel_gemm` on bf16 weights (widened to float,
 the route of CPUs with neither); torch's `F.linear` in the same dtype beside each. Per (linear, M, route): the
 best time of --repeats (each at least --min-time s), GFLOP/s (2 M N K / t), and its fraction of the peak:
-`fma_peak_gflops`, independent 512-bit FMAs (float32, the panel routes) or pair products (bf16) on every thread.
+`fma_peak_gflops`, independent 512-bit FMAs (float32 and the panel routes) or pair products (bf16's pairs and
+tiles, and torch's bf16, which takes them too) on every thread.
 
 Attention: the paged kernel (`paged_attention`, the pool in the engine's layout for the dtype), --rows decode
-rows (one query each) at contexts of --contexts keys, and one prefill chunk of 512 rows at those contexts; GFLOP/s
-counted as 4 x heads x head_dim x keys per query row.
+rows (one query each) at contexts of --contexts keys, and one prefill chunk ending at each context (its last 512
+rows, or all of them); GFLOP/s counted as 4 x heads x head_dim x keys per query row.
 """
 
 from __future__ import annotations
@@ -88,7 +89,10 @@ def bench_linears(torch, ops, dtype, ms: list[int], args, peak: dict) -> list[di
                 with torch.inference_mode():
                     t = time_best(call, args.min_time, args.repeats)
                 gflops = 2 * m * n * k / t / 1e9
-                ref = peak["bf16" if route in ("pairs", "amx") else "float32"]
+                # bf16 products (pairs, tiles; torch's oneDNN takes them too) against the bf16 peak, float FMAs
+                # (the panels, widened or not) against the float one
+                bf16_products = route in ("pairs", "amx") or (route == "torch" and dtype == torch.bfloat16)
+                ref = peak["bf16"] if bf16_products and peak["bf16"] else peak["float32"]
                 rows.append({"linear": name, "n": n, "k": k, "m": m, "route": route, "seconds": t, "gflops": gflops,
                              "of_peak": gflops / ref if ref else None})
                 print(f"  {str(dtype)[6:]:8} {name:8} M={m:5} {route:17} {t * 1e3:9.3f} ms {gflops:8.1f} GFLOP/s "
@@ -106,7 +110,8 @@ def bench_attention(torch, ops, dtype, args, peak: float) -> list[dict]:
     layout = LAYOUTS[kv_layout(dtype, d, bs, heads // kv_heads)]
     rows = []
     for context in (int(c) for c in args.contexts.split(",")):
-        for label, num_rows, chunk in (("decode", args.rows, 1), ("prefill", 512, 512)):
+        chunk = min(512, context)  # a prefill chunk: its rows see context - chunk + 1 ... context keys
+        for label, num_rows, chunk in (("decode", args.rows, 1), ("prefill", chunk, chunk)):
             reqs = num_rows // chunk
             blocks_per = -(-context // bs)
             num_blocks = reqs * blocks_per
