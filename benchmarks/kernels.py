@@ -22,6 +22,7 @@ rows, or all of them); GFLOP/s counted as 4 x heads x head_dim x keys per query 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -70,6 +71,17 @@ def routes(torch, ops, dtype) -> dict:
     return out
 
 
+def _cycling(run, x, packed: list, n: int):
+    """A call of `run` on x and the next of `packed` (each layer's weight in turn, as a step reads them)."""
+    state = {"i": 0}
+
+    def call():
+        run(x, packed[state["i"] % len(packed)], n)
+        state["i"] += 1
+
+    return call
+
+
 def bench_linears(torch, ops, dtype, ms: list[int], args, peak: dict) -> list[dict]:
     rows = []
     gen = torch.Generator().manual_seed(0)
@@ -80,14 +92,8 @@ def bench_linears(torch, ops, dtype, ms: list[int], args, peak: dict) -> list[di
             packed = [pack(w) for w in weights]
             for m in ms:
                 x = torch.randn(m, k, generator=gen).to(dtype)
-                state = {"i": 0}
-
-                def call():
-                    run(x, packed[state["i"] % copies], n)
-                    state["i"] += 1
-
                 with torch.inference_mode():
-                    t = time_best(call, args.min_time, args.repeats)
+                    t = time_best(_cycling(run, x, packed, n), args.min_time, args.repeats)
                 gflops = 2 * m * n * k / t / 1e9
                 # bf16 products (pairs, tiles; torch's oneDNN takes them too) against the bf16 peak, float FMAs
                 # (the panels, widened or not) against the float one
@@ -110,8 +116,8 @@ def bench_attention(torch, ops, dtype, args, peak: float) -> list[dict]:
     layout = LAYOUTS[kv_layout(dtype, d, bs, heads // kv_heads)]
     rows = []
     for context in (int(c) for c in args.contexts.split(",")):
-        chunk = min(512, context)  # a prefill chunk: its rows see context - chunk + 1 ... context keys
-        for label, num_rows, chunk in (("decode", args.rows, 1), ("prefill", chunk, chunk)):
+        prefill = min(512, context)  # a prefill chunk: its rows see context - prefill + 1 ... context keys
+        for label, num_rows, chunk in (("decode", args.rows, 1), ("prefill", prefill, prefill)):
             reqs = num_rows // chunk
             blocks_per = -(-context // bs)
             num_blocks = reqs * blocks_per
@@ -121,9 +127,10 @@ def bench_attention(torch, ops, dtype, args, peak: float) -> list[dict]:
             token_req = torch.arange(reqs).repeat_interleave(chunk)
             token_ctx = torch.arange(context - chunk + 1, context + 1).repeat(reqs)
             q = torch.randn(num_rows, heads, d).to(dtype)
+            call = functools.partial(ops.paged_attention, q, k_cache, v_cache, tables, token_req, token_ctx, bs,
+                                     d ** -0.5)
             with torch.inference_mode():
-                t = time_best(lambda: ops.paged_attention(q, k_cache, v_cache, tables, token_req, token_ctx, bs,
-                                                          d ** -0.5), args.min_time, args.repeats)
+                t = time_best(call, args.min_time, args.repeats)
             flops = 4 * heads * d * float(token_ctx.sum())
             rows.append({"kind": label, "context": context, "rows": num_rows, "layout": layout.name, "seconds": t,
                          "gflops": flops / t / 1e9, "of_peak": flops / t / 1e9 / peak})
