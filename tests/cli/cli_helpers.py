@@ -206,6 +206,13 @@ def write_input(path: Path, records: list[dict], fmt: str) -> Path:
     raise ValueError(fmt)
 
 
+def window_of(summary: dict, parts: float) -> str:
+    """A --max-runtime that stops a run like the one `summary` describes about `parts` times, whatever this machine's
+    speed: that run's setup and model load, then a `parts`-th of its generation (at least 0.3 s)."""
+    setup = summary["wall_s"] - summary["elapsed_s"]
+    return f"{setup + max(summary['elapsed_s'] / parts, 0.3):.2f}s"
+
+
 def read_rows(path: Path) -> list[dict]:
     path = Path(path)
     if path.suffix == ".parquet":

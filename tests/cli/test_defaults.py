@@ -53,6 +53,8 @@ SOURCES = {
     "--max-grammar-bytes": f"{EngineConfig().max_grammar_bytes >> 10}KiB",
     "--schedule": EngineConfig().schedule,
     "--lookahead": f"max(2 x --max-num-seqs, {MIN_WAITING})",
+    "--speculative": "off" if EngineConfig().speculative is None else EngineConfig().speculative,
+    "--num-speculative-tokens": EngineConfig(speculative="ngram").speculative_tokens,
 }
 SHOWN = re.compile(r"\\?\[default: ([^\]]*)\]")
 

@@ -7,7 +7,7 @@ import json
 import sqlite3
 
 import pytest
-from cli_helpers import Child, read_rows, run_in_process, stable, tiny_args, write_jsonl
+from cli_helpers import Child, read_rows, run_in_process, stable, tiny_args, window_of, write_jsonl
 
 RECORDS = [{"id": f"p{i}", "prompt": f"tell me about {i}", "max_tokens": 12} for i in range(3)]
 OPTS = ("--dtype", "float32", "--quiet")
@@ -87,8 +87,9 @@ def test_n_is_checked_before_the_model_loads_and_is_part_of_the_settings(tiny_mo
 
 # -- exactly once across stops -------------------------------------------------------------------------------------
 
-LONG = [{"id": f"q{i}", "prompt": f"a long story {i}", "max_tokens": 90 + 10 * i, "n": 4} for i in range(2)]
-LONGER = [{**r, "max_tokens": 200 + 20 * i} for i, r in enumerate(LONG)]  # long enough that 2 s windows stop it
+# Long enough that a child process is still generating when a checkpoint holds a record's first finished samples,
+# on the fastest kernels too.
+LONG = [{"id": f"q{i}", "prompt": f"a long story {i}", "max_tokens": 800 + 10 * i, "n": 4} for i in range(2)]
 # Two requests at a time: a record's samples run one pair after the other, so a stop lands between its samples.
 LONG_OPTS = ("--ignore-eos", "--temperature", "1.0", "--max-num-seqs", "2", *OPTS)
 
@@ -128,11 +129,12 @@ def test_a_kill_9_between_samples_loses_and_repeats_none(tiny_model, tmp_path):
 
 
 def test_clean_stops_between_samples_finish_with_the_rows_of_one_run(tiny_model, tmp_path):
-    reference, _, _ = _run(tiny_model, tmp_path, "ref", LONGER, *LONG_OPTS)
-    src, out = write_jsonl(tmp_path / "in.jsonl", LONGER), tmp_path / "out.jsonl"
+    reference, said, _ = _run(tiny_model, tmp_path, "ref", LONG, *LONG_OPTS)
+    src, out = write_jsonl(tmp_path / "in.jsonl", LONG), tmp_path / "out.jsonl"
     stops = 0
     for _ in range(40):
-        result = run_in_process("run", src, "-o", out, *tiny_args(tiny_model), *LONG_OPTS, "--max-runtime", "2s")
+        result = run_in_process("run", src, "-o", out, *tiny_args(tiny_model), *LONG_OPTS, "--max-runtime",
+                                window_of(said, 5))
         if result.code != 75:
             break
         stops += 1

@@ -11,9 +11,11 @@ import signal
 import sqlite3
 import time
 
-from cli_helpers import Child, read_rows, run_in_process, stable, tiny_args, write_jsonl
+from cli_helpers import Child, read_rows, run_in_process, stable, tiny_args, window_of, write_jsonl
 
-RECORDS = [{"id": f"p{i}", "prompt": f"a long answer about {i}", "max_tokens": 240 + 7 * i} for i in range(6)]
+# Long enough (near the tiny model's 2048-token context) that a child process is still generating when a checkpoint
+# shows what the tests wait for, on the fastest kernels too.
+RECORDS = [{"id": f"p{i}", "prompt": f"a long answer about {i}", "max_tokens": 1800 + 7 * i} for i in range(6)]
 OPTS = ("--ignore-eos", "--temperature", "0", "--dtype", "float32", "--max-num-seqs", "6", "--quiet")
 
 
@@ -29,21 +31,25 @@ def _partials(run_dir) -> tuple[int, int]:
     return count, tokens or 0
 
 
-def _reference(tiny_model, tmp_path, records, *extra) -> list[dict]:
+def _reference(tiny_model, tmp_path, records, *extra, summary: bool = False):
+    """The rows of one uninterrupted run (and its summary, where asked for)."""
     src = write_jsonl(tmp_path / "ref.jsonl", records)
-    result = run_in_process("run", src, "-o", tmp_path / "ref-out.jsonl", *tiny_args(tiny_model), *OPTS, *extra)
+    said = tmp_path / "ref-summary.json"
+    result = run_in_process("run", src, "-o", tmp_path / "ref-out.jsonl", *tiny_args(tiny_model), *OPTS, *extra,
+                            "--summary-json", said)
     assert result.code in (0, 3), result.err
-    return read_rows(tmp_path / "ref-out.jsonl")
+    rows = read_rows(tmp_path / "ref-out.jsonl")
+    return (rows, json.loads(said.read_text())) if summary else rows
 
 
 def test_windows_shorter_than_any_generation_finish_with_the_rows_of_one_run(tiny_model, tmp_path):
-    reference = _reference(tiny_model, tmp_path, RECORDS)
+    reference, said = _reference(tiny_model, tmp_path, RECORDS, summary=True)
     src, out = write_jsonl(tmp_path / "in.jsonl", RECORDS), tmp_path / "out.jsonl"
     summaries = []
     for window in range(1, 40):
         summary = tmp_path / f"summary-{window}.json"
-        result = run_in_process("run", src, "-o", out, *tiny_args(tiny_model), *OPTS, "--max-runtime", "1.5s",
-                                "--summary-json", summary)
+        result = run_in_process("run", src, "-o", out, *tiny_args(tiny_model), *OPTS, "--max-runtime",
+                                window_of(said, 4), "--summary-json", summary)
         summaries.append(json.loads(summary.read_text()))
         if result.code != 75:
             break
@@ -81,11 +87,11 @@ def test_partials_keep_logprobs_stop_strings_grammars_and_preemption(tiny_model,
                {"id": "pen", "prompt": "penalized", "repetition_penalty": 1.3, "presence_penalty": 0.5,
                 "max_tokens": 200}]
     tight = ("--kv-cache-memory", "700KiB")  # preemptions as well
-    reference = _reference(tiny_model, tmp_path, records, *tight)
+    reference, said = _reference(tiny_model, tmp_path, records, *tight, summary=True)
     src, out = write_jsonl(tmp_path / "in.jsonl", records), tmp_path / "out.jsonl"
     for _ in range(30):
         result = run_in_process("run", src, "-o", out, *tiny_args(tiny_model)[:2], *OPTS, *tight,
-                                "--max-runtime", "2s")
+                                "--max-runtime", window_of(said, 3))
         if result.code != 75:
             break
     assert result.code == 0, result.err

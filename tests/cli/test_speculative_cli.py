@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from cli_helpers import read_rows, run_in_process, stable, tiny_args, write_jsonl
+from cli_helpers import read_rows, run_in_process, stable, tiny_args, window_of, write_jsonl
 
 # The tiny random model's outputs do not repeat, unless a logit bias narrows them to a few tokens: then drafts
 # from their own output are often right (all of them greedy, some of them sampled), and the processors run on
@@ -40,20 +40,25 @@ def test_speculation_across_stops_and_resumes_gives_the_rows_of_one_run(tiny_mod
     records = [{**r, "max_tokens": 700 + 10 * i} for i, r in enumerate(RECORDS)]  # longer than a window
     src = write_jsonl(tmp_path / "in.jsonl", records)
     opts = (*OPTS, "--max-num-seqs", "6")
-    ref = run_in_process("run", src, "-o", tmp_path / "ref.jsonl", *tiny_args(tiny_model), *opts)
+    said = tmp_path / "ref-summary.json"
+    ref = run_in_process("run", src, "-o", tmp_path / "ref.jsonl", *tiny_args(tiny_model), *opts, "--speculative",
+                         "ngram", "--summary-json", said)
     assert ref.code == 0, ref.err
+    window = window_of(json.loads(said.read_text()), 4)
     out = tmp_path / "out.jsonl"
     windows = 0
     for _ in range(40):
         windows += 1
         result = run_in_process("run", src, "-o", out, *tiny_args(tiny_model), *opts, "--speculative", "ngram",
-                                "--num-speculative-tokens", "3", "--max-runtime", "1s")
+                                "--num-speculative-tokens", "3", "--max-runtime", window)
         if result.code != 75:
             break
     assert result.code == 0, result.err
     assert windows >= 2, "the windows were meant to stop the run"
     rows = read_rows(out)
-    assert stable(rows) == stable(read_rows(tmp_path / "ref.jsonl"))
+    plain = run_in_process("run", src, "-o", tmp_path / "plain.jsonl", *tiny_args(tiny_model), *opts)
+    assert plain.code == 0, plain.err
+    assert stable(rows) == stable(read_rows(tmp_path / "plain.jsonl")) == stable(read_rows(tmp_path / "ref.jsonl"))
     assert sum(r["accepted_draft_tokens"] for r in rows) > 0
 
 
