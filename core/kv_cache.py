@@ -3,9 +3,7 @@
 
 On the CPU the pool is one anonymous memory map, viewed as the layers' tensors: its pages read as zeros and take
 no memory until a block is first written, so a process's RSS follows the blocks its requests use, not the budget
-(`--kv-cache-memory`, 2 GiB by default). Transparent huge pages are asked for: a first write then faults in 2 MB
-at once (touching a fresh GiB measured 0.64 s in 4 KB pages, 0.12 s in huge ones). On a GPU the pool is allocated
-on the device, zeroed."""
+(`--kv-cache-memory`, 2 GiB by default). On a GPU it is allocated on the device, zeroed."""
 
 from __future__ import annotations
 
@@ -47,8 +45,6 @@ def _lazy_zeros(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[torch
         offsets.append(total)
         total += -(-size // _ALIGN) * _ALIGN
     region = mmap.mmap(-1, max(total, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):  # (Linux) 2 MB pages where the kernel allows: first writes fault 512x less
-        region.madvise(mmap.MADV_HUGEPAGE)
     flat = torch.frombuffer(region, dtype=torch.uint8)  # holds the map: it lives as long as a view of it
     return [flat[offset:offset + size].view(dtype).view(shape)
             for offset, size, shape in zip(offsets, sizes, shapes)]
