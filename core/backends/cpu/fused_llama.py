@@ -5,8 +5,9 @@ per layer: q/k/v and gate/up are each one matmul (the module weights become view
 concatenated tensors), each weight is also kept once in the layout of its matmul kernel (`_Linear`:
 32-column panels, bf16 pairs or AMX tiles), and the element-wise work between matmuls runs in the
 C++ kernels of `fused_ops.cpp`: residual add + RMSNorm, rotary + KV store, SiLU(gate) * up. Per layer
-that is 9 calls instead of ~40. Every one of them computes a row the same way whatever else is in the
-step (the exactness contract, `conveyor.core.exactness`).
+that is 9 kernels instead of ~40 operations, and the layers run in one call from Python
+(`llama_layers.cpp`). Every kernel computes a row the same way whatever else is in the step (the
+exactness contract, `conveyor.core.exactness`).
 
 `FusedLlama.build(model)` returns None for anything it does not cover (other architectures,
 biases in norms, sliding windows, non-SiLU MLPs, devices other than the CPU, missing kernels); the
@@ -68,17 +69,19 @@ class _Linear:
     - bfloat16 on CPUs with AVX512-BF16 but no tiles: `pair_gemm`, bf16 pair products.
     """
 
+    PANELS, PAIRS, TILES = 0, 1, 2  # the routes, as llama_layers.cpp numbers them
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, ops) -> None:
         self.weight = weight
         self.bias = bias
         self.out_features = weight.shape[0]
         k = weight.shape[1]
         if weight.dtype == torch.bfloat16 and k % 32 == 0 and ops.amx_gemm_available():
-            self.packed, self.gemm = pack_amx(weight), ops.amx_gemm
+            self.packed, self.gemm, self.route = pack_amx(weight), ops.amx_gemm, self.TILES
         elif weight.dtype == torch.bfloat16 and k % 2 == 0 and ops.pair_gemm_available():
-            self.packed, self.gemm = pack_pairs(weight), ops.pair_gemm
+            self.packed, self.gemm, self.route = pack_pairs(weight), ops.pair_gemm, self.PAIRS
         else:
-            self.packed, self.gemm = pack_panels(weight), ops.panel_gemm
+            self.packed, self.gemm, self.route = pack_panels(weight), ops.panel_gemm, self.PANELS
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.gemm(x, self.packed, self.out_features, self.bias)
@@ -116,6 +119,12 @@ class FusedLlama:
         self.num_heads, self.num_kv_heads, self.head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
         self.scale = inner.layers[0].self_attn.scaling
         self.rotary = RotaryTable(inner.rotary_emb, self.embed)
+        # The layers as llama_layers.cpp takes them: flat lists, four linears and two norms a layer.
+        linears = [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        self.flat = ([lin.packed for lin in linears], [lin.out_features for lin in linears],
+                     [lin.bias for lin in linears], [lin.route for lin in linears],
+                     [w for layer in self.layers for w in (layer.norm_in, layer.norm_post)],
+                     [e for layer in self.layers for e in (layer.eps_in, layer.eps_post)])
 
     @classmethod
     def build(cls, model: torch.nn.Module, ops) -> FusedLlama | None:
@@ -128,28 +137,14 @@ class FusedLlama:
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: CpuAttention,
                  sample_rows: torch.Tensor) -> torch.Tensor:
-        ops = self.ops
-        H = self.num_heads
         h = F.embedding(input_ids, self.embed)  # [T, hidden]; the residual stream, updated in place
         cos, sin = self.rotary(positions)
-        delta = None
-        for i, layer in enumerate(self.layers):
-            x = ops.rms_norm(h, delta, layer.norm_in, layer.eps_in)  # h += delta (the last MLP's output)
-            qkv = layer.qkv(x)
-            ops.rope_store(qkv, cos, sin, batch.slot_mapping, batch.kv.keys[i], batch.kv.values[i], H)
-            attn = self._attention(qkv, batch, i)
-            x = ops.rms_norm(h, layer.o(attn), layer.norm_post, layer.eps_post)  # h += attention output
-            delta = layer.down(ops.silu_mul(layer.gate_up(x)))
+        kv = batch.kv
+        # Per layer (llama_layers.cpp): x = norm(h += delta); qkv = x Wqkv; rotary + K/V store; attention;
+        # x = norm(h += attn Wo); delta = silu(x Wgate) * (x Wup) Wdown
+        delta = self.ops.llama_layers(h, *self.flat, cos, sin, batch.slot_mapping, kv.keys, kv.values, batch.tables,
+                                      batch.token_req, batch.token_ctx, kv.block_size, self.scale, self.num_heads,
+                                      self.head_dim)
         rows = h.index_select(0, sample_rows)
-        x = ops.rms_norm(rows, delta.index_select(0, sample_rows), self.norm, self.norm_eps)
+        x = self.ops.rms_norm(rows, delta.index_select(0, sample_rows), self.norm, self.norm_eps)
         return self.lm_head(x)
-
-    def _attention(self, qkv: torch.Tensor, batch: CpuAttention, layer: int) -> torch.Tensor:
-        """qkv [T, (H + 2 Hkv) D] (rotated, K/V already in the pool) -> attention output [T, H D]; the kernel
-        reads q in place from qkv."""
-        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        T = qkv.shape[0]
-        q = qkv[:, :H * D].view(T, H, D)
-        k = qkv[:, H * D:(H + Hkv) * D].view(T, Hkv, D)
-        v = qkv[:, (H + Hkv) * D:].view(T, Hkv, D)
-        return batch.attend(layer, q, k, v, self.scale).reshape(T, H * D)

@@ -19,6 +19,12 @@ bool pair_gemm_available();
 at::Tensor amx_gemm(at::Tensor x, at::Tensor packed, int64_t N, c10::optional<at::Tensor> bias);
 bool amx_gemm_available();
 double fma_peak_gflops(double seconds, bool bf16);
+at::Tensor llama_layers(at::Tensor h, std::vector<at::Tensor> packed, std::vector<int64_t> out_features,
+                        std::vector<c10::optional<at::Tensor>> biases, std::vector<int64_t> routes,
+                        std::vector<at::Tensor> norms, std::vector<double> eps, at::Tensor cos, at::Tensor sin,
+                        at::Tensor slots, std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches,
+                        at::Tensor tables, at::Tensor token_req, at::Tensor token_ctx, int64_t block_size,
+                        double scale, int64_t num_heads, int64_t head_dim);
 bool peak_bf16_available();
 
 // Whether the compiler had 16-float registers (AVX-512F) for the kernels' 16-lane vectors (vec16.h).
@@ -46,6 +52,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pair_gemm_available", &pair_gemm_available, "whether pair_gemm is built in (AVX512-BF16)");
   m.def("amx_gemm", &amx_gemm, "x @ W.T (+ bias) in bf16 on AMX tiles, W prepacked by fused_llama.pack_amx (CPU)");
   m.def("amx_gemm_available", &amx_gemm_available, "whether amx_gemm can run here (AMX built in and permitted)");
+  m.def("llama_layers", &llama_layers,
+        "the decoder layers of the fused Llama forward in one call (the residual stream updated in place); returns "
+        "the last layer's MLP output");
   m.def("fma_peak_gflops", &fma_peak_gflops,
         "GFLOP/s of independent 512-bit multiply-adds on every thread for about `seconds` (float FMAs, or bf16 pair "
         "products): the peak the kernel microbenchmark reads the linears against");
