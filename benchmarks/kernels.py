@@ -12,7 +12,8 @@ products), `amx_gemm` (AMX tiles) where the CPU has them, and `panel_gemm` on bf
 the route of CPUs with neither); torch's `F.linear` in the same dtype beside each. Per (linear, M, route): the
 best time of --repeats (each at least --min-time s), GFLOP/s (2 M N K / t), and its fraction of the peak:
 `fma_peak_gflops`, independent 512-bit FMAs (float32 and the panel routes) or pair products (bf16's pairs and
-tiles, and torch's bf16, which takes them too) on every thread.
+tiles, and torch's bf16, which takes them too) on every thread; and of the shape's roofline: that peak, or the
+bytes of W, x and y read or written at the read bandwidth measured here (a sum over 1 GiB), whichever is lower.
 
 Attention: the paged kernel (`paged_attention`, the pool in the engine's layout for the dtype), --rows decode
 rows (one query each) at contexts of --contexts keys, and one prefill chunk ending at each context (its last 512
@@ -95,14 +96,18 @@ def bench_linears(torch, ops, dtype, ms: list[int], args, peak: dict) -> list[di
                 with torch.inference_mode():
                     t = time_best(_cycling(run, x, packed, n), args.min_time, args.repeats)
                 gflops = 2 * m * n * k / t / 1e9
+                # the roofline at this shape: the peak, or the weights and activations read at the measured bandwidth
+                moved = (n * k + m * k + m * n) * dtype.itemsize
+                roof = min(peak["bf16" if route in ("pairs", "amx") or (route == "torch" and dtype == torch.bfloat16)
+                                and peak["bf16"] else "float32"], 2 * m * n * k * peak["read_gbs"] / moved)
                 # bf16 products (pairs, tiles; torch's oneDNN takes them too) against the bf16 peak, float FMAs
                 # (the panels, widened or not) against the float one
                 bf16_products = route in ("pairs", "amx") or (route == "torch" and dtype == torch.bfloat16)
                 ref = peak["bf16"] if bf16_products and peak["bf16"] else peak["float32"]
                 rows.append({"linear": name, "n": n, "k": k, "m": m, "route": route, "seconds": t, "gflops": gflops,
-                             "of_peak": gflops / ref if ref else None})
+                             "of_peak": gflops / ref if ref else None, "of_roofline": gflops / roof})
                 print(f"  {str(dtype)[6:]:8} {name:8} M={m:5} {route:17} {t * 1e3:9.3f} ms {gflops:8.1f} GFLOP/s "
-                      f"{gflops / ref:6.1%} of peak", flush=True)
+                      f"{gflops / ref:6.1%} of peak {gflops / roof:6.1%} of roofline", flush=True)
     return rows
 
 
@@ -139,6 +144,14 @@ def bench_attention(torch, ops, dtype, args, peak: float) -> list[dict]:
     return rows
 
 
+def read_bandwidth(torch, args) -> float:
+    """GB/s reading 1 GiB (a sum over it: more than any cache), the best of --repeats."""
+    data = torch.ones(1 << 28)
+    with torch.inference_mode():
+        t = time_best(data.sum, args.min_time, args.repeats)
+    return data.numel() * 4 / t / 1e9
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -163,9 +176,11 @@ def main() -> None:
     if ops is None:
         sys.exit("kernels.py: conveyor's C++ kernels do not run here (no AVX-512 or no compiler)")
     peak = {"float32": ops.fma_peak_gflops(1.0, False),
-            "bf16": ops.fma_peak_gflops(1.0, True) if ops.peak_bf16_available() else None}
+            "bf16": ops.fma_peak_gflops(1.0, True) if ops.peak_bf16_available() else None,
+            "read_gbs": read_bandwidth(torch, args)}
     print(f"{cpu_identity()[0]}, {torch.get_num_threads()} threads: float FMA peak {peak['float32']:.0f} GFLOP/s"
-          + (f", bf16 pair-product peak {peak['bf16']:.0f} GFLOP/s" if peak["bf16"] else ""), flush=True)
+          + (f", bf16 pair-product peak {peak['bf16']:.0f} GFLOP/s" if peak["bf16"] else "")
+          + f", read bandwidth {peak['read_gbs']:.1f} GB/s", flush=True)
     result = {"cpu": cpu_identity()[0], "threads": torch.get_num_threads(), "peak_gflops": peak,
               "settings": {k: v for k, v in vars(args).items() if k != "out"}, "linears": [], "attention": []}
     ms = [int(m) for m in args.ms.split(",")]
@@ -184,7 +199,8 @@ def main() -> None:
     print("|---|---|---|" + "---|" * len(names))
     for (dt, lin, m), cells in by.items():
         print(f"| {dt} | {lin} | {m} | " + " | ".join(
-            f"{cells[n]['gflops']:.0f} ({cells[n]['of_peak']:.0%})" if n in cells else "-" for n in names) + " |")
+            f"{cells[n]['gflops']:.0f} ({cells[n]['of_peak']:.0%}; {cells[n]['of_roofline']:.0%})" if n in cells
+            else "-" for n in names) + " |")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
