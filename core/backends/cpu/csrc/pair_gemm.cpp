@@ -10,7 +10,7 @@
 // columns, for each pair of K, the 32 columns' (k, k + 1) weights, one contiguous run per panel. The
 // micro-kernel and its blocking are those of panel_gemm.cpp: up to 14 rows x 32 columns in 28 registers,
 // x broadcast a pair at a time from the rows themselves, rows in L2-sized chunks, the next panel
-// prefetched by the first row block.
+// prefetched by the chunk's row blocks between them.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "panel_prefetch.h"
 #include "row_blocks.h"
 #include "vec16.h"
 
@@ -35,12 +36,11 @@ constexpr int64_t CHUNK_BYTES = 1 << 18;
 
 template <int R>
 inline void block(const c10::BFloat16* __restrict__ x, int64_t ldx, const c10::BFloat16* __restrict__ panel,
-                  int64_t pairs, const char* next, float* __restrict__ out) {
-  constexpr int64_t row_bytes = PW * 2 * sizeof(c10::BFloat16);  // one pair of K for 32 columns
+                  int64_t pairs, PanelPrefetch pf, float* __restrict__ out) {
   __m512 a0[R], a1[R];
   for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
   for (int64_t k = 0; k < pairs; ++k) {
-    if (next != nullptr) prefetch_l2(next + k * row_bytes, row_bytes);
+    pf.step();
     const __m512bh w0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(panel + k * 2 * PW));
     const __m512bh w1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(panel + k * 2 * PW + PW));
 #pragma GCC unroll 14
@@ -75,7 +75,8 @@ void pair_gemm_impl(const c10::BFloat16* x, const c10::BFloat16* packed, const c
         for (int64_t j = 0; j < PW; ++j) b[j] = bias != nullptr && j < width ? static_cast<float>(bias[col + j]) : 0.f;
         for (int64_t m0 = c0; m0 < c1; m0 += MR) {
           const int rows = static_cast<int>(std::min<int64_t>(MR, c1 - m0));
-          const char* pf = m0 == c0 ? next : nullptr;
+          // (a row of the panel: one pair of K for its 32 columns)
+          const PanelPrefetch pf(next, PW * 2 * sizeof(c10::BFloat16), pairs, m0 - c0, rows, c1 - c0);
           with_rows<MR>(rows, [&](auto R) { block<R.value>(x + m0 * K, K, panel, pairs, pf, out); });
           for (int r = 0; r < rows; ++r) {
             const __m512 lo = _mm512_add_ps(_mm512_loadu_ps(out + r * PW), _mm512_load_ps(b));

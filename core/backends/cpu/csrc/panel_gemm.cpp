@@ -10,8 +10,9 @@
 // one contiguous run read front to back. The micro-kernel keeps a block of up to 14 rows x 32 columns
 // in 28 vector registers and broadcasts x from the rows themselves (no packing of x). Rows are taken in
 // chunks that stay in L2 while every panel of the thread passes over them; within a chunk a panel is
-// read from memory by its first row block and from L2 by the others, while the first block also
-// prefetches the next panel. Float32, bf16 and fp16 weights (the latter two widened to float as loaded).
+// read from L2, and the chunk's row blocks prefetch the next panel into L2 between them, each its share
+// (in proportion to its rows) spread evenly over its steps, so the stream from memory runs through the
+// whole panel's time instead of bursting in its first block. Float32, bf16 and fp16 weights (the latter two widened to float as loaded).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/Dispatch_v2.h>
@@ -21,6 +22,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "panel_prefetch.h"
 #include "row_blocks.h"
 #include "vec16.h"
 
@@ -30,16 +32,15 @@ constexpr int64_t PW = 32;          // panel width: two vectors
 constexpr int MR = 14;              // rows per micro-kernel block: 28 accumulators
 constexpr int64_t CHUNK_BYTES = 1 << 19;  // rows of x per chunk: about this many bytes of them
 
-// Rows [0, R) x the panel's 32 columns: acc[r] = sum over k in order of x[r][k] * w[k][.] (fused).
-// `next`, when set, is the next panel: its k-th row of weights is prefetched into L2 at step k.
+// Rows [0, R) x the panel's 32 columns: acc[r] = sum over k in order of x[r][k] * w[k][.] (fused),
+// prefetching `pf`'s rows of the next panel into L2 on the way (panel_prefetch.h).
 template <int R, typename scalar_t>
 inline void block(const float* __restrict__ x, int64_t ldx, const scalar_t* __restrict__ panel, int64_t K,
-                  const char* next, float* __restrict__ out) {
-  constexpr int64_t row_bytes = PW * sizeof(scalar_t);
+                  PanelPrefetch pf, float* __restrict__ out) {
   v16f a0[R], a1[R];
   for (int r = 0; r < R; ++r) a0[r] = a1[r] = v16f{};
   for (int64_t k = 0; k < K; ++k) {
-    if (next != nullptr) prefetch_l2(next + k * row_bytes, row_bytes);
+    pf.step();
     const v16f w0 = load16(panel + k * PW), w1 = load16(panel + k * PW + 16);
 #pragma GCC unroll 14
     for (int r = 0; r < R; ++r) {
@@ -69,7 +70,7 @@ void panel_gemm_impl(const float* xf, const scalar_t* packed, const scalar_t* bi
         const int64_t col = p * PW, width = std::min(PW, N - col);
         for (int64_t m0 = c0; m0 < c1; m0 += MR) {
           const int rows = static_cast<int>(std::min<int64_t>(MR, c1 - m0));
-          const char* pf = m0 == c0 ? next : nullptr;
+          const PanelPrefetch pf(next, PW * sizeof(scalar_t), K, m0 - c0, rows, c1 - c0);
           with_rows<MR>(rows, [&](auto R) { block<R.value>(xf + m0 * K, K, panel, K, pf, out); });
           for (int r = 0; r < rows; ++r) {
             scalar_t* dst = y + (m0 + r) * N + col;
