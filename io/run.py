@@ -66,9 +66,9 @@ __all__ = ["OK", "SOME_ERRORS", "STOPPED", "BadRecordStop", "Run", "RunResult", 
            "draft_acceptance_rate", "merge_shards", "run_figures"]
 
 
-def draft_acceptance_rate(draft_tokens: int, accepted: int) -> float:
-    """Accepted draft tokens over those fed (0 where none was)."""
-    return round(accepted / draft_tokens, 4) if draft_tokens else 0.0
+def draft_acceptance_rate(draft_tokens: int, accepted: int) -> float | None:
+    """Accepted draft tokens over those fed (None where none was: no rate, not a rate of 0)."""
+    return round(accepted / draft_tokens, 4) if draft_tokens else None
 
 
 @dataclass
@@ -108,7 +108,7 @@ class RunResult:
             "draft_tokens": s.num_draft_tokens if s else 0,  # --speculative: fed to the model ...
             "accepted_draft_tokens": s.num_accepted_draft_tokens if s else 0,  # ... and accepted
             "draft_acceptance_rate": draft_acceptance_rate(s.num_draft_tokens, s.num_accepted_draft_tokens) if s
-            else 0.0,
+            else None,
             "resumed_from": t.resumed_from,
             "continued": t.continued,  # records continued from an earlier process's partial ...
             "tokens_carried_over": t.tokens_carried_over,  # ... and the tokens those held

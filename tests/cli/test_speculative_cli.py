@@ -20,8 +20,12 @@ OPTS = ("--temperature", "0", "--ignore-eos", "--dtype", "float32", "--max-num-s
 
 def test_the_same_rows_with_speculation_and_lpm_as_without(tiny_model, tmp_path):
     src = write_jsonl(tmp_path / "in.jsonl", RECORDS)
-    plain = run_in_process("run", src, "-o", tmp_path / "plain.jsonl", *tiny_args(tiny_model), *OPTS)
+    plain_summary = tmp_path / "plain.json"
+    plain = run_in_process("run", src, "-o", tmp_path / "plain.jsonl", *tiny_args(tiny_model), *OPTS,
+                           "--summary-json", plain_summary)
     assert plain.code == 0, plain.err
+    said_plain = json.loads(plain_summary.read_text())
+    assert (said_plain["draft_tokens"], said_plain["draft_acceptance_rate"]) == (0, None)  # no rate, not a rate of 0
     summary = tmp_path / "s.json"
     spec = run_in_process("run", src, "-o", tmp_path / "spec.parquet", *tiny_args(tiny_model), *OPTS,
                           "--speculative", "ngram", "--schedule", "lpm", "--summary-json", summary)
