@@ -96,14 +96,13 @@ def bench_linears(torch, ops, dtype, ms: list[int], args, peak: dict) -> list[di
                 with torch.inference_mode():
                     t = time_best(_cycling(run, x, packed, n), args.min_time, args.repeats)
                 gflops = 2 * m * n * k / t / 1e9
-                # the roofline at this shape: the peak, or the weights and activations read at the measured bandwidth
-                moved = (n * k + m * k + m * n) * dtype.itemsize
-                roof = min(peak["bf16" if route in ("pairs", "amx") or (route == "torch" and dtype == torch.bfloat16)
-                                and peak["bf16"] else "float32"], 2 * m * n * k * peak["read_gbs"] / moved)
                 # bf16 products (pairs, tiles; torch's oneDNN takes them too) against the bf16 peak, float FMAs
                 # (the panels, widened or not) against the float one
                 bf16_products = route in ("pairs", "amx") or (route == "torch" and dtype == torch.bfloat16)
                 ref = peak["bf16"] if bf16_products and peak["bf16"] else peak["float32"]
+                # the roofline at this shape: that peak, or the weights and activations read at the measured bandwidth
+                moved = (n * k + m * k + m * n) * dtype.itemsize
+                roof = min(ref, 2 * m * n * k * peak["read_gbs"] / moved)
                 rows.append({"linear": name, "n": n, "k": k, "m": m, "route": route, "seconds": t, "gflops": gflops,
                              "of_peak": gflops / ref if ref else None, "of_roofline": gflops / roof})
                 print(f"  {str(dtype)[6:]:8} {name:8} M={m:5} {route:17} {t * 1e3:9.3f} ms {gflops:8.1f} GFLOP/s "

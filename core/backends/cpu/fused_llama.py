@@ -116,7 +116,7 @@ class FusedLlama:
         self.norm_eps = float(inner.norm.variance_epsilon)
         self.lm_head = _Linear(model.lm_head.weight.detach(), _bias(model.lm_head), ops)
         shape = ModelShape.of(model)
-        self.num_heads, self.num_kv_heads, self.head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
+        self.num_heads, self.head_dim = shape.num_heads, shape.head_dim
         self.scale = inner.layers[0].self_attn.scaling
         self.rotary = RotaryTable(inner.rotary_emb, self.embed)
         # The layers as llama_layers.cpp takes them: flat lists, four linears and two norms a layer.

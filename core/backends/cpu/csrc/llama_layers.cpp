@@ -4,9 +4,7 @@
 // (so the same bits); what goes is that loop's cost: ~9 Python calls a layer, ~270 a step of SmolLM2-135M, each
 // with its argument parsing and its tensor views (1.6-4.8 ms a step measured, 6-14% of a decode step).
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
 #include <c10/util/Optional.h>
-#include <tuple>
 #include <vector>
 
 at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor tables,

@@ -12,7 +12,8 @@
 // chunks that stay in L2 while every panel of the thread passes over them; within a chunk a panel is
 // read from L2, and the chunk's row blocks prefetch the next panel into L2 between them, each its share
 // (in proportion to its rows) spread evenly over its steps, so the stream from memory runs through the
-// whole panel's time instead of bursting in its first block. Float32, bf16 and fp16 weights (the latter two widened to float as loaded).
+// whole panel's time instead of bursting in its first block. Float32, bf16 and fp16 weights (the latter
+// two widened to float as loaded).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/Dispatch_v2.h>
