@@ -1,6 +1,6 @@
 """`python -m conveyor.cli`: the same as the `conveyor` console script."""
 
-from conveyor.cli.app import main
+from conveyor.cli.entry import main
 
 if __name__ == "__main__":
     main()

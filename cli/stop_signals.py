@@ -6,7 +6,9 @@ stop: stop admitting, commit, exit 75. A second SIGINT exits at once with 130 (t
 stands; SQLite keeps it consistent), even while the main thread is inside a long C call such as
 tokenizing a huge record: Python runs signal handlers only between bytecodes of the main thread, so the
 signals also reach a watchdog thread through `signal.set_wakeup_fd`, written by the C-level handler the
-moment a signal arrives.
+moment a signal arrives. From the process's first instant (`entry.py`, before the libraries import), a stop
+signal is held instead of ending the process, and the run's controller acts on it once installed: a cron job's
+`kill` during start-up also exits 75. A command that never installs one gets the signal back as it ends.
 """
 
 from __future__ import annotations
@@ -19,6 +21,26 @@ import threading
 import time
 
 STOP_SIGNALS = tuple(s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s is not None)
+_held: list[int] = []  # stop signals that arrived before a StopController was installed
+
+
+def hold_early_signals() -> None:
+    """Hold the stop signals (the process's entry, before anything else): see the module's docstring."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _hold)
+
+
+def _hold(signum, frame) -> None:
+    if signum == signal.SIGINT and signum in _held:  # a second Ctrl-C: at once, as once running
+        os._exit(130)
+    _held.append(signum)
+
+
+def release_held_signals() -> None:
+    """At the process's end: a stop signal that no StopController took ends the process as it would have."""
+    for sig in dict.fromkeys(_held):
+        signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), sig)
 
 
 class StopController:
@@ -52,6 +74,9 @@ class StopController:
         self._pipe = (read_fd, write_fd)
         self._previous_wakeup = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
         threading.Thread(target=self._watch, args=(read_fd,), name="conveyor-signals", daemon=True).start()
+        for sig in _held:  # (arrived while the process started)
+            self._stop(sig)
+        _held.clear()
 
     def uninstall(self) -> None:
         for sig, handler in self._previous.items():

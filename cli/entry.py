@@ -1,0 +1,16 @@
+"""The `conveyor` console script and `python -m conveyor.cli`: stop signals are held from the first instant
+(stop_signals.py), then the app runs."""
+
+from __future__ import annotations
+
+from conveyor.cli.stop_signals import hold_early_signals, release_held_signals
+
+
+def main() -> None:
+    hold_early_signals()
+    from conveyor.cli.app import main as run_app
+
+    try:
+        run_app()
+    finally:
+        release_held_signals()

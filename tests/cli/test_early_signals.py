@@ -1,0 +1,54 @@
+"""A stop signal during start-up (while Python imports the libraries, before the run's controller exists) is held,
+not fatal: the run then stops as for any SIGTERM (exit 75, nothing lost, resumable), and a command that never
+takes it ends by it as it would have."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+
+from cli_helpers import child_env, read_rows, run_in_process, tiny_args, write_jsonl
+
+
+def test_a_sigterm_while_the_command_starts_stops_the_run_with_75_and_it_resumes(tiny_model, tmp_path):
+    records = [{"id": f"r{i}", "prompt": f"record {i}", "max_tokens": 8} for i in range(4)]
+    src, out = write_jsonl(tmp_path / "in.jsonl", records), tmp_path / "out.jsonl"
+    argv = ["conveyor", "run", str(src), "-o", str(out), *map(str, tiny_args(tiny_model)), "--quiet"]
+    # The entry, with the signal sent where a cron job's could land: after its first line, before the app imports.
+    script = ("import os, signal, sys\n"
+              "from conveyor.cli import entry, stop_signals\n"
+              "stop_signals.hold_early_signals()\n"
+              "os.kill(os.getpid(), signal.SIGTERM)\n"
+              f"sys.argv = {argv!r}\n"
+              "entry.main()\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=child_env())
+    assert proc.returncode == 75, proc.stderr
+    assert "SIGTERM received" in proc.stderr
+    resumed = run_in_process("run", src, "-o", out, *tiny_args(tiny_model), "--quiet")
+    assert resumed.code == 0, resumed.err
+    assert [r["id"] for r in read_rows(out)] == [r["id"] for r in records]
+
+
+def test_a_held_signal_that_no_run_takes_ends_the_process_as_it_would_have():
+    script = ("import os, signal\n"
+              "from conveyor.cli.stop_signals import hold_early_signals, release_held_signals\n"
+              "hold_early_signals()\n"
+              "os.kill(os.getpid(), signal.SIGTERM)\n"
+              "print('alive after the signal', flush=True)\n"
+              "release_held_signals()\n"
+              "print('not reached')\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=child_env())
+    assert proc.returncode == -signal.SIGTERM, proc.stderr
+    assert proc.stdout == "alive after the signal\n"
+
+
+def test_a_second_ctrl_c_during_start_up_exits_at_once_with_130():
+    script = ("import os, signal\n"
+              "from conveyor.cli.stop_signals import hold_early_signals\n"
+              "hold_early_signals()\n"
+              "os.kill(os.getpid(), signal.SIGINT)\n"
+              "os.kill(os.getpid(), signal.SIGINT)\n"
+              "print('not reached')\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=child_env())
+    assert proc.returncode == 130 and proc.stdout == "", proc.stderr
