@@ -24,6 +24,15 @@ class ConfigError(ValueError):
         return f"{name}{'' if self.value is None else f' {self.value}'}: {message}"
 
 
+class UnsupportedModel(ConfigError):
+    """A model conveyor does not compute as it is defined (an architecture, an attention feature, a cache that is
+    not plain K/V), or that is not a whole causal language model: refused before any record runs (a usage error,
+    exit 2). The message names the model, its architecture and the feature."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("model", message)
+
+
 class ModelLoadError(RuntimeError):
     """The model could not be found or loaded; the message says which and what to do."""
 

@@ -17,6 +17,7 @@ over gathered K/V, any device, the reference everything else is checked against)
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -90,10 +91,14 @@ class StepAttention(ABC):
         """Write the step's new keys / values [T, kv_heads, head_dim] into the pool at their slots."""
 
     @abstractmethod
-    def attend(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-               scale: float) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, scale: float,
+               window: int | None = None, softcap: float | None = None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q [T, heads, head_dim] (already stored: k_new / v_new) -> each row attending to its request's keys
-        up to its own position, [T, heads, head_dim] in q's dtype."""
+        up to its own position (its last `window` keys only, where given), [T, heads, head_dim] in q's dtype:
+        softmax(scale * q.k) v, the scores capped to softcap * tanh(scores / softcap) where `softcap` is given,
+        and `sinks` ([heads] float32: a logit per query head) in each softmax's denominator where given
+        (`core/attention_spec.py`)."""
 
 
 @dataclass
@@ -122,10 +127,19 @@ class Backend(ABC):
     exact: bool = False  # meets the exactness contract
 
     def __init__(self, model: torch.nn.Module) -> None:
+        from conveyor.core.backends.attention_probe import probe_attention
+        from conveyor.core.backends.transformers_forward import register
+
         self.model = model
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        self.shape = ModelShape.of(model)
+        register(model)  # the model's own forward runs with conveyor's attention (the probe; the transformers route)
+        # Each layer's attention as the model defines it (UnsupportedModel where conveyor would not compute it so),
+        # and the K/V shapes its layers store, which the pool takes over the config's guess.
+        name = getattr(model.config, "_name_or_path", "") or type(model).__name__
+        self.attention = probe_attention(model, name)
+        self.shape = dataclasses.replace(ModelShape.of(model), num_kv_heads=self.attention.num_kv_heads,
+                                         head_dim=self.attention.head_dim)
 
     @abstractmethod
     def kv_layout(self, head_dim: int, block_size: int, group: int) -> KVLayout:

@@ -27,7 +27,7 @@ from conveyor.core.backends.base import (
     store_flash,
     tensor,
 )
-from conveyor.core.backends.transformers_forward import register, transformers_forward
+from conveyor.core.backends.transformers_forward import transformers_forward
 from conveyor.core.schedule_types import ScheduledRequest
 
 
@@ -39,8 +39,43 @@ class GatheredRows:
 
     rows: torch.Tensor | slice  # rows of the flat batch
     slots: torch.Tensor  # [b, L] pool slots to gather (padded with slot 0)
-    mask: torch.Tensor  # bool, True = attend
+    key_pos: torch.Tensor  # [1, L] each gathered key's position
+    query_pos: torch.Tensor  # [b, 1, n, 1] each query's position
+    lens: torch.Tensor  # [b, 1, 1, 1] keys each request has (padding past them)
     is_decode: bool
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        """Bool, True = attend: keys up to the query's position (and within its last `window`)."""
+        k = self.key_pos.view(1, 1, 1, -1)
+        ok = (k <= self.query_pos) & (k < self.lens)
+        return ok & (k > self.query_pos - window) if window else ok
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+              softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """q [b, H, n, D], k / v [b, Hkv, L, D], mask bool [b or 1, 1, n, L] (None: causal, n == L) -> [b, H, n, D].
+    SDPA where it computes the layer's attention; with a softcap or sinks, the eager form transformers writes."""
+    if softcap is None and sinks is None:
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    scores = (q @ k.transpose(-1, -2)).float() * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if mask is None:
+        n = q.shape[2]
+        mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        sink = sinks.float().view(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1)
+        scores = torch.cat([scores, sink], dim=-1)
+        probs = torch.softmax(scores - scores.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    return probs.to(v.dtype) @ v
 
 
 class SdpaAttention(StepAttention):
@@ -54,18 +89,22 @@ class SdpaAttention(StepAttention):
     def store(self, layer, k_new, v_new) -> None:
         store_flash(self.kv, layer, self.slot_mapping, k_new, v_new)
 
-    def attend(self, layer, q, k_new, v_new, scale) -> torch.Tensor:
+    def attend(self, layer, q, k_new, v_new, scale, window=None, softcap=None, sinks=None) -> torch.Tensor:
         k_pool, v_pool = flash_rows(self.kv, layer)  # [slots, Hkv, D]
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         for g in self.gathered:
             k = k_pool[g.slots].transpose(1, 2).to(q.dtype)  # [b, Hkv, L, D]
             v = v_pool[g.slots].transpose(1, 2).to(q.dtype)
             qb = q[g.rows].unsqueeze(2) if g.is_decode else q[g.rows].transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(qb, k, v, attn_mask=g.mask, scale=scale, enable_gqa=True)
+            o = attention(qb, k, v, g.mask(window), scale, softcap, sinks)
             out[g.rows] = o.squeeze(2) if g.is_decode else o[0].transpose(0, 1)
         for start, end in self.fresh_chunks:
             qc, kc, vc = (t[start:end].transpose(0, 1).unsqueeze(0).to(q.dtype) for t in (q, k_new, v_new))
-            o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=scale, enable_gqa=True)
+            mask = None
+            if window:
+                pos = torch.arange(end - start, device=q.device)
+                mask = ((pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window))[None, None]
+            o = attention(qc, kc, vc, mask, scale, softcap, sinks)
             out[start:end] = o[0].transpose(0, 1)
         return out
 
@@ -76,7 +115,6 @@ class TorchBackend(Backend):
 
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__(model)
-        register(model)
 
     def kv_layout(self, head_dim: int, block_size: int, group: int) -> KVLayout:
         return FLASH
@@ -114,16 +152,19 @@ class TorchBackend(Backend):
         if decodes:
             lens = [e.context_len for _, e in decodes]
             slots = self._slots([e.block_ids for _, e in decodes], max(lens))
-            mask = torch.arange(max(lens), device=dev).unsqueeze(0) < tensor(lens, dev).unsqueeze(1)
-            out.append(GatheredRows(tensor([row for row, _ in decodes], dev), slots, mask[:, None, None, :], True))
+            n = len(decodes)
+            out.append(GatheredRows(tensor([row for row, _ in decodes], dev), slots,
+                                    torch.arange(max(lens), device=dev).unsqueeze(0),
+                                    tensor([e.start_pos for _, e in decodes], dev).view(n, 1, 1, 1),
+                                    tensor(lens, dev).view(n, 1, 1, 1), True))
         for row, e in paged:
             if e.num_tokens == 1:
                 continue
             ctx = e.context_len
-            q_pos = torch.arange(e.start_pos, ctx, device=dev).unsqueeze(1)
-            mask = torch.arange(ctx, device=dev).unsqueeze(0) <= q_pos  # query at p sees keys [0, p]
-            out.append(GatheredRows(slice(row, row + e.num_tokens), self._slots([e.block_ids], ctx), mask[None, None],
-                                    False))
+            out.append(GatheredRows(slice(row, row + e.num_tokens), self._slots([e.block_ids], ctx),
+                                    torch.arange(ctx, device=dev).unsqueeze(0),
+                                    torch.arange(e.start_pos, ctx, device=dev).view(1, 1, -1, 1),
+                                    tensor([ctx], dev).view(1, 1, 1, 1), False))
         return out
 
     def _slots(self, tables: list[tuple[int, ...]], length: int) -> torch.Tensor:

@@ -4,37 +4,65 @@ no forward of its own for.
 The model runs one flat batch [1, num_tokens] per step with attention implementation "conveyor_paged",
 registered with transformers' AttentionInterface: for each layer it hands the layer's new K/V and queries
 to the step's `StepAttention` (the backend's: the C++ kernel, Triton or SDPA), which stores them in the pool
-and attends. The step reaches it as the `conveyor_batch` keyword through the unmodified model's forward;
-transformers builds no mask (the causal structure is in the metadata).
+and attends, with the layer's sliding window, softcap and sinks as the model hands them over (`attention_probe`
+checks once, before any record runs, that these are all it asks for). The step reaches it as the
+`conveyor_batch` keyword through the unmodified model's forward; transformers builds no mask (the causal
+structure is in the metadata).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
 from conveyor.core.backends.base import Step, StepAttention
 
 ATTN_IMPLEMENTATION = "conveyor_paged"
+_probing = False  # while `probing()`: masks are handed over as their mask functions, calls recorded
 
 
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                            attention_mask: torch.Tensor | None, scaling: float | None = None,
-                            dropout: float = 0.0, conveyor_batch: StepAttention | None = None, **kwargs):
+                            attention_mask, scaling: float | None = None, dropout: float = 0.0,
+                            sliding_window: int | None = None, softcap: float | None = None,
+                            s_aux: torch.Tensor | None = None, conveyor_batch: StepAttention | None = None, **kwargs):
     """query [1, H, T, D], key/value [1, Hkv, T, D] -> (output [1, T, H, D], None)."""
     if conveyor_batch is None:
         raise RuntimeError("conveyor_paged attention needs the step's metadata (run the model via ModelRunner)")
+    if _probing:
+        return conveyor_batch.record(module, query, key, value, attention_mask, scaling, dropout, sliding_window,
+                                     softcap, s_aux, kwargs), None
     layer = module.layer_idx
     k_new = key[0].transpose(0, 1)  # [T, Hkv, D]
     v_new = value[0].transpose(0, 1)
     conveyor_batch.store(layer, k_new, v_new)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     q = query[0].transpose(0, 1)  # [T, H, D]
-    return conveyor_batch.attend(layer, q, k_new, v_new, scale).to(query.dtype).unsqueeze(0), None
+    window = sliding_window if isinstance(sliding_window, int) and sliding_window > 0 else None
+    out = conveyor_batch.attend(layer, q, k_new, v_new, scale, window=window, softcap=softcap or None,
+                                sinks=None if s_aux is None else s_aux.float())
+    return out.to(query.dtype).unsqueeze(0), None
 
 
-def _no_mask(*args, **kwargs):
-    """The causal structure lives in the step's metadata; transformers need not build a mask."""
+def _no_mask(*args, mask_function=None, **kwargs):
+    """The causal structure lives in the step's metadata; transformers need not build a mask. (While probing, the
+    mask function stands for the mask, so the probe can read which keys each query sees.)"""
+    if _probing:
+        from conveyor.core.backends.attention_probe import MaskProbe
+
+        return MaskProbe(mask_function)
     return None
+
+
+@contextlib.contextmanager
+def probing():
+    """The attention function and the masks in probe mode (`attention_probe.probe_attention`)."""
+    global _probing
+    _probing = True
+    try:
+        yield
+    finally:
+        _probing = False
 
 
 def register(model: torch.nn.Module) -> None:

@@ -37,10 +37,20 @@ def pool_slot(kv: KVCache, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
     return k, v
 
 
-def reference_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [H, D] against keys/values [L, Hkv, D] (GQA), in float64."""
+def reference_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+                        window: int | None = None, softcap: float | None = None,
+                        sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """q [H, D] at the position after keys/values [L, Hkv, D] (GQA), in float64: its last `window` keys only
+    where given, scores capped to softcap * tanh(scores / softcap), sinks [H] in the softmax's denominator."""
     H, Hkv = q.shape[0], keys.shape[1]
+    if window:
+        keys, values = keys[-window:], values[-window:]
     k = keys.double().repeat_interleave(H // Hkv, dim=1).transpose(0, 1)  # [H, L, D]
     v = values.double().repeat_interleave(H // Hkv, dim=1).transpose(0, 1)
-    w = torch.softmax((k @ q.double().unsqueeze(-1)).squeeze(-1) * scale, dim=-1)  # [H, L]
+    s = (k @ q.double().unsqueeze(-1)).squeeze(-1) * scale  # [H, L]
+    if softcap:
+        s = torch.tanh(s / softcap) * softcap
+    if sinks is not None:
+        s = torch.cat([s, sinks.double().unsqueeze(1)], dim=1)
+    w = torch.softmax(s, dim=-1)[:, :k.shape[1]]
     return (w.unsqueeze(1) @ v).squeeze(1)

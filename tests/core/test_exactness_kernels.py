@@ -96,8 +96,12 @@ def _step(draw):
 
 @pytest.mark.parametrize("route", _attention_routes(), ids=lambda r: f"{r[0]}-{str(r[1])[6:]}")
 @EXAMPLES
-@given(step=_step(), heads=st.sampled_from([(9, 3), (4, 1), (8, 8)]), seed=st.integers(0, 2**16))
-def test_every_row_of_attention_equals_that_row_alone(route, step, heads, seed):
+@given(step=_step(), heads=st.sampled_from([(9, 3), (4, 1), (8, 8)]), seed=st.integers(0, 2**16),
+       window=st.sampled_from([0, 0, 1, 17, 64, 250]), softcap=st.sampled_from([0.0, 0.0, 4.0]),
+       sinks=st.booleans())
+def test_every_row_of_attention_equals_that_row_alone(route, step, heads, seed, window, softcap, sinks):
+    """Also with a layer's sliding window, softcap and sinks (a window row starts its keys at a 16-aligned
+    block of its own, whatever rows share its task)."""
     layout, dtype = route
     H, Hkv = heads
     D, bs = 64, 16
@@ -119,12 +123,13 @@ def test_every_row_of_attention_equals_that_row_alone(route, step, heads, seed):
     reqs = torch.tensor([r for r, _ in rows])
     ctxs = torch.tensor([c for _, c in rows])
     args = (kv.keys[0], kv.values[0], tables)
+    variant = (window, softcap, torch.randn(H, generator=g) if sinks else None)
     before = _threads(2)
     try:
-        full = ops.paged_attention(q, *args, reqs, ctxs, bs, D ** -0.5)
+        full = ops.paged_attention(q, *args, reqs, ctxs, bs, D ** -0.5, *variant)
         torch.set_num_threads(1)
-        alone = torch.cat([ops.paged_attention(q[i:i + 1], *args, reqs[i:i + 1], ctxs[i:i + 1], bs, D ** -0.5)
-                           for i in range(len(rows))])
+        alone = torch.cat([ops.paged_attention(q[i:i + 1], *args, reqs[i:i + 1], ctxs[i:i + 1], bs, D ** -0.5,
+                                               *variant) for i in range(len(rows))])
     finally:
         torch.set_num_threads(before)
     differ = (full != alone).flatten(1).any(dim=1).nonzero().flatten().tolist()

@@ -37,16 +37,18 @@ def _pool(contexts, heads, head_dim, block_size, layout, dtype, g):
     return kv, keys, values, torch.tensor(tables)
 
 
-def _attend(q, kv, tables, reqs, ctxs):
+def _attend(q, kv, tables, reqs, ctxs, **variant):
     return ops.paged_attention(q, kv.keys[0], kv.values[0], tables, torch.as_tensor(reqs), torch.as_tensor(ctxs),
-                               kv.block_size, q.shape[-1] ** -0.5)
+                               kv.block_size, q.shape[-1] ** -0.5, **variant)
 
 
-def _check_reference(out, q, keys, values, tables, reqs, ctxs, block_size, dtype):
+def _check_reference(out, q, keys, values, tables, reqs, ctxs, block_size, dtype, **variant):
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for i, (r, c) in enumerate(zip(reqs, ctxs)):
         slots = [tables[r][p // block_size].item() * block_size + p % block_size for p in range(c)]
-        want = reference_attention(q[i].float(), keys[slots].float(), values[slots].float(), q.shape[-1] ** -0.5)
+        want = reference_attention(q[i].float(), keys[slots].float(), values[slots].float(), q.shape[-1] ** -0.5,
+                                   variant.get("window") or None, variant.get("softcap") or None,
+                                   variant.get("sinks"))
         assert torch.allclose(out[i].double(), want, atol=tol, rtol=tol), (i, c)
 
 
@@ -82,6 +84,55 @@ def test_every_row_equals_itself_alone_and_the_reference(layout, dtype, heads):
     for i, (r, c) in enumerate(zip(reqs, ctxs)):
         assert torch.equal(out[i], _attend(q[i:i + 1], kv, tables, [r], [c])[0]), (i, r, c)
     _check_reference(out, q, keys, values, tables, reqs, ctxs, bs, dtype)
+
+
+# What a model's layer may ask beyond plain causal attention: a sliding window (shorter than most contexts
+# below, and one of a single key), a softcap (Gemma 2's 50), sinks (gpt-oss), and all three at once.
+VARIANTS = {"window": dict(window=24), "window-1": dict(window=1), "softcap": dict(softcap=5.0),
+            "sinks": "sinks", "all": "all"}
+
+
+def _variant(name, heads, g):
+    v = VARIANTS[name]
+    sinks = (torch.randn(heads, generator=g) * 2).float()
+    if v == "sinks":
+        return dict(sinks=sinks)
+    if v == "all":
+        return dict(window=40, softcap=3.0, sinks=sinks)
+    return dict(v)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("layout, dtype", ROUTES)
+@pytest.mark.parametrize("heads, head_dim, block_size", [((9, 3), 64, 16), ((4, 2), 16, 4), ((8, 2), 128, 16),
+                                                         ((6, 3), 64, 8)])
+def test_windows_softcaps_and_sinks_match_the_reference_and_each_row_alone(variant, layout, dtype, heads, head_dim,
+                                                                          block_size):
+    """Each attention variant on every route: a dense float64 reference, and each row of a step (decodes, a
+    fresh prompt, a later chunk, runs cut by another request) the same bits as that row alone. A window row
+    reads only the blocks from its window on (the pool's other blocks hold NaN)."""
+    if layout == "pairs" and not ops.kv_pairs(True, head_dim, block_size, heads[0] // heads[1]):
+        pytest.skip("no product path for this shape")
+    g = torch.Generator().manual_seed(len(variant) + head_dim)
+    H = heads[0]
+    v = _variant(variant, H, g)
+    contexts = [300, 7, 150, 90]
+    kv, keys, values, tables = _pool(contexts, heads, head_dim, block_size, layout, dtype, g)
+    reqs = [0, 1, 2] + [3] * 40 + [0] * 20
+    ctxs = [300, 7, 150] + list(range(51, 91)) + list(range(1, 21))
+    q = torch.randn(len(reqs), H, head_dim, generator=g).to(dtype)
+    out = _attend(q, kv, tables, reqs, ctxs, **v)
+    for i, (r, c) in enumerate(zip(reqs, ctxs)):
+        assert torch.equal(out[i], _attend(q[i:i + 1], kv, tables, [r], [c], **v)[0]), (i, r, c)
+    _check_reference(out, q, keys, values, tables, reqs, ctxs, block_size, dtype, **v)
+    if v.get("window"):  # the decode row (300 keys) reads its blocks from its window on (16-aligned): NaN in every
+        # block before changes nothing
+        first = (300 - v["window"]) // 16 * 16 // block_size
+        assert first > 0
+        for b in tables[0][:first].tolist():
+            for t in (kv.keys[0], kv.values[0]):
+                t.view(kv.num_blocks, -1)[b] = float("nan")
+        assert torch.equal(_attend(q[:1], kv, tables, [0], [300], **v), out[:1])
 
 
 def test_bf16_pools_take_the_pair_layout_wherever_the_cpu_has_bf16_products():

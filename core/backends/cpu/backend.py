@@ -27,7 +27,7 @@ from conveyor.core.backends.base import (
 )
 from conveyor.core.backends.cpu.fused_llama import FusedLlama
 from conveyor.core.backends.cpu.kernels import cpu_kernels
-from conveyor.core.backends.transformers_forward import register, transformers_forward
+from conveyor.core.backends.transformers_forward import transformers_forward
 from conveyor.core.malloc_tuning import keep_freed_memory
 
 PLAIN = KVLayout("plain", lambda n, bs, h, d: (n, h, d, bs), lambda n, bs, h, d: (n * bs, h, d))
@@ -51,10 +51,11 @@ class CpuAttention(StepAttention):
         k_cache, v_cache = self.kv.keys[layer], self.kv.values[layer]
         self.ops.store_kv(k_new.to(k_cache.dtype), v_new.to(v_cache.dtype), self.slot_mapping, k_cache, v_cache)
 
-    def attend(self, layer, q, k_new, v_new, scale) -> torch.Tensor:
+    def attend(self, layer, q, k_new, v_new, scale, window=None, softcap=None, sinks=None) -> torch.Tensor:
         k_cache, v_cache = self.kv.keys[layer], self.kv.values[layer]
         out = self.ops.paged_attention(q.to(k_cache.dtype), k_cache, v_cache, self.tables, self.token_req,
-                                       self.token_ctx, self.kv.block_size, scale)
+                                       self.token_ctx, self.kv.block_size, scale, window or 0, softcap or 0.0,
+                                       sinks)
         return out.to(q.dtype)
 
 
@@ -71,8 +72,6 @@ class CpuBackend(Backend):
             raise RuntimeError("the cpu backend needs conveyor's C++ kernels, which are unavailable here")
         keep_freed_memory()
         self.fused = FusedLlama.build(model, self.ops) if fused_forward else None
-        if self.fused is None:
-            register(model)
 
     def kv_layout(self, head_dim: int, block_size: int, group: int) -> KVLayout:
         return LAYOUTS[kv_layout(self.dtype, head_dim, block_size, group)]

@@ -35,7 +35,7 @@ from conveyor.core.backends.cuda.forward import LlamaForward, table_positions
 from conveyor.core.backends.cuda.graphs import GRAPH_BUCKETS, GRAPH_MAX_TOKENS, CapturedStep
 from conveyor.core.backends.cuda.triton_attention import block_shape, paged_attention, query_blocks
 from conveyor.core.backends.llama_family import is_plain_llama
-from conveyor.core.backends.transformers_forward import register, transformers_forward
+from conveyor.core.backends.transformers_forward import transformers_forward
 from conveyor.core.errors import ConfigError
 
 MARGIN = 512 << 20  # cuBLAS workspaces, Triton, the allocator's slack: kept out of the KV pool
@@ -58,11 +58,11 @@ class TritonAttention(StepAttention):
     def store(self, layer, k_new, v_new) -> None:
         store_flash(self.kv, layer, self.slot_mapping, k_new, v_new)
 
-    def attend(self, layer, q, k_new, v_new, scale) -> torch.Tensor:
+    def attend(self, layer, q, k_new, v_new, scale, window=None, softcap=None, sinks=None) -> torch.Tensor:
         out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
         return paged_attention(out, q.contiguous(), self.kv.keys[layer], self.kv.values[layer], self.tables,
                                self.seq_lens, self.q_start, self.qb_seq, self.qb_first, scale, self.block_m,
-                               self.block_q)
+                               self.block_q, window, softcap, sinks)
 
 
 class CudaBackend(Backend):
@@ -75,8 +75,6 @@ class CudaBackend(Backend):
         self.max_num_batched_tokens = max_num_batched_tokens
         self.group = self.shape.num_heads // self.shape.num_kv_heads
         self.lean = LlamaForward(model) if is_plain_llama(model) else None
-        if self.lean is None:
-            register(model)
         self.use_graphs = self.device.type == "cuda" and self.lean is not None
         self.graphs: dict[int, CapturedStep] = {}
         self.graph_pool = None

@@ -28,9 +28,22 @@ TILE = 32  # keys per iteration
 
 
 @triton.jit
+def _tanh(x):
+    """tanh in float32 (Cephes' tanhf: an odd polynomial below |x| = 0.625, 1 - 2 / (exp(2|x|) + 1) above)."""
+    ax = tl.abs(x)
+    z = x * x
+    p = (((-5.70498872745e-3 * z + 2.06390887954e-2) * z - 5.37397155531e-2) * z + 1.33314422036e-1) * z
+    small = (p - 3.33332819422e-1) * z * x + x
+    large = 1.0 - 2.0 / (tl.exp(2.0 * ax) + 1.0)
+    large = tl.where(x < 0, -large, large)
+    return tl.where(ax < 0.625, small, large)
+
+
+@triton.jit
 def _paged_attention(out_ptr, q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, q_start_ptr, qb_seq_ptr, qb_first_ptr,
-                     scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_kp, stride_kh, stride_vb,
-                     stride_vp, stride_vh, stride_table,
+                     sinks_ptr, scale, window, softcap, stride_qt, stride_qh, stride_ot, stride_oh, stride_kb,
+                     stride_kp, stride_kh, stride_vb, stride_vp, stride_vh, stride_table,
+                     WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
                      GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, PAGE: tl.constexpr,
                      BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, FP32: tl.constexpr,
                      UPCAST: tl.constexpr):
@@ -59,11 +72,18 @@ def _paged_attention(out_ptr, q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, q_s
 
     last = tl.minimum(first + BLOCK_Q, n_q) - 1  # the block's last query
     keys_seen = ctx + last + 1
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if SINKS:  # the sink as a key of logit sinks[head] and value 0: the online softmax starts from it
+        m_i = tl.load(sinks_ptr + head).to(tl.float32)
+        l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
     table = tables_ptr + seq.to(tl.int64) * stride_table
-    for start in range(0, keys_seen, TILE_N):
+    lo = ctx * 0
+    if WINDOW:  # the block's first query sees keys from ctx + first + 1 - window on; tiles before them are skipped
+        lo = tl.maximum(ctx + first + 1 - window, 0) // TILE_N * TILE_N
+    for start in range(lo, keys_seen, TILE_N):
         t = start + tl.arange(0, TILE_N)
         t_ok = t < keys_seen
         blk = tl.load(table + t // PAGE, mask=t_ok, other=0).to(tl.int64)
@@ -80,7 +100,11 @@ def _paged_attention(out_ptr, q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, q_s
         else:
             s = tl.dot(q, k)
         s = s * scale
+        if SOFTCAP:
+            s = _tanh(s / softcap) * softcap
         visible = (t[None, :] <= ctx + qi[:, None]) & q_ok[:, None]
+        if WINDOW:
+            visible = visible & (t[None, :] > ctx + qi[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees nothing yet
@@ -130,10 +154,12 @@ def interpreting() -> bool:
 
 def paged_attention(out: torch.Tensor, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                     tables: torch.Tensor, seq_lens: torch.Tensor, q_start: torch.Tensor, qb_seq: torch.Tensor,
-                    qb_first: torch.Tensor, scale: float, block_m: int, block_q: int) -> torch.Tensor:
+                    qb_first: torch.Tensor, scale: float, block_m: int, block_q: int, window: int | None = None,
+                    softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """out, q [T, H, D]; k_pool, v_pool [num_blocks, block_size, Hkv, D]; tables [R, max_blocks] (int32);
     seq_lens [R] keys per request after this step; q_start [R + 1] each request's first row; qb_seq / qb_first
-    [num_query_blocks] (see QueryBlocks). Writes out's rows of every query block and returns out."""
+    [num_query_blocks] (see QueryBlocks); the layer's window, softcap and sinks ([H] float32) where it has them
+    (`StepAttention.attend`). Writes out's rows of every query block and returns out."""
     _, heads, head_dim = q.shape
     _, page, kv_heads, _ = k_pool.shape
     group = heads // kv_heads
@@ -141,11 +167,12 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, k_pool: torch.Tensor, v_
         raise ValueError("paged_attention: head_dim must be the innermost, contiguous dimension")
     grid = (qb_seq.shape[0], kv_heads)
     _paged_attention[grid](
-        out, q, k_pool, v_pool, tables, seq_lens, q_start, qb_seq, qb_first, scale,
+        out, q, k_pool, v_pool, tables, seq_lens, q_start, qb_seq, qb_first,
+        q if sinks is None else sinks.contiguous(), scale, window or 0, softcap or 1.0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
         tables.stride(0),
-        GROUP=group, HEAD_DIM=head_dim, HEAD_PAD=max(16, triton.next_power_of_2(head_dim)), PAGE=page,
+        WINDOW=bool(window), SOFTCAP=bool(softcap), SINKS=sinks is not None, GROUP=group, HEAD_DIM=head_dim, HEAD_PAD=max(16, triton.next_power_of_2(head_dim)), PAGE=page,
         BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=TILE, FP32=q.dtype == torch.float32,
         UPCAST=interpreting() and q.dtype != torch.float32)
     return out

@@ -2,7 +2,8 @@
 #include <torch/csrc/utils/pybind.h>  // pybind11 with torch's Tensor casters: a third of torch/extension.h's build time
 
 at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor tables,
-                           at::Tensor token_req, at::Tensor token_ctx, int64_t block_size, double scale);
+                           at::Tensor token_req, at::Tensor token_ctx, int64_t block_size, double scale,
+                           int64_t window, double softcap, c10::optional<at::Tensor> sinks);
 bool kv_pairs(bool bf16, int64_t head_dim, int64_t block_size, int64_t group);
 at::Tensor rms_norm(at::Tensor h, c10::optional<at::Tensor> delta, at::Tensor w, double eps);
 void rope_store(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor slots, at::Tensor k_cache,
@@ -39,7 +40,11 @@ static bool wide_vectors() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("wide_vectors", &wide_vectors, "whether this build has the 16-float registers its kernels are written for");
-  m.def("paged_attention", &paged_attention, "paged attention over a block pool (CPU)");
+  m.def("paged_attention", &paged_attention,
+        "paged attention over a block pool (CPU), with an optional sliding window, softcap and sinks",
+        pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("tables"),
+        pybind11::arg("token_req"), pybind11::arg("token_ctx"), pybind11::arg("block_size"), pybind11::arg("scale"),
+        pybind11::arg("window") = 0, pybind11::arg("softcap") = 0.0, pybind11::arg("sinks") = pybind11::none());
   m.def("kv_pairs", &kv_pairs,
         "whether a KV pool of this shape (bf16?, head_dim, block_size, query heads per KV head) is laid out in "
         "bf16 pairs and attended to with bf16 products (AMX tiles or AVX512-BF16)");

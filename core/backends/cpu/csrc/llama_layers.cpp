@@ -8,7 +8,8 @@
 #include <vector>
 
 at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor tables,
-                           at::Tensor token_req, at::Tensor token_ctx, int64_t block_size, double scale);
+                           at::Tensor token_req, at::Tensor token_ctx, int64_t block_size, double scale,
+                           int64_t window, double softcap, c10::optional<at::Tensor> sinks);
 at::Tensor rms_norm(at::Tensor h, c10::optional<at::Tensor> delta, at::Tensor w, double eps);
 void rope_store(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor slots, at::Tensor k_cache,
                 at::Tensor v_cache, int64_t num_heads);
@@ -57,7 +58,8 @@ at::Tensor llama_layers(at::Tensor h, std::vector<at::Tensor> packed, std::vecto
     at::Tensor qkv = lin(0, x);
     rope_store(qkv, cos, sin, slots, k_caches[i], v_caches[i], num_heads);
     at::Tensor q = qkv.narrow(1, 0, q_width).view({T, num_heads, head_dim});  // read in place by the kernel
-    at::Tensor attn = paged_attention(q, k_caches[i], v_caches[i], tables, token_req, token_ctx, block_size, scale)
+    at::Tensor attn = paged_attention(q, k_caches[i], v_caches[i], tables, token_req, token_ctx, block_size, scale, 0, 0.0,
+                                      c10::nullopt)
                           .reshape({T, q_width});
     x = rms_norm(h, lin(1, attn), norms[2 * i + 1], eps[2 * i + 1]);  // h += attention output
     delta = lin(3, silu_mul(lin(2, x)));

@@ -25,6 +25,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <algorithm>
+#include <numeric>
 #include <atomic>
 #include <cmath>
 #include <type_traits>
@@ -63,33 +64,76 @@ static inline float load_f32(const scalar_t* __restrict__ p, int64_t i) {
   }
 }
 
-// s[0..n) <- softmax(s[0..n)), in float; s must have room for n rounded up to 16.
-static inline void softmax_inplace(float* __restrict__ s, int64_t n) {
-  const int64_t padded = (n + 15) / 16 * 16;
+// What a layer's attention computes beyond softmax(scale q.k) v, as the model defines it (transformers' own
+// attention: the sliding window of its mask, the softcap and sinks it hands the attention function).
+struct Variant {
+  int64_t window = 0;         // > 0: a query at position p sees keys (p - window, p] only
+  float softcap = 0.f;        // > 0: scores -> softcap * tanh(scores / softcap), before the softmax
+  const float* sinks = nullptr;  // [H] or null: per query head, a logit that joins each softmax's denominator
+};
+
+// The keys one query vector weighs: [lo, lim), relative to the task's first key (a multiple of 16 from key
+// 0, so the 16 lanes of every sum below hold the same keys whatever task the vector is in); its sink logit.
+struct Span {
+  int64_t lo, lim;
+  const float* sink;  // null: none
+};
+
+// scores -> softcap * tanh(scores * pre / softcap) over s[lo, n), in place.
+static inline void softcap_range(float* __restrict__ s, int64_t lo, int64_t n, float pre, float softcap) {
+  const float inv = pre / softcap;
+  int64_t j = lo;
+  for (; j + 16 <= n; j += 16) {
+    v16f x;
+    std::memcpy(&x, s + j, sizeof(x));
+    x = tanh16(x * inv) * softcap;
+    std::memcpy(s + j, &x, sizeof(x));
+  }
+  if (j < n) {  // the tail through a padded vector: the same arithmetic per element
+    v16f x = {};
+    std::memcpy(&x, s + j, sizeof(float) * (n - j));
+    x = tanh16(x * inv) * softcap;
+    std::memcpy(s + j, &x, sizeof(float) * (n - j));
+  }
+}
+
+// s[lo..n) <- softmax(s[lo..n)) (with the sink's exp in the denominator), s[0..lo) and s[n..end) <- 0, in
+// float; s must have room for n rounded up to 16. Lane i of the max and the sum holds the keys that are i
+// mod 16, so a vector's weights depend on its own keys only.
+static inline void softmax_range(float* __restrict__ s, const Span& r, int64_t end, float softcap) {
+  const int64_t lo = r.lim > r.lo ? r.lo : r.lim, n = r.lim;
+  if (softcap > 0.f) softcap_range(s, lo, n, 1.f, softcap);
+  const int64_t first = lo / 16 * 16, padded = (n + 15) / 16 * 16;
   for (int64_t j = n; j < padded; ++j) s[j] = -INFINITY;
+  for (int64_t j = first; j < lo; ++j) s[j] = -INFINITY;
   v16f mv = v16f{} - INFINITY;
-  for (int64_t j = 0; j < padded; j += 16) {
+  for (int64_t j = first; j < padded; j += 16) {
     v16f x;
     std::memcpy(&x, s + j, sizeof(x));
     mv = x > mv ? x : mv;
   }
   float m = mv[0];
   for (int i = 1; i < 16; ++i) m = std::max(m, mv[i]);
+  if (r.sink) m = std::max(m, *r.sink);
   v16f sum = {};
-  for (int64_t j = 0; j < padded; j += 16) {
+  for (int64_t j = first; j < padded; j += 16) {
     v16f x;
     std::memcpy(&x, s + j, sizeof(x));
     x = exp16(x - m);
-    if (j + 16 > n) {  // padding lanes count for nothing
-      for (int64_t i = n - j; i < 16; ++i) x[i] = 0.f;
+    if (j + 16 > n || j < lo) {  // lanes outside [lo, n) count for nothing
+      for (int64_t i = 0; i < 16; ++i)
+        if (j + i < lo || j + i >= n) x[i] = 0.f;
     }
     std::memcpy(s + j, &x, sizeof(x));
     sum += x;
   }
   float total = 0.f;
   for (int i = 0; i < 16; ++i) total += sum[i];
+  if (r.sink) total += std::exp(*r.sink - m);
   const float inv = 1.f / total;
-  for (int64_t j = 0; j < n; ++j) s[j] *= inv;
+  for (int64_t j = lo; j < n; ++j) s[j] *= inv;
+  std::fill(s, s + lo, 0.f);
+  if (end > n) std::fill(s + n, s + end, 0.f);
 }
 
 // The pool's blocks are scattered, so the hardware prefetcher cannot run ahead across a block
@@ -108,7 +152,7 @@ constexpr int64_t PF = 4;  // blocks ahead that the fast path prefetches
 template <int NV, int G, typename scalar_t>
 static void attend_grouped(const float* __restrict__ qf, const scalar_t* __restrict__ k_cache,
                            const scalar_t* __restrict__ v_cache, const int64_t* table, int64_t ctx,
-                           const int64_t* lim, int64_t h, int64_t Hkv, float* __restrict__ scores,
+                           const Span* spans, float softcap, int64_t h, int64_t Hkv, float* __restrict__ scores,
                            float* __restrict__ out_f) {
   constexpr int64_t D = 16 * NV, bs = 16;
   const int64_t num_blocks = (ctx + bs - 1) / bs;
@@ -138,10 +182,8 @@ static void attend_grouped(const float* __restrict__ qf, const scalar_t* __restr
   const int64_t stride = Hkv * D;
   for (int64_t b = 0; b < std::min<int64_t>(PF, num_blocks); ++b)  // during the softmax
     for (int64_t o = 0; o < std::min(bs, ctx - b * bs); ++o) prefetch_l2(v_cache + ((table[b] * bs + o) * Hkv + h) * D, D);
-  for (int g = 0; g < G; ++g) {  // a vector sees its first lim[g] keys; the rest weigh nothing
-    softmax_inplace(scores + g * sstride, lim[g]);
-    std::fill(scores + g * sstride + lim[g], scores + g * sstride + ctx, 0.f);
-  }
+  for (int g = 0; g < G; ++g)  // a vector sees keys [lo, lim) of its span; the rest weigh nothing
+    softmax_range(scores + g * sstride, spans[g], ctx, softcap);
   v16f acc[G][NV];
   for (int g = 0; g < G; ++g)
     for (int i = 0; i < NV; ++i) acc[g][i] = v16f{};
@@ -167,22 +209,22 @@ static void attend_grouped(const float* __restrict__ qf, const scalar_t* __restr
 // not fit the accumulators in registers).
 template <int NV, typename scalar_t>
 static void attend_dispatch(const float* qf, const scalar_t* k_cache, const scalar_t* v_cache, const int64_t* table,
-                            int64_t ctx, const int64_t* lims, int64_t h, int64_t G, int64_t Hkv, float* scores,
-                            float* out_f) {
+                            int64_t ctx, const Span* spans, float softcap, int64_t h, int64_t G, int64_t Hkv,
+                            float* scores, float* out_f) {
   constexpr int64_t D = 16 * NV;
   for (int64_t g0 = 0; g0 < G; g0 += 8) {
     const float* q = qf + g0 * D;
-    const int64_t* lim = lims + g0;
+    const Span* lim = spans + g0;
     float* out = out_f + g0 * D;
     switch (std::min<int64_t>(8, G - g0)) {
-      case 1: attend_grouped<NV, 1>(q, k_cache, v_cache, table, ctx, lim, h, Hkv, scores, out); break;
-      case 2: attend_grouped<NV, 2>(q, k_cache, v_cache, table, ctx, lim, h, Hkv, scores, out); break;
-      case 3: attend_grouped<NV, 3>(q, k_cache, v_cache, table, ctx, lim, h, Hkv, scores, out); break;
-      case 4: attend_grouped<NV, 4>(q, k_cache, v_cache, table, ctx, lim, h, Hkv, scores, out); break;
-      case 5: attend_grouped<NV, 5>(q, k_cache, v_cache, table, ctx, lim, h, Hkv, scores, out); break;
-      case 6: attend_grouped<NV, 6>(q, k_cache, v_cache, table, ctx, lim, h, Hkv, scores, out); break;
-      case 7: attend_grouped<NV, 7>(q, k_cache, v_cache, table, ctx, lim, h, Hkv, scores, out); break;
-      default: attend_grouped<NV, 8>(q, k_cache, v_cache, table, ctx, lim, h, Hkv, scores, out); break;
+      case 1: attend_grouped<NV, 1>(q, k_cache, v_cache, table, ctx, lim, softcap, h, Hkv, scores, out); break;
+      case 2: attend_grouped<NV, 2>(q, k_cache, v_cache, table, ctx, lim, softcap, h, Hkv, scores, out); break;
+      case 3: attend_grouped<NV, 3>(q, k_cache, v_cache, table, ctx, lim, softcap, h, Hkv, scores, out); break;
+      case 4: attend_grouped<NV, 4>(q, k_cache, v_cache, table, ctx, lim, softcap, h, Hkv, scores, out); break;
+      case 5: attend_grouped<NV, 5>(q, k_cache, v_cache, table, ctx, lim, softcap, h, Hkv, scores, out); break;
+      case 6: attend_grouped<NV, 6>(q, k_cache, v_cache, table, ctx, lim, softcap, h, Hkv, scores, out); break;
+      case 7: attend_grouped<NV, 7>(q, k_cache, v_cache, table, ctx, lim, softcap, h, Hkv, scores, out); break;
+      default: attend_grouped<NV, 8>(q, k_cache, v_cache, table, ctx, lim, softcap, h, Hkv, scores, out); break;
     }
   }
 }
@@ -190,11 +232,11 @@ static void attend_dispatch(const float* qf, const scalar_t* k_cache, const scal
 // Any block size / head_dim: plain loops.
 template <typename scalar_t>
 static void attend_generic(const float* __restrict__ qf, const scalar_t* __restrict__ k_cache,
-                           const scalar_t* __restrict__ v_cache, const int64_t* table, int64_t ctx, int64_t h,
-                           int64_t G, int64_t Hkv, int64_t D, int64_t bs, float* __restrict__ scores,
-                           float* __restrict__ out_f) {
+                           const scalar_t* __restrict__ v_cache, const int64_t* table, int64_t ctx,
+                           const Span* spans, float softcap, int64_t h, int64_t G, int64_t Hkv, int64_t D, int64_t bs,
+                           float* __restrict__ scores, float* __restrict__ out_f) {
   const int64_t num_blocks = (ctx + bs - 1) / bs;
-  const int64_t sstride = (ctx + 15) / 16 * 16;  // scores row per head, padded for softmax_inplace
+  const int64_t sstride = (ctx + 15) / 16 * 16;  // scores row per head, padded for softmax_range
   for (int64_t b = 0; b < num_blocks; ++b) {
     const scalar_t* __restrict__ kb = k_cache + (table[b] * Hkv + h) * D * bs;
     const int64_t n = std::min(bs, ctx - b * bs);
@@ -208,7 +250,7 @@ static void attend_generic(const float* __restrict__ qf, const scalar_t* __restr
   std::fill(out_f, out_f + G * D, 0.f);
   for (int64_t g = 0; g < G; ++g) {
     float* __restrict__ sg = scores + g * sstride;
-    softmax_inplace(sg, ctx);
+    softmax_range(sg, spans[g], ctx, softcap);
     float* __restrict__ ag = out_f + g * D;
     for (int64_t b = 0; b < num_blocks; ++b) {
       const int64_t n = std::min(bs, ctx - b * bs);
@@ -243,21 +285,35 @@ constexpr int64_t PD = 64, PBS = 16;  // the pair layout's head_dim and block si
 constexpr int64_t PBLOCK = PD * PBS;  // bf16 values of one block and KV head, in K and in V
 
 // One query vector's softmax weights for P . V, in a single pass after the max: exp(scale * (s - max))
-// of its first n scores, rounded to bf16 into pr[0..n), zeros after them up to `width` (a multiple
-// of 16); returns 1 / (the sum of the rounded weights), applied to the output instead of to each
-// weight. (The max, exp, normalize, zero-fill and convert passes this replaces were half the time
-// of prompt attention.)
-static inline float exp_to_probs(const float* s, c10::BFloat16* pr, int64_t n, int64_t width, float scale) {
+// of its scores s[lo, n), rounded to bf16 into pr[lo..n), zeros around them up to `width` (a multiple
+// of 16); returns 1 / (the sum of the rounded weights and the sink's exp), applied to the output instead
+// of to each weight. (The max, exp, normalize, zero-fill and convert passes this replaces were half the
+// time of prompt attention.) With a softcap, the scores are capped in place first (scale applied there).
+static inline float exp_to_probs(float* s, c10::BFloat16* pr, const Span& r, int64_t width, float scale,
+                                 float softcap) {
+  const int64_t lo = r.lo, n = r.lim;
+  if (softcap > 0.f) {
+    softcap_range(s, lo, n, scale, softcap);
+    scale = 1.f;
+  }
+  const auto live_lanes = [&](int64_t j) -> __mmask16 {  // lanes of [j, j + 16) inside [lo, n)
+    uint32_t m = 0xFFFF;
+    if (j + 16 > n) m = n > j ? (1u << (n - j)) - 1 : 0;
+    if (j < lo) m &= lo - j >= 16 ? 0u : ~((1u << (lo - j)) - 1);
+    return static_cast<__mmask16>(m);
+  };
   __m512 mv = _mm512_set1_ps(-INFINITY);
-  int64_t j = 0;
-  for (; j + 16 <= n; j += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(s + j));
-  const __mmask16 last = n > j ? static_cast<__mmask16>((1u << (n - j)) - 1) : 0;
-  if (last) mv = _mm512_mask_max_ps(mv, last, mv, _mm512_maskz_loadu_ps(last, s + j));
+  for (int64_t j = lo / 16 * 16; j < n; j += 16) {
+    const __mmask16 live = live_lanes(j);
+    mv = live == 0xFFFF ? _mm512_max_ps(mv, _mm512_loadu_ps(s + j))
+                        : _mm512_mask_max_ps(mv, live, mv, _mm512_maskz_loadu_ps(live, s + j));
+  }
   const __m512 vscale = _mm512_set1_ps(scale);
-  const __m512 shift = _mm512_set1_ps(-_mm512_reduce_max_ps(mv) * scale);
+  const float top = r.sink ? std::max(_mm512_reduce_max_ps(mv) * scale, *r.sink) : _mm512_reduce_max_ps(mv) * scale;
+  const __m512 shift = _mm512_set1_ps(-top);
   __m512 sum = _mm512_setzero_ps();
-  for (j = 0; j < width; j += 16) {
-    const __mmask16 live = j + 16 <= n ? __mmask16(0xFFFF) : j < n ? last : __mmask16(0);
+  for (int64_t j = 0; j < width; j += 16) {
+    const __mmask16 live = live_lanes(j);
     __m256i packed = _mm256_setzero_si256();
     if (live) {
       const v16f e = exp16(reinterpret_cast<v16f>(_mm512_fmadd_ps(_mm512_loadu_ps(s + j), vscale, shift)));
@@ -266,7 +322,8 @@ static inline float exp_to_probs(const float* s, c10::BFloat16* pr, int64_t n, i
     }
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j), packed);
   }
-  return 1.f / _mm512_reduce_add_ps(sum);
+  const float total = _mm512_reduce_add_ps(sum);
+  return 1.f / (r.sink ? total + std::exp(*r.sink - top) : total);
 }
 
 // The 32 bits of a bf16 pair, broadcast to all 16 lanes.
@@ -316,11 +373,12 @@ static inline void probs_values(const c10::BFloat16* probs, int64_t sstride, con
   }
 }
 
-// qv [vecs][64] bf16, lim[v] keys seen by vector v; out_f [vecs][64] float; scores / probs: 8 rows of
+// qv [vecs][64] bf16, spans[v] the keys vector v weighs; out_f [vecs][64] float; scores / probs: 8 rows of
 // sstride = ceil(ctx / 16) x 16.
 static void attend_dpbf16(const c10::BFloat16* qv, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache,
-                          const int64_t* table, int64_t ctx, const int64_t* lim, int64_t vecs, int64_t h,
-                          int64_t Hkv, float scale, float* scores, c10::BFloat16* probs, float* out_f) {
+                          const int64_t* table, int64_t ctx, const Span* spans, int64_t vecs, int64_t h,
+                          int64_t Hkv, float scale, float softcap, float* scores, c10::BFloat16* probs,
+                          float* out_f) {
   constexpr int64_t QS = 8, PV = 4;  // vectors per pass: scores (8 accumulators), P . V (4 x 4)
   const int64_t num_blocks = (ctx + PBS - 1) / PBS, sstride = num_blocks * PBS;
   for (int64_t v0 = 0; v0 < vecs; v0 += QS) {
@@ -345,7 +403,7 @@ static void attend_dpbf16(const c10::BFloat16* qv, const c10::BFloat16* k_cache,
       prefetch_l2(v_cache + (table[b] * Hkv + h) * PBLOCK, PBLOCK);
     alignas(64) float inv[QS];
     for (int64_t v = 0; v < nq; ++v)
-      inv[v] = exp_to_probs(scores + v * sstride, probs + v * sstride, lim[v0 + v], sstride, scale);
+      inv[v] = exp_to_probs(scores + v * sstride, probs + v * sstride, spans[v0 + v], sstride, scale, softcap);
     for (int64_t p0 = 0; p0 < nq; p0 += PV) {
       const c10::BFloat16* pr = probs + p0 * sstride;
       float* o = out_f + (v0 + p0) * 64;
@@ -361,14 +419,14 @@ static void attend_dpbf16(const c10::BFloat16* qv, const c10::BFloat16* k_cache,
 #endif  // AVX512-BF16
 
 #ifdef CONVEYOR_AMX
-// qv [vecs rounded up to 16][64] bf16, lim[v] keys seen by vector v; out_f [same][64] float; scores
+// qv [vecs rounded up to 16][64] bf16, spans[v] the keys vector v weighs; out_f [same][64] float; scores
 // (float) and probs (bf16): 16 rows of sstride = ceil(ctx / 16) x 16. Tiles (amx_attention_tile_config):
 // scores: q dims 0-31 in tile 1, 32-63 in tile 2, a block's K pair rows in tile 3 (dims 0-31, then
 // 32-63), the 16 x 16 scores in tile 0; P . V: a block's probabilities (16 vectors x 16 keys) in tile 4,
 // its V pair rows (8 key pairs x 16 dims) in tiles 5-7, the 16 x 64 outputs in tiles 0-3.
 static void attend_tiles(const c10::BFloat16* qv, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache,
-                         const int64_t* table, int64_t ctx, const int64_t* lim, int64_t vecs, int64_t h, int64_t Hkv,
-                         float scale, float* scores, c10::BFloat16* probs, float* out_f) {
+                         const int64_t* table, int64_t ctx, const Span* spans, int64_t vecs, int64_t h, int64_t Hkv,
+                         float scale, float softcap, float* scores, c10::BFloat16* probs, float* out_f) {
   const int64_t num_blocks = (ctx + PBS - 1) / PBS, sstride = num_blocks * PBS;
   const auto kblock = [&](int64_t b) { return k_cache + (table[b] * Hkv + h) * PBLOCK; };
   const auto vblock = [&](int64_t b) { return v_cache + (table[b] * Hkv + h) * PBLOCK; };
@@ -390,7 +448,7 @@ static void attend_tiles(const c10::BFloat16* qv, const c10::BFloat16* k_cache, 
     const int64_t live = std::min<int64_t>(16, vecs - v0);  // rows past them give outputs nobody reads
     alignas(64) float inv[16];
     for (int64_t v = 0; v < live; ++v)
-      inv[v] = exp_to_probs(scores + v * sstride, probs + v * sstride, lim[v0 + v], sstride, scale);
+      inv[v] = exp_to_probs(scores + v * sstride, probs + v * sstride, spans[v0 + v], sstride, scale, softcap);
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
@@ -452,8 +510,14 @@ static void paged_attention_kernel(const scalar_t* q,        // [T, H, D], rows 
                                    const int64_t* token_ctx, // [T] keys visible to the token
                                    scalar_t* out,            // [T, H, D]
                                    int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t max_blocks,
-                                   int64_t bs, float scale, int64_t q_stride, bool pairs) {
+                                   int64_t bs, float scale, int64_t q_stride, bool pairs, const Variant& variant) {
   const int64_t G = H / Hkv;
+  const int64_t window = variant.window;
+  const float softcap = variant.softcap;
+  // A task reads its keys from `base`, a multiple of both the block size and 16 at or below the first key its
+  // first row weighs (under a sliding window; 0 otherwise): so lane i of every sum holds the keys i mod 16
+  // whatever task a row is in, and a task whose rows slide skips the blocks they no longer see.
+  const int64_t align = std::lcm<int64_t>(bs, 16);
   const bool fast = bs == 16 && (D == 32 || D == 64 || D == 128);
   // Rows of one request at consecutive positions (a prompt chunk) are taken R at a time, so each
   // K/V row read serves R x G query vectors instead of G: a row sees one key more than the row
@@ -487,7 +551,8 @@ static void paged_attention_kernel(const scalar_t* q,        // [T, H, D], rows 
     for (int64_t i = 0; i < num_groups; ++i) {
       const int64_t t0 = group_start[i], t1 = group_start[i + 1];
       const bool warm = t0 > 0 && token_req[t0] == token_req[t0 - 1];
-      cost[i] = (token_ctx[t1 - 1] + 16) * (4 * (t1 - t0) * G + (warm ? 0 : 6));
+      const int64_t keys = window > 0 ? std::min(token_ctx[t1 - 1], window + t1 - t0) : token_ctx[t1 - 1];
+      cost[i] = (keys + 16) * (4 * (t1 - t0) * G + (warm ? 0 : 6));
       total += cost[i] * Hkv;
     }
     const int64_t smallest = std::max<int64_t>(1, total / (16 * threads));
@@ -507,7 +572,7 @@ static void paged_attention_kernel(const scalar_t* q,        // [T, H, D], rows 
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     FlushDenormals ftz;
     std::vector<float> qf(R * G * D), out_f((R * G + 15) / 16 * 16 * D), scores;
-    std::vector<int64_t> lims(R * G);
+    std::vector<Span> spans(R * G);
 #ifdef CONVEYOR_AMX
     bool tiles = false;
 #endif
@@ -519,10 +584,17 @@ static void paged_attention_kernel(const scalar_t* q,        // [T, H, D], rows 
     for (int64_t task = bounds[c]; task < bounds[c + 1]; ++task) {
       const int64_t i = task / Hkv, h = task % Hkv;
       const int64_t t0 = group_start[i], rows = group_start[i + 1] - t0, vecs = rows * G;
-      const int64_t ctx = token_ctx[t0 + rows - 1];  // the last row sees the most keys
-      const int64_t* table = tables + token_req[t0] * max_blocks;
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t g = 0; g < G; ++g) lims[r * G + g] = token_ctx[t0 + r];
+      const int64_t first_key = window > 0 ? std::max<int64_t>(0, token_ctx[t0] - window) : 0;
+      const int64_t base = first_key / align * align;
+      // The task sees the request from `base` on: its table from that block, keys counted from there.
+      const int64_t ctx = token_ctx[t0 + rows - 1] - base;  // the last row sees the most keys
+      const int64_t* table = tables + token_req[t0] * max_blocks + base / bs;
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t lim = token_ctx[t0 + r];
+        const int64_t lo = window > 0 ? std::max<int64_t>(0, lim - window) : 0;
+        for (int64_t g = 0; g < G; ++g)
+          spans[r * G + g] = {lo - base, lim - base, variant.sinks ? variant.sinks + h * G + g : nullptr};
+      }
 #ifdef CONVEYOR_BF16_PAIRS
       if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
         if (path != PoolPath::kFma) {
@@ -542,12 +614,12 @@ static void paged_attention_kernel(const scalar_t* q,        // [T, H, D], rows 
               amx_attention_tile_config();
               tiles = true;
             }
-            attend_tiles(run_q.data(), k_cache, v_cache, table, ctx, lims.data(), vecs, h, Hkv, scale,
+            attend_tiles(run_q.data(), k_cache, v_cache, table, ctx, spans.data(), vecs, h, Hkv, scale, softcap,
                          run_scores.data(), run_probs.data(), out_f.data());
           } else
 #endif
           {
-            attend_dpbf16(run_q.data(), k_cache, v_cache, table, ctx, lims.data(), vecs, h, Hkv, scale,
+            attend_dpbf16(run_q.data(), k_cache, v_cache, table, ctx, spans.data(), vecs, h, Hkv, scale, softcap,
                           run_scores.data(), run_probs.data(), out_f.data());
           }
           for (int64_t r = 0; r < rows; ++r)
@@ -566,16 +638,17 @@ static void paged_attention_kernel(const scalar_t* q,        // [T, H, D], rows 
           for (int64_t d = 0; d < D; ++d)
             qf[(r * G + g) * D + d] = static_cast<float>(q[(t0 + r) * q_stride + (h * G + g) * D + d]) * scale;
       if (fast && D == 64) {
-        attend_dispatch<4>(qf.data(), k_cache, v_cache, table, ctx, lims.data(), h, vecs, Hkv, scores.data(),
-                           out_f.data());
+        attend_dispatch<4>(qf.data(), k_cache, v_cache, table, ctx, spans.data(), softcap, h, vecs, Hkv,
+                           scores.data(), out_f.data());
       } else if (fast && D == 128) {
-        attend_dispatch<8>(qf.data(), k_cache, v_cache, table, ctx, lims.data(), h, vecs, Hkv, scores.data(),
-                           out_f.data());
+        attend_dispatch<8>(qf.data(), k_cache, v_cache, table, ctx, spans.data(), softcap, h, vecs, Hkv,
+                           scores.data(), out_f.data());
       } else if (fast && D == 32) {
-        attend_dispatch<2>(qf.data(), k_cache, v_cache, table, ctx, lims.data(), h, vecs, Hkv, scores.data(),
-                           out_f.data());
+        attend_dispatch<2>(qf.data(), k_cache, v_cache, table, ctx, spans.data(), softcap, h, vecs, Hkv,
+                           scores.data(), out_f.data());
       } else {  // R == 1 here
-        attend_generic(qf.data(), k_cache, v_cache, table, ctx, h, G, Hkv, D, bs, scores.data(), out_f.data());
+        attend_generic(qf.data(), k_cache, v_cache, table, ctx, spans.data(), softcap, h, G, Hkv, D, bs, scores.data(),
+                       out_f.data());
       }
       for (int64_t r = 0; r < rows; ++r)
         for (int64_t g = 0; g < G; ++g)
@@ -588,8 +661,11 @@ static void paged_attention_kernel(const scalar_t* q,        // [T, H, D], rows 
   });
 }
 
+// window > 0: each query sees its last `window` keys only; softcap > 0: scores capped by softcap * tanh(. /
+// softcap); sinks: [H] float32 logits, one per query head, in the softmax's denominator (or None).
 at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor tables,
-                           at::Tensor token_req, at::Tensor token_ctx, int64_t block_size, double scale) {
+                           at::Tensor token_req, at::Tensor token_ctx, int64_t block_size, double scale,
+                           int64_t window, double softcap, c10::optional<at::Tensor> sinks) {
   TORCH_CHECK(q.dim() == 3, "q must be [T, H, D]");
   const bool pairs = k_cache.dim() == 5;
   TORCH_CHECK(pairs ? v_cache.dim() == 5 : k_cache.dim() == 4 && v_cache.dim() == 3,
@@ -612,13 +688,22 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
   } else {
     TORCH_CHECK(k_cache.size(3) == block_size && k_cache.size(2) == D, "k_cache shape does not match block_size/D");
   }
+  TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must be >= 0 (0: none)");
+  Variant variant{window, static_cast<float>(softcap), nullptr};
+  at::Tensor sink_values;
+  if (sinks.has_value()) {
+    sink_values = sinks->contiguous();
+    TORCH_CHECK(sink_values.scalar_type() == at::kFloat && sink_values.dim() == 1 && sink_values.size(0) == H,
+                "sinks must be [num_heads] float32");
+    variant.sinks = sink_values.data_ptr<float>();
+  }
   auto out = at::empty({T, H, D}, q.options());
   AT_DISPATCH_V2(q.scalar_type(), "paged_attention", AT_WRAP([&] {
     paged_attention_kernel<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
                                      v_cache.data_ptr<scalar_t>(), tables.data_ptr<int64_t>(),
                                      token_req.data_ptr<int64_t>(), token_ctx.data_ptr<int64_t>(),
                                      out.data_ptr<scalar_t>(), T, H, Hkv, D, tables.size(1), block_size,
-                                     static_cast<float>(scale), q.stride(0), pairs);
+                                     static_cast<float>(scale), q.stride(0), pairs, variant);
   }), at::kFloat, at::kBFloat16, at::kHalf);
   return out;
 }

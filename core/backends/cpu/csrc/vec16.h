@@ -88,6 +88,22 @@ static inline v16f exp16(v16f x) {
   return y * scale;
 }
 
+// tanh(x) on 16 lanes, within a few ulp (Cephes' tanhf): an odd polynomial below |x| = 0.625, where
+// 1 - 2 / (exp(2|x|) + 1) would lose bits to cancellation, that form above it, the sign put back.
+static inline v16f tanh16(v16f x) {
+  const v16f ax = x < 0.f ? -x : x;
+  const v16f z = x * x;
+  v16f p = v16f{} - 5.70498872745e-3f;
+  p = p * z + 2.06390887954e-2f;
+  p = p * z - 5.37397155531e-2f;
+  p = p * z + 1.33314422036e-1f;
+  p = p * z - 3.33332819422e-1f;
+  const v16f small = p * z * x + x;
+  v16f large = 1.f - 2.f / (exp16(ax + ax) + 1.f);
+  large = x < 0.f ? -large : large;
+  return ax < 0.625f ? small : large;
+}
+
 // Ask for [p, p + n elements) to be brought into L2 (prefetcht1), one request per cache line.
 template <typename T>
 static inline void prefetch_l2(const T* p, int64_t n) {
