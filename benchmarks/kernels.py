@@ -53,7 +53,7 @@ def linear_shapes(cfg: dict) -> dict[str, tuple[int, int, int]]:
 
 def routes(torch, ops, dtype) -> dict:
     """route name -> (pack(W) -> packed, run(x, packed, N)); only those this CPU and build can run."""
-    from conveyor.core.backends.cpu import fused_llama
+    from conveyor.core.backends.cpu import linears
 
     out = {"torch": (lambda w: w, lambda x, w, n: torch.nn.functional.linear(x, w))}
     if ops is None:
@@ -62,13 +62,13 @@ def routes(torch, ops, dtype) -> dict:
         return lambda x, w, n: gemm(x, w, n, None)
 
     if dtype == torch.float32:
-        out["panels"] = (fused_llama.pack_panels, kernel(ops.panel_gemm))
+        out["panels"] = (linears.pack_panels, kernel(ops.panel_gemm))
     else:
         if ops.pair_gemm_available():
-            out["pairs"] = (fused_llama.pack_pairs, kernel(ops.pair_gemm))
+            out["pairs"] = (linears.pack_pairs, kernel(ops.pair_gemm))
         if ops.amx_gemm_available():
-            out["amx"] = (fused_llama.pack_amx, kernel(ops.amx_gemm))
-        out["panels (widened)"] = (fused_llama.pack_panels, kernel(ops.panel_gemm))
+            out["amx"] = (linears.pack_amx, kernel(ops.amx_gemm))
+        out["panels (widened)"] = (linears.pack_panels, kernel(ops.panel_gemm))
     return out
 
 

@@ -130,7 +130,7 @@ def _linear_impl(torch, impl: str, dtype, m: int):
                 (lambda x, pw: torch.ops.mkldnn._linear_pointwise(x, pw, None, "none", [], "")))
     if impl in ("panels", "pairs", "amx"):  # conveyor's own kernels, where built (and the CPU has the instructions)
         try:
-            from conveyor.core.backends.cpu import fused_llama
+            from conveyor.core.backends.cpu import linears
             from conveyor.core.backends.cpu.kernels import cpu_kernels
         except ImportError:
             return None
@@ -138,15 +138,15 @@ def _linear_impl(torch, impl: str, dtype, m: int):
         if ops is None:
             return None
         if impl == "panels":  # float multiply-adds over weights in 32-column panels
-            pack, gemm = fused_llama.pack_panels, ops.panel_gemm
+            pack, gemm = linears.pack_panels, ops.panel_gemm
         elif impl == "pairs":  # bf16 pair products (AVX512-BF16)
             if dtype != torch.bfloat16 or not ops.pair_gemm_available():
                 return None
-            pack, gemm = fused_llama.pack_pairs, ops.pair_gemm
+            pack, gemm = linears.pack_pairs, ops.pair_gemm
         else:  # the tile kernel, bf16 only (weights in tile layout)
             if dtype != torch.bfloat16 or not ops.amx_gemm_available():
                 return None
-            pack, gemm = fused_llama.pack_amx, ops.amx_gemm
+            pack, gemm = linears.pack_amx, ops.amx_gemm
         return (lambda w: (pack(w), w.shape[0])), (lambda x, pw: gemm(x, pw[0], pw[1], None))
     raise ValueError(impl)
 

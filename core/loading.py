@@ -38,6 +38,22 @@ def load_tokenizer(model: str) -> tuple[Any, int]:
     return load(model)
 
 
+def model_report(model: str) -> tuple[list[tuple[str, str]], str | None]:
+    """What `conveyor models --check` says of `model` from its config and its weight files' headers alone: (lines,
+    why conveyor refuses it or None)."""
+    from conveyor.core.model_loader import _resolve, check_weight_files, load_config
+    from conveyor.core.model_support import report
+
+    path, gguf_file = _resolve(model)
+    lines, why = report(load_config(model), model)
+    if why is None and gguf_file is None:
+        try:
+            check_weight_files(model, path)
+        except ConfigError as e:
+            return lines, str(e).removeprefix(f"model {model}: ")
+    return lines, why
+
+
 def check_before_loading(model: str, config: EngineConfig, grammar: Grammar | None = None) -> None:
     """What the engine would refuse only once `model` is loaded, checked from its config and tokenizer alone (read
     only where needed): a KV budget given that holds no block (ConfigError kv_cache_memory), and a run's own

@@ -20,6 +20,7 @@ from conveyor.core.cache_build import cache_dir, cached_build
 from conveyor.core.config import DEFAULT_MODEL
 from conveyor.core.errors import ConfigError, ModelLoadError
 from conveyor.core.model_shape import ModelShape
+from conveyor.core.model_support import check_supported
 from conveyor.core.outputs import ModelLimits
 
 if TYPE_CHECKING:
@@ -71,7 +72,10 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def load_model(model: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "auto"):
-    """Return (model, tokenizer) on `device` in `dtype`, the model in eval mode."""
+    """Return (model, tokenizer) on `device` in `dtype`, the model in eval mode. UnsupportedModel (exit 2) before
+    its weights are read where conveyor refuses its architecture (`model_support.refusal`); ConfigError (model)
+    where a local folder's weights are missing or cut short, or do not cover the model (naming the files and
+    weights), never a model with weights made up at random."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from conveyor.core.backends import resolve_device
@@ -79,15 +83,83 @@ def load_model(model: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "a
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     path, gguf_file = _resolve(model)
+    check_supported(load_config(model), model)
+    if gguf_file is None:
+        check_weight_files(model, path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, gguf_file=gguf_file)
-        lm = AutoModelForCausalLM.from_pretrained(path, gguf_file=gguf_file, dtype=torch_dtype)
+        lm, info = AutoModelForCausalLM.from_pretrained(path, gguf_file=gguf_file, dtype=torch_dtype,
+                                                        output_loading_info=True)
     except (OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelLoadError(f"--model {model}: could not load it ({first}); check the name or path, "
                              f"or use the embedded default {DEFAULT_MODEL!r}") from e
+    missing = sorted(set(info.get("missing_keys") or ()))
+    if missing:
+        raise ConfigError("model", f"model {model}: its weight files do not hold {len(missing)} of the model's "
+                          f"weights ({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}); transformers "
+                          "would fill them with random values. Check that the folder holds every weight file of the "
+                          "checkpoint")
     lm.to(dev).eval()
     return lm, tokenizer
+
+
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json",
+                "pytorch_model.bin.index.json")
+
+
+def check_weight_files(model: str, path: str) -> None:
+    """ConfigError (model) naming the files, where a local model folder has no weights, a shard its index lists is
+    missing, or a safetensors file is shorter than its header says (a download cut short). Reads headers only."""
+    import json
+
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        return  # a hub id: the download checks its own files
+    named = f"model {model}"
+    present = [name for name in WEIGHT_FILES if (folder / name).is_file()]
+    files = sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.bin"))
+    if not present and not files:
+        raise ConfigError("model", f"{named}: the folder {folder} has no weights (no {', '.join(WEIGHT_FILES[:2])} "
+                          "or index of shards); copy the checkpoint's weight files into it")
+    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        index = folder / index_name
+        if not index.is_file():
+            continue
+        try:
+            shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+        except (OSError, ValueError, KeyError, AttributeError) as e:
+            raise ConfigError("model", f"{named}: {index} is not a readable index of weight shards ({e})") from None
+        gone = [name for name in shards if not (folder / name).is_file()]
+        if gone:
+            raise ConfigError("model", f"{named}: {len(gone)} of the {len(shards)} weight shards that {index_name} "
+                              f"lists are not in {folder} ({', '.join(gone[:4])}{', ...' if len(gone) > 4 else ''}); "
+                              "download the missing files")
+        files = [folder / name for name in shards]
+    for file in files:
+        if file.suffix == ".safetensors":
+            _check_safetensors(named, file)
+
+
+def _check_safetensors(named: str, file: Path) -> None:
+    """ConfigError where `file` is not whole: its header unreadable, or its tensors' data past its end."""
+    import json
+    import struct
+
+    size = file.stat().st_size
+    try:
+        with open(file, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            if length > size - 8:
+                raise ValueError(f"its header of {length} bytes is longer than the file")
+            header = json.loads(f.read(length))
+        end = max((int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"), default=0)
+    except (OSError, ValueError, KeyError, TypeError, struct.error) as e:
+        raise ConfigError("model", f"{named}: the weight file {file} is not a whole safetensors file ({e}); "
+                          "download it again") from None
+    if 8 + length + end > size:
+        raise ConfigError("model", f"{named}: the weight file {file} is cut short ({size} bytes of "
+                          f"{8 + length + end}); download it again")
 
 
 def _resolve(model: str) -> tuple[str, str | None]:
@@ -113,13 +185,18 @@ def _resolve(model: str) -> tuple[str, str | None]:
 
 def check_model(model: str) -> None:
     """ConfigError (model), at once, where `model` names nothing that can load: a .gguf file or folder that is not
-    there, or a hub id neither cached nor to be had (`check_hub_model`). Before the model loads (no conversion)."""
+    there, or a hub id neither cached nor to be had (`check_hub_model`); UnsupportedModel where conveyor refuses
+    its architecture; ConfigError where a local folder's weight files are missing or cut short. Before the model
+    loads (no conversion; the config and the weight files' headers only)."""
     if model in EMBEDDED_MODELS:
         return
     try:
-        _resolve(model)
+        path, gguf_file = _resolve(model)
     except ModelLoadError as e:
         raise ConfigError("model", str(e).removeprefix("--")) from None
+    check_supported(load_config(model), model)
+    if gguf_file is None:
+        check_weight_files(model, path)
 
 
 @functools.lru_cache(maxsize=8)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from conveyor.core.errors import ConfigError
+from conveyor.core.model_support import rotary_context_limit
 from conveyor.core.outputs import ModelLimits
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -35,12 +36,12 @@ class ModelShape:
         return cls(
             num_layers=cfg.num_hidden_layers,
             num_heads=heads,
-            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,  # none given: one per query head
+            num_kv_heads=kv_heads_of(cfg),  # none given: one per query head
             head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
             hidden_size=cfg.hidden_size,
             intermediate_size=getattr(cfg, "intermediate_size", 4 * cfg.hidden_size),
             vocab_size=cfg.vocab_size,
-            max_model_len=int(getattr(cfg, "max_position_embeddings", 1 << 30)),  # none given: no limit of its own
+            max_model_len=context_of(cfg),
         )
 
     @property
@@ -58,3 +59,25 @@ class ModelShape:
             raise ConfigError("kv_cache_memory", f"the KV cache budget ({budget} bytes) holds no block of this model; "
                               f"one block needs {per_block} bytes")
         return budget // per_block
+
+
+def kv_heads_of(cfg: Any) -> int:
+    """Key / value heads per layer, by whichever name the config gives them (Falcon: num_kv_heads, or one where
+    multi_query); one per query head where it names none. (The loaded model's own K/V shapes, `attention_probe`,
+    decide the pool.)"""
+    for name in ("num_key_value_heads", "num_kv_heads", "n_head_kv"):
+        value = getattr(cfg, name, None)
+        if value:
+            return int(value)
+    if getattr(cfg, "multi_query", False):
+        return 1
+    return cfg.num_attention_heads
+
+
+def context_of(cfg: Any) -> int:
+    """Tokens a request may hold: the positions the model was trained for (no limit of its own where the config
+    gives none), and no more than a rotary that changes with the sequence's length stays fixed for
+    (`model_support.rotary_context_limit`)."""
+    limit = int(getattr(cfg, "max_position_embeddings", 0) or 0) or 1 << 30
+    rotary = rotary_context_limit(cfg)
+    return min(limit, rotary[0]) if rotary else limit

@@ -293,6 +293,7 @@ class Scheduler:
             if not entry.sample:
                 request.num_computed_tokens += fed
                 bm.cache_full_blocks(request)
+                bm.release_out_of_window(request)
                 continue
             reason, appended = None, 0
             why = result.failed.get(entry.req_id)
@@ -311,6 +312,7 @@ class Scheduler:
             if entry.num_drafts:
                 self.speculator.verified(request, entry.num_drafts, min(accepted, entry.num_drafts))
                 bm.trim(request, request.num_tokens)
+            bm.release_out_of_window(request)
             self.stats.num_output_tokens += appended
             if why is not None:
                 request.error = failed_while_running(why)

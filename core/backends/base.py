@@ -58,12 +58,13 @@ def store_flash(kv_cache, layer: int, slot_mapping: torch.Tensor, k_new: torch.T
 
 def padded_tables(tables: Sequence[Sequence[int]], width: int | None = None) -> list[list[int]]:
     """Block tables as rows of one width (`width`, else the longest table's): cut to it, padded with block 0. A
-    padding entry is never read: a row's keys end before it."""
+    padding entry is never read: a row's keys end before it. An entry given back (NULL_BLOCK: out of every layer's
+    window) reads as block 0 too, and is never read either (`Backend.window_alignment`)."""
     if width is None:
         width = max(len(t) for t in tables)
     out = []
     for t in tables:
-        row = list(t[:width])
+        row = [max(b, 0) for b in t[:width]]
         row.extend([0] * (width - len(row)))
         out.append(row)
     return out
@@ -125,10 +126,14 @@ class SamplerOps:
 class Backend(ABC):
     name: str = "?"
     exact: bool = False  # meets the exactness contract
+    # Keys its attention may read below a sliding window's first key: a multiple of this (its vector lanes, its
+    # tiles); None where it reads every key up to the query (the pool's blocks out of a window cannot be given back).
+    window_alignment: int | None = None
 
     def __init__(self, model: torch.nn.Module) -> None:
         from conveyor.core.backends.attention_probe import probe_attention
         from conveyor.core.backends.transformers_forward import register
+        from conveyor.core.model_support import check_supported
 
         self.model = model
         self.device = next(model.parameters()).device
@@ -137,6 +142,7 @@ class Backend(ABC):
         # Each layer's attention as the model defines it (UnsupportedModel where conveyor would not compute it so),
         # and the K/V shapes its layers store, which the pool takes over the config's guess.
         name = getattr(model.config, "_name_or_path", "") or type(model).__name__
+        check_supported(model.config, name)  # what the loader refuses before the weights, for a model handed over
         self.attention = probe_attention(model, name)
         self.shape = dataclasses.replace(ModelShape.of(model), num_kv_heads=self.attention.num_kv_heads,
                                          head_dim=self.attention.head_dim)

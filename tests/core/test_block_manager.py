@@ -117,3 +117,43 @@ def test_random_alloc_grow_free_sequences_never_leak(ops):
     for r in live.values():
         bm.free(r)
     assert bm.num_free_blocks == bm.num_blocks and all(b.ref_count == 0 for b in bm.blocks)
+
+
+def test_blocks_wholly_before_every_window_go_back_and_keep_their_prefix():
+    """A model whose layers all slide (window 6): a request's blocks wholly before its next token's window
+    (aligned down to the backend's 4-key read alignment) go back to the pool as it advances, as NULL_BLOCK entries
+    of its table; full ones keep their hashes for a later prompt with the same prefix; freeing the request gives
+    back only the rest."""
+    from conveyor.core.block_manager import NULL_BLOCK
+
+    bm = BlockManager(8, 2, window=6, window_alignment=4)
+    r = make_request("a", 12)
+    bm.allocate(r, [], 12)
+    r.num_computed_tokens = 12
+    bm.cache_full_blocks(r)
+    bm.release_out_of_window(r)  # next token at 12 sees keys 7..12: aligned down to 4, blocks of keys 0-3 go
+    assert r.block_ids[:2] == [NULL_BLOCK, NULL_BLOCK] and NULL_BLOCK not in r.block_ids[2:]
+    assert bm.num_free_blocks == 8 - 6 + 2
+    bm.check_invariants([r])
+    other = make_request("b", 12)  # the same prompt: its first blocks are still cached
+    assert len(bm.find_cached_prefix(other)) == (12 - 1) // 2
+    bm.release_out_of_window(r)  # nothing new
+    assert bm.num_free_blocks == 4
+    bm.append_slots(r, 20)
+    r.num_computed_tokens = 20
+    bm.cache_full_blocks(r)
+    bm.release_out_of_window(r)  # keys from 15, aligned: 12: six blocks of keys 0-11 given back
+    assert r.block_ids[:6] == [NULL_BLOCK] * 6 and bm.num_free_blocks == 8 - 4
+    bm.check_invariants([r])
+    bm.free(r)
+    assert bm.num_free_blocks == 8 and r.block_ids == []
+    bm.check_invariants([])
+
+
+def test_without_a_window_nothing_goes_back_early():
+    bm = BlockManager(8, 2)
+    r = make_request("a", 12)
+    bm.allocate(r, [], 12)
+    r.num_computed_tokens = 12
+    bm.release_out_of_window(r)
+    assert bm.num_free_blocks == 2 and -1 not in r.block_ids

@@ -1,4 +1,4 @@
-"""The C++ element-wise and sampling kernels and the fused Llama forward, each against plain torch /
+"""The C++ element-wise and sampling kernels and the fused decoder forward, each against plain torch /
 transformers. (Attention: test_paged_attention.py; linears: test_linear_kernels.py.)"""
 
 from __future__ import annotations
@@ -10,9 +10,11 @@ from pools import pool_slot
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from conveyor.core.backends.attention_probe import probe_attention
 from conveyor.core.backends.cpu.backend import LAYOUTS, CpuAttention, kv_layout
-from conveyor.core.backends.cpu.fused_llama import FusedLlama
+from conveyor.core.backends.cpu.fused_decoder import FusedDecoder
 from conveyor.core.backends.cpu.kernels import cpu_kernels
+from conveyor.core.backends.transformers_forward import register
 from conveyor.core.kv_cache import KVCache
 
 ops = cpu_kernels()
@@ -137,6 +139,15 @@ def _llama(**kw):
     return LlamaForCausalLM(LlamaConfig(**cfg)).eval()
 
 
+def _fused(model, kernels=ops):
+    """FusedDecoder.build over `model` (its attention probed), the model left on eager attention for references."""
+    register(model)
+    try:
+        return FusedDecoder.build(model, probe_attention(model, "test"), kernels)[0]
+    finally:
+        model.set_attn_implementation("eager")
+
+
 def _fused_logits(model, prompts, block_size=16):
     """Prefill every prompt in one flat step, then one decode step each."""
     mc = model.config
@@ -145,7 +156,7 @@ def _fused_logits(model, prompts, block_size=16):
     layout = kv_layout(dtype, head_dim, block_size, mc.num_attention_heads // mc.num_key_value_heads)
     kv = KVCache(mc.num_hidden_layers, mc.num_key_value_heads, head_dim, num_blocks=64, block_size=block_size,
                  dtype=dtype, device=torch.device("cpu"), layout=LAYOUTS[layout])
-    fused = FusedLlama.build(model, ops)
+    fused = _fused(model)
     assert fused is not None
     tables = [list(range(1 + 8 * i, 9 + 8 * i)) for i in range(len(prompts))]
 
@@ -219,12 +230,12 @@ def _qwen2():
 
 
 def test_fused_forward_declines_what_it_does_not_cover():
-    assert FusedLlama.build(_llama(hidden_act="gelu"), ops) is None
-    assert FusedLlama.build(_llama(), None) is None
+    assert _fused(_llama(hidden_act="gelu")) is None
+    assert _fused(_llama(), None) is None
     from transformers import GPT2Config, GPT2LMHeadModel
 
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=100, n_embd=32, n_layer=1, n_head=2, n_positions=64)).eval()
-    assert FusedLlama.build(gpt2, ops) is None
+    assert _fused(gpt2) is None
 
 
 def _sample(logits, rows, temps, u, top_k=None, top_p=None, min_p=None):

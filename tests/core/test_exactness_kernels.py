@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from pools import filled_pool
 
-from conveyor.core.backends.cpu.fused_llama import pack_amx, pack_pairs, pack_panels
 from conveyor.core.backends.cpu.kernels import cpu_kernels
+from conveyor.core.backends.cpu.linears import pack_amx, pack_pairs, pack_panels
 
 ops = cpu_kernels()
 pytestmark = pytest.mark.skipif(ops is None, reason="no C++ kernels here (no compiler, or a CPU without "

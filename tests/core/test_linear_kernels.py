@@ -1,5 +1,5 @@
 """The C++ linear kernels (panel_gemm, pair_gemm, amx_gemm), their weight packings, and the route
-`_Linear` takes: against float64 F.linear, and each row against itself alone."""
+`Linear` takes: against float64 F.linear, and each row against itself alone."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conveyor.core.backends.cpu.fused_llama import _Linear, pack_amx, pack_pairs, pack_panels
 from conveyor.core.backends.cpu.kernels import cpu_kernels
+from conveyor.core.backends.cpu.linears import Linear, pack_amx, pack_pairs, pack_panels
 
 ops = cpu_kernels()
 pytestmark = pytest.mark.skipif(ops is None, reason="no C++ kernels here (no compiler, or a CPU without "
@@ -100,14 +100,14 @@ def test_a_linear_takes_one_kernel_for_every_row_count():
     g = torch.Generator().manual_seed(3)
     w32 = torch.randn(64, 96, generator=g)
     w16 = w32.to(torch.bfloat16)
-    assert _Linear(w32, None, ops).gemm is ops.panel_gemm
+    assert Linear(w32, None, ops).gemm is ops.panel_gemm
     if ops.amx_gemm_available():
-        assert _Linear(w16, None, ops).gemm is ops.amx_gemm
-    assert _Linear(w16[:, :48].contiguous(), None, ops).gemm in (ops.pair_gemm, ops.panel_gemm)  # K not 32k
+        assert Linear(w16, None, ops).gemm is ops.amx_gemm
+    assert Linear(w16[:, :48].contiguous(), None, ops).gemm in (ops.pair_gemm, ops.panel_gemm)  # K not 32k
     if ops.pair_gemm_available():
-        assert _Linear(w16, None, _WithoutAmx()).gemm is ops.pair_gemm
-    assert _Linear(w16[:, :33].contiguous(), None, _WithoutAmx()).gemm is ops.panel_gemm  # K odd
-    for w, lin in ((w32, _Linear(w32, None, ops)), (w16, _Linear(w16, None, ops))):
+        assert Linear(w16, None, _WithoutAmx()).gemm is ops.pair_gemm
+    assert Linear(w16[:, :33].contiguous(), None, _WithoutAmx()).gemm is ops.panel_gemm  # K odd
+    for w, lin in ((w32, Linear(w32, None, ops)), (w16, Linear(w16, None, ops))):
         for m in (1, 200, 1100):
             x = torch.randn(m, 96, generator=g).to(w.dtype)
             assert torch.equal(lin(x), lin.gemm(x, lin.packed, 64, None))

@@ -1,2 +1,2 @@
-"""The CPU backend: conveyor's C++ kernels (`kernels.py` builds `csrc/`), the fused Llama forward
-(`fused_llama.py`) and the backend over them (`backend.py`)."""
+"""The CPU backend: conveyor's C++ kernels (`kernels.py` builds `csrc/`), their exact linears (`linears.py`), the
+fused forward of the decoder families (`fused_decoder.py`) and the backend over them (`backend.py`)."""

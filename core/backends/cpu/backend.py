@@ -7,8 +7,8 @@
   side by side as the tiles and VDPBF16PS read them). The layout decides the attention arithmetic; every
   row (fresh prompt, later chunk, decode) takes it.
 - Per step: each row's request (an index into the step's block tables) and the keys it sees.
-- Forward: `FusedLlama` for Llama-family models, else the model's transformers forward with this
-  attention.
+- Forward: `FusedDecoder` for the decoder families it covers (`backends/decoder_plan.py`), exact; else the
+  model's transformers forward with this attention, whose linears are torch's (not batch-invariant: it says so).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from conveyor.core.backends.base import (
     padded_tables,
     tensor,
 )
-from conveyor.core.backends.cpu.fused_llama import FusedLlama
+from conveyor.core.backends.cpu.fused_decoder import FusedDecoder
 from conveyor.core.backends.cpu.kernels import cpu_kernels
 from conveyor.core.backends.transformers_forward import transformers_forward
 from conveyor.core.malloc_tuning import keep_freed_memory
@@ -61,7 +61,7 @@ class CpuAttention(StepAttention):
 
 class CpuBackend(Backend):
     name = "cpu"
-    exact = True
+    window_alignment = 16  # a window task reads from a 16-aligned key (paged_attention.cpp)
 
     def __init__(self, model: torch.nn.Module, fused_forward: bool = True) -> None:
         super().__init__(model)
@@ -71,7 +71,11 @@ class CpuBackend(Backend):
         if self.ops is None:
             raise RuntimeError("the cpu backend needs conveyor's C++ kernels, which are unavailable here")
         keep_freed_memory()
-        self.fused = FusedLlama.build(model, self.ops) if fused_forward else None
+        self.fused, self.unfused_reason = FusedDecoder.build(model, self.attention, self.ops) if fused_forward else \
+            (None, "the fused forward was turned off")
+        # Only the fused forward's linears are conveyor's exact kernels; torch's under the transformers forward
+        # choose their blocking by the step's shape.
+        self.exact = self.fused is not None
 
     def kv_layout(self, head_dim: int, block_size: int, group: int) -> KVLayout:
         return LAYOUTS[kv_layout(self.dtype, head_dim, block_size, group)]
@@ -102,7 +106,17 @@ class CpuBackend(Backend):
         return SamplerOps(argmax=ops.argmax_rows, sample_rows=ops.sample_rows, apply_bitmask=ops.apply_token_bitmask)
 
     def describe(self) -> str:
-        return "cpu (fused forward)" if self.fused is not None else "cpu (transformers forward)"
+        return f"cpu ({self.fused.describe()})" if self.fused is not None else "cpu (transformers forward)"
+
+    def inexact_reason(self) -> str | None:
+        if self.fused is not None:
+            return None
+        return ("its transformers forward's linears are torch's, which choose their blocking by the step's shape (a "
+                "one-row matmul takes another kernel than a 64-row one), so a record's output can change with the "
+                "records batched around it; the attention is conveyor's exact kernel")
+
+    def note(self) -> str | None:
+        return f"no fused forward for this model: {self.unfused_reason}" if self.fused is None else None
 
     def arithmetic(self) -> str:
         if self.dtype == torch.bfloat16:

@@ -8,8 +8,8 @@ steps of up to GRAPH_MAX_TOKENS rows, the KV pool sized from free GPU memory.
   (lazily, once) for the smallest bucket of rows that holds them: the step's indices are copied into the
   graph's static buffers, padding rows write their K/V to a scratch block of their own and belong to no query
   block. Larger steps and steps that want prompt logprobs run eagerly.
-- Llama-family models take `forward.LlamaForward`; other architectures their transformers forward with this
-  attention (eager, no graphs).
+- The decoder families of `decoder_plan` take `forward.DecoderForward` (graphs where no layer is MoE); other
+  architectures their transformers forward with this attention (eager, no graphs).
 - Not batch-invariant: cuBLAS picks a matmul's kernel (and its reduction order) by the step's shape.
 It also runs on a CPU under TRITON_INTERPRET=1 (Triton's interpreter; no graphs, no pinned memory): that is
 how CI tests it.
@@ -31,10 +31,10 @@ from conveyor.core.backends.base import (
     padded_tables,
     store_flash,
 )
-from conveyor.core.backends.cuda.forward import LlamaForward, table_positions
+from conveyor.core.backends.cuda.forward import DecoderForward, table_positions
 from conveyor.core.backends.cuda.graphs import GRAPH_BUCKETS, GRAPH_MAX_TOKENS, CapturedStep
-from conveyor.core.backends.cuda.triton_attention import block_shape, paged_attention, query_blocks
-from conveyor.core.backends.llama_family import is_plain_llama
+from conveyor.core.backends.cuda.triton_attention import TILE, block_shape, paged_attention, query_blocks
+from conveyor.core.backends.decoder_plan import decoder_plan
 from conveyor.core.backends.transformers_forward import transformers_forward
 from conveyor.core.errors import ConfigError
 
@@ -68,14 +68,16 @@ class TritonAttention(StepAttention):
 class CudaBackend(Backend):
     name = "cuda"
     exact = False
+    window_alignment = TILE  # a window block of queries reads from a TILE-aligned key (triton_attention.py)
 
     def __init__(self, model: torch.nn.Module, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048) -> None:
         super().__init__(model)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.group = self.shape.num_heads // self.shape.num_kv_heads
-        self.lean = LlamaForward(model) if is_plain_llama(model) else None
-        self.use_graphs = self.device.type == "cuda" and self.lean is not None
+        plan, self.unfused_reason = decoder_plan(model, self.attention)
+        self.lean = DecoderForward(model, plan, self.attention) if plan is not None else None
+        self.use_graphs = self.device.type == "cuda" and self.lean is not None and not self.lean.has_moe
         self.graphs: dict[int, CapturedStep] = {}
         self.graph_pool = None
         self.graph_replays = 0
@@ -137,7 +139,7 @@ class CudaBackend(Backend):
             q_start.append(q_start[-1] + n)
         seq_lens = [e.start_pos + e.num_tokens for e in entries]
         if self.lean is not None and not self.lean.covers(max(rows.positions)):
-            self.lean.rotary.reserve(max(rows.positions) + 1)
+            self.lean.reserve(max(rows.positions) + 1)
         ids, pos, slots, tables_t, seq_t, start_t, qb_seq, qb_first, logit_rows = _upload(
             [rows.input_ids, rows.positions, rows.slots, tables, seq_lens, q_start, blocks.seq, blocks.first,
              rows.logit_rows], self.device)
@@ -165,8 +167,9 @@ class CudaBackend(Backend):
         return graph.run(rows)
 
     def describe(self) -> str:
-        forward = "lean Llama forward, CUDA graphs" if self.use_graphs else (
-            "lean Llama forward" if self.lean is not None else "transformers forward")
+        family = self.lean.plan.family if self.lean is not None else ""
+        forward = f"lean {family} forward, CUDA graphs" if self.use_graphs else (
+            f"lean {family} forward" if self.lean is not None else "transformers forward")
         return f"cuda ({forward})"
 
     def arithmetic(self) -> str:

@@ -1,10 +1,11 @@
-"""(torch) A lean forward for Llama-family models over the paged pool, in torch ops (cuBLAS linears) around the
-step's attention: the CUDA backend's forward, and what its CUDA graphs capture.
+"""(torch) The lean forward of the decoder families of `decoder_plan` over the paged pool, in torch ops (cuBLAS
+linears) around the step's attention: the CUDA backend's forward, and what its CUDA graphs capture.
 
-Same weights and arithmetic as transformers' eager forward (float32 RMSNorm, rotate-half rotary in the
-model's dtype) in fewer operations: q/k/v and gate/up are one matmul each (the module weights become views
-into the concatenated tensors). Nothing in it reads a value back to the host, so it can be captured in a CUDA
-graph: the rotary table is computed for every position up front.
+The same weights and arithmetic as transformers' eager forward (float32 norms, rotate-half rotary in the model's
+dtype, the family's norm placement, q/k norms, multipliers and softcaps) in fewer operations: q/k/v and gate/up
+are one matmul each (the module weights become views into the concatenated tensors). Nothing in a dense model's
+forward reads a value back to the host, so it can be captured in a CUDA graph: the rotary tables are computed for
+every position up front. An MoE layer routes its tokens on the host (not captured).
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from conveyor.core.backends.base import ModelShape, StepAttention
-from conveyor.core.backends.llama_family import RotaryTable, concat_linears
+from conveyor.core.attention_spec import ModelAttention
+from conveyor.core.backends.base import StepAttention
+from conveyor.core.backends.decoder_plan import DecoderPlan, LayerPlan, MoePlan, NormPlan
 
-MAX_ROTARY_POSITIONS = 1 << 17  # a longer context grows the table outside any graph (`reserve`)
+MAX_ROTARY_POSITIONS = 1 << 17  # a longer context grows the tables outside any graph (`reserve`)
 
 
 def table_positions(model: torch.nn.Module) -> int:
@@ -24,75 +26,121 @@ def table_positions(model: torch.nn.Module) -> int:
     return int(getattr(model.config, "max_position_embeddings", 4096) or 4096)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, norm: NormPlan) -> torch.Tensor:
+    """transformers' RMSNorm: a weight in the model's dtype multiplies the normalized rows rounded to it; a float32
+    one (Gemma's 1 + w, OLMo-2's w) multiplies them in float32, rounded after."""
     h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.eps)
+    if norm.weight.dtype == torch.float32 and x.dtype != torch.float32:
+        return (h * norm.weight).to(x.dtype)
+    return norm.weight * h.to(x.dtype)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, D] rotated by cos, sin [T, D] (transformers' rotate_half convention)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    """x [T, heads, D] with its first cos.shape[-1] dims rotated by cos, sin [T, dims] (transformers' rotate_half
+    convention; the other dims passed through)."""
+    dims = cos.shape[-1]
+    if dims == 0:
+        return x
+    xr, rest = x[..., :dims], x[..., dims:]
+    half = dims // 2
+    rotated = torch.cat([-xr[..., half:], xr[..., :half]], dim=-1)
+    out = (xr * cos[:, None, :] + rotated * sin[:, None, :]).to(x.dtype)  # float32 tables: rounded once (OLMo-2)
+    return out if rest.shape[-1] == 0 else torch.cat([out, rest], dim=-1)
 
 
-class _Layer:
-    def __init__(self, layer: torch.nn.Module) -> None:
-        attn, mlp = layer.self_attn, layer.mlp
-        self.qkv_w, self.qkv_b = concat_linears([attn.q_proj, attn.k_proj, attn.v_proj])
-        self.o_w = attn.o_proj.weight.detach()
-        self.o_b = None if attn.o_proj.bias is None else attn.o_proj.bias.detach()
-        self.gate_up_w, self.gate_up_b = concat_linears([mlp.gate_proj, mlp.up_proj])
-        self.down_w = mlp.down_proj.weight.detach()
-        self.down_b = None if mlp.down_proj.bias is None else mlp.down_proj.bias.detach()
-        self.norm_in = layer.input_layernorm.weight.detach()
-        self.norm_post = layer.post_attention_layernorm.weight.detach()
-        self.eps_in = float(layer.input_layernorm.variance_epsilon)
-        self.eps_post = float(layer.post_attention_layernorm.variance_epsilon)
-        self.intermediate = mlp.gate_proj.weight.shape[0]
+def _act(x: torch.Tensor, act: str) -> torch.Tensor:
+    return F.silu(x) if act == "silu" else F.gelu(x, approximate="tanh")
 
 
-class LlamaForward:
+def _moe(x: torch.Tensor, moe: MoePlan, act: str) -> torch.Tensor:
+    logits = F.linear(x, moe.router)
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, chosen = torch.topk(probs, moe.top_k, dim=-1)
+    if moe.renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    if moe.weights_in_dtype:
+        weights = weights.to(x.dtype)
+    out = torch.zeros_like(x)
+    inter = moe.gate_up.shape[1] // 2
+    for e in torch.unique(chosen).tolist():
+        token, slot = torch.where(chosen == e)
+        gu = F.linear(x[token], moe.gate_up[e])
+        y = F.linear(_act(gu[:, :inter], act) * gu[:, inter:], moe.down[e])
+        out.index_add_(0, token, (y * weights[token, slot, None]).to(x.dtype))
+    return out
+
+
+class DecoderForward:
     """Callable: (input_ids [T], positions [T], attention, logit_rows [L]) -> logits [L, vocab]."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        inner = model.model
-        self.embed = inner.embed_tokens.weight.detach()
-        self.layers = [_Layer(layer) for layer in inner.layers]
-        self.norm = inner.norm.weight.detach()
-        self.norm_eps = float(inner.norm.variance_epsilon)
-        self.lm_head = model.lm_head.weight.detach()
-        self.lm_head_b = None if model.lm_head.bias is None else model.lm_head.bias.detach()
-        shape = ModelShape.of(model)
-        self.num_heads, self.num_kv_heads, self.head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
-        self.scale = inner.layers[0].self_attn.scaling
-        self.rotary = RotaryTable(inner.rotary_emb, self.embed)
-        self.rotary.reserve(min(table_positions(model), MAX_ROTARY_POSITIONS))
+    def __init__(self, model: torch.nn.Module, plan: DecoderPlan, attention: ModelAttention) -> None:
+        self.plan = plan
+        self.attention = attention.layers
+        self.rotaries = plan.rotaries
+        self.has_moe = any(layer.moe is not None for layer in plan.layers)
+        self.reserve(min(table_positions(model), MAX_ROTARY_POSITIONS))
+
+    def reserve(self, num_positions: int) -> None:
+        for table in self.rotaries:
+            table.reserve(num_positions)
+
+    def covers(self, max_position: int) -> bool:
+        """Whether the rotary tables already hold `max_position` (else `reserve` first, outside a graph)."""
+        return all(max_position < table.cos.shape[0] for table in self.rotaries)
+
+    def _layer(self, i: int, layer: LayerPlan, h: torch.Tensor, tables, attention: StepAttention) -> torch.Tensor:
+        plan, spec = self.plan, self.attention[i]
+        H, Hkv, D = plan.num_heads, plan.num_kv_heads, plan.head_dim
+        T = h.shape[0]
+        norms = layer.norms
+        x = rms_norm(h, norms["attn_in"]) if "attn_in" in norms else h
+        qkv = F.linear(x, *layer.qkv)
+        q = qkv[:, :H * D]
+        k = qkv[:, H * D:(H + Hkv) * D]
+        v = qkv[:, (H + Hkv) * D:].reshape(T, Hkv, D)
+        if layer.q_norm is not None:
+            if layer.qk_norm_whole:
+                q, k = rms_norm(q, layer.q_norm), rms_norm(k, layer.k_norm)
+            else:
+                q = rms_norm(q.reshape(T, H, D), layer.q_norm)
+                k = rms_norm(k.reshape(T, Hkv, D), layer.k_norm)
+        q, k = q.reshape(T, H, D), k.reshape(T, Hkv, D)
+        if layer.rope is not None:
+            cos, sin = tables[layer.rope]
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        attention.store(i, k, v)
+        a = attention.attend(i, q, k, v, spec.scale, window=spec.window, softcap=spec.softcap)
+        o = F.linear(a.reshape(T, H * D), *layer.o)
+        if "attn_out" in norms:
+            o = rms_norm(o, norms["attn_out"])
+        if layer.residual_multiplier != 1.0:
+            o = o * layer.residual_multiplier
+        h = h + o
+        x = rms_norm(h, norms["mlp_in"]) if "mlp_in" in norms else h
+        if layer.moe is not None:
+            m = _moe(x, layer.moe, layer.act)
+        else:
+            gate_up = F.linear(x, *layer.gate_up)
+            n = layer.intermediate
+            m = F.linear(_act(gate_up[:, :n], layer.act) * gate_up[:, n:], *layer.down)
+        if "mlp_out" in norms:
+            m = rms_norm(m, norms["mlp_out"])
+        if layer.residual_multiplier != 1.0:
+            m = m * layer.residual_multiplier
+        return h + m
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: StepAttention,
                  logit_rows: torch.Tensor) -> torch.Tensor:
-        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        T = input_ids.shape[0]
-        cos = self.rotary.cos.index_select(0, positions)
-        sin = self.rotary.sin.index_select(0, positions)
-        h = F.embedding(input_ids, self.embed)
-        for i, layer in enumerate(self.layers):
-            x = rms_norm(h, layer.norm_in, layer.eps_in)
-            qkv = F.linear(x, layer.qkv_w, layer.qkv_b)
-            q = rotate(qkv[:, :H * D].view(T, H, D), cos, sin)
-            k = rotate(qkv[:, H * D:(H + Hkv) * D].view(T, Hkv, D), cos, sin)
-            v = qkv[:, (H + Hkv) * D:].view(T, Hkv, D)
-            attention.store(i, k, v)
-            a = attention.attend(i, q, k, v, self.scale)
-            h = h + F.linear(a.reshape(T, H * D), layer.o_w, layer.o_b)
-            x = rms_norm(h, layer.norm_post, layer.eps_post)
-            gate_up = F.linear(x, layer.gate_up_w, layer.gate_up_b)
-            n = layer.intermediate
-            h = h + F.linear(F.silu(gate_up[:, :n]) * gate_up[:, n:], layer.down_w, layer.down_b)
+        plan = self.plan
+        tables = [(t.cos.index_select(0, positions), t.sin.index_select(0, positions)) for t in self.rotaries]
+        h = plan.embed(input_ids)
+        for i, layer in enumerate(plan.layers):
+            h = self._layer(i, layer, h, tables, attention)
         rows = h.index_select(0, logit_rows)
-        return F.linear(rms_norm(rows, self.norm, self.norm_eps), self.lm_head, self.lm_head_b)
-
-    def covers(self, max_position: int) -> bool:
-        """Whether the rotary table already holds `max_position` (else `reserve` first, outside a graph)."""
-        return max_position < self.rotary.cos.shape[0]
+        logits = F.linear(rms_norm(rows, plan.final_norm), *plan.lm_head)
+        if plan.final_softcap is not None:
+            logits = torch.tanh(logits / plan.final_softcap) * plan.final_softcap
+        if plan.logits_divisor is not None:
+            logits = logits / plan.logits_divisor
+        return logits

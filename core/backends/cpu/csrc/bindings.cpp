@@ -1,5 +1,8 @@
 // Python bindings of conveyor's CPU kernels (one extension module, built once and cached).
 #include <torch/csrc/utils/pybind.h>  // pybind11 with torch's Tensor casters: a third of torch/extension.h's build time
+#include <pybind11/stl.h>
+
+#include "decoder.h"
 
 at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor tables,
                            at::Tensor token_req, at::Tensor token_ctx, int64_t block_size, double scale,
@@ -20,12 +23,10 @@ bool pair_gemm_available();
 at::Tensor amx_gemm(at::Tensor x, at::Tensor packed, int64_t N, c10::optional<at::Tensor> bias);
 bool amx_gemm_available();
 double fma_peak_gflops(double seconds, bool bf16);
-at::Tensor llama_layers(at::Tensor h, std::vector<at::Tensor> packed, std::vector<int64_t> out_features,
-                        std::vector<c10::optional<at::Tensor>> biases, std::vector<int64_t> routes,
-                        std::vector<at::Tensor> norms, std::vector<double> eps, at::Tensor cos, at::Tensor sin,
-                        at::Tensor slots, std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches,
-                        at::Tensor tables, at::Tensor token_req, at::Tensor token_ctx, int64_t block_size,
-                        double scale, int64_t num_heads, int64_t head_dim);
+at::Tensor act_mul(at::Tensor gu, int64_t act);
+at::Tensor rms_norm_float_weight(at::Tensor h, c10::optional<at::Tensor> delta, at::Tensor wf, double eps);
+void norm_runs_inplace(at::Tensor x, int64_t offset, int64_t groups, int64_t n, at::Tensor w, double eps);
+void softcap_inplace(at::Tensor x, double cap);
 bool peak_bf16_available();
 
 // Whether the compiler had 16-float registers (AVX-512F) for the kernels' 16-lane vectors (vec16.h).
@@ -57,9 +58,49 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pair_gemm_available", &pair_gemm_available, "whether pair_gemm is built in (AVX512-BF16)");
   m.def("amx_gemm", &amx_gemm, "x @ W.T (+ bias) in bf16 on AMX tiles, W prepacked by fused_llama.pack_amx (CPU)");
   m.def("amx_gemm_available", &amx_gemm_available, "whether amx_gemm can run here (AMX built in and permitted)");
-  m.def("llama_layers", &llama_layers,
-        "the decoder layers of the fused Llama forward in one call (the residual stream updated in place); returns "
-        "the last layer's MLP output");
+  m.def("act_mul", &act_mul, "act(gate) * up over [rows, 2I]: act 0 SiLU, 1 GELU-tanh (CPU)");
+  m.def("rms_norm_float_weight", &rms_norm_float_weight,
+        "RMSNorm whose float32 weight multiplies in float32, rounded once (Gemma's 1 + w, OLMo-2's w); optionally "
+        "adding a residual delta in place first (CPU)");
+  m.def("norm_runs", &norm_runs_inplace,
+        "in place: `groups` runs of n columns from `offset` of each row RMS-normalized (q / k norms) (CPU)");
+  m.def("softcap", &softcap_inplace, "in place: x <- cap * tanh(x / cap) (CPU)");
+  namespace py = pybind11;
+  py::class_<Linear>(m, "Linear", "a prepacked linear of the exact kernels")
+      .def(py::init([](at::Tensor packed, int64_t n, c10::optional<at::Tensor> bias, int64_t route) {
+             return Linear{packed, n, bias, route};
+           }), py::arg("packed"), py::arg("n"), py::arg("bias"), py::arg("route"))
+      .def("__call__", &Linear::operator());
+  py::class_<Norm>(m, "Norm", "an RMSNorm's weight (the model's dtype, or float32: multiplied in float) and eps")
+      .def(py::init([](at::Tensor weight, double eps) { return Norm{weight, eps}; }), py::arg("weight"),
+           py::arg("eps"));
+  py::class_<Moe>(m, "Moe", "a sparse MoE MLP: router, experts' gate/up and down linears")
+      .def(py::init([](Linear router, std::vector<Linear> gate_up, std::vector<Linear> down, int64_t top_k,
+                       bool renormalize, bool weights_in_dtype) {
+             return Moe{router, gate_up, down, top_k, renormalize, weights_in_dtype};
+           }), py::arg("router"), py::arg("gate_up"), py::arg("down"), py::arg("top_k"), py::arg("renormalize"),
+           py::arg("weights_in_dtype"))
+      .def("__call__", &Moe::operator());
+  py::class_<Layer>(m, "Layer", "what one decoder layer computes (decoder.h)")
+      .def(py::init<>())
+      .def_readwrite("attn_in", &Layer::attn_in).def_readwrite("attn_out", &Layer::attn_out)
+      .def_readwrite("mlp_in", &Layer::mlp_in).def_readwrite("mlp_out", &Layer::mlp_out)
+      .def_readwrite("q_norm", &Layer::q_norm).def_readwrite("k_norm", &Layer::k_norm)
+      .def_readwrite("qk_norm_whole", &Layer::qk_norm_whole)
+      .def_readwrite("qkv", &Layer::qkv).def_readwrite("o", &Layer::o)
+      .def_readwrite("gate_up", &Layer::gate_up).def_readwrite("down", &Layer::down)
+      .def_readwrite("moe", &Layer::moe).def_readwrite("act", &Layer::act).def_readwrite("rope", &Layer::rope)
+      .def_readwrite("window", &Layer::window).def_readwrite("softcap", &Layer::softcap)
+      .def_readwrite("scale", &Layer::scale).def_readwrite("sinks", &Layer::sinks)
+      .def_readwrite("residual_multiplier", &Layer::residual_multiplier);
+  py::class_<Decoder>(m, "Decoder", "the decoder layers of the fused forward, run per step in one call")
+      .def(py::init<int64_t, int64_t, int64_t>(), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"))
+      .def("add", &Decoder::add)
+      .def("__len__", &Decoder::size)
+      .def("forward", &Decoder::forward,
+           "h [T, hidden] (the residual stream, updated in place), cos / sin per rotary table, the step's slots, "
+           "the layers' K/V pools and the attention metadata -> the last layer's MLP output",
+           py::call_guard<py::gil_scoped_release>());
   m.def("fma_peak_gflops", &fma_peak_gflops,
         "GFLOP/s of independent 512-bit multiply-adds on every thread for about `seconds` (float FMAs, or bf16 pair "
         "products): the peak the kernel microbenchmark reads the linears against");

@@ -86,9 +86,57 @@ inline void store16(scalar_t* __restrict__ dst, v16f x) {
   }
 }
 
+// One row's 1 / RMS, as torch's float32 mean of squares: a 16-lane sum, then the lanes in order.
+template <typename scalar_t>
+inline float inv_rms(const scalar_t* __restrict__ row, int64_t N, float eps) {
+  const int64_t NV = N / 16 * 16;
+  v16f acc = {};
+  for (int64_t i = 0; i < NV; i += 16) {
+    const v16f v = load16(row + i);
+    acc += v * v;
+  }
+  float ss = 0.f;
+  for (int i = 0; i < 16; ++i) ss += acc[i];
+  for (int64_t i = NV; i < N; ++i) ss += static_cast<float>(row[i]) * static_cast<float>(row[i]);
+  return 1.f / std::sqrt(ss / static_cast<float>(N) + eps);
+}
+
+// A norm whose weight multiplies in float32 (Gemma's (1 + w), OLMo-2's w): out = (x * r * wf) rounded once.
+template <typename scalar_t>
+inline void norm_float_weight(const scalar_t* __restrict__ row, const float* __restrict__ wf, scalar_t* out, int64_t N,
+                              float r) {
+  const int64_t NV = N / 16 * 16;
+  for (int64_t i = 0; i < NV; i += 16) store16(out + i, (load16(row + i) * r) * load16(wf + i));
+  for (int64_t i = NV; i < N; ++i) out[i] = static_cast<scalar_t>((static_cast<float>(row[i]) * r) * wf[i]);
+}
+
+// The same norm in place on `groups` runs of N elements per row, rows `stride` apart (q / k heads within qkv):
+// Llama's form (w in the model's dtype) or the float-weight one (wf).
+template <typename scalar_t>
+void norm_runs(scalar_t* x, int64_t T, int64_t stride, int64_t groups, int64_t N, const scalar_t* w, const float* wf,
+               float eps) {
+  at::parallel_for(0, T, grain(groups * N), [&](int64_t begin, int64_t end) {
+    std::vector<scalar_t> tmp(N);
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t g = 0; g < groups; ++g) {
+        scalar_t* __restrict__ run = x + t * stride + g * N;
+        const float r = inv_rms(run, N, eps);
+        if (wf != nullptr) {
+          norm_float_weight(run, wf, tmp.data(), N, r);
+        } else {
+          const int64_t NV = N / 16 * 16;
+          for (int64_t i = 0; i < NV; i += 16) store16(tmp.data() + i, load16(w + i) * round16<scalar_t>(load16(run + i) * r));
+          for (int64_t i = NV; i < N; ++i)
+            tmp[i] = static_cast<scalar_t>(static_cast<float>(w[i]) * rnd<scalar_t>(static_cast<float>(run[i]) * r));
+        }
+        std::memcpy(run, tmp.data(), sizeof(scalar_t) * N);
+      }
+  });
+}
+
 template <typename scalar_t>
 void rms_norm_rows(scalar_t* h, const scalar_t* delta, const scalar_t* w, scalar_t* y, int64_t T, int64_t N,
-                   float eps) {
+                   float eps, const float* wf = nullptr) {
   const int64_t NV = N / 16 * 16;  // vectorized part of a row; the rest (N % 16) runs scalar
   at::parallel_for(0, T, grain(N), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
@@ -98,16 +146,12 @@ void rms_norm_rows(scalar_t* h, const scalar_t* delta, const scalar_t* w, scalar
         for (int64_t i = 0; i < NV; i += 16) store16(row + i, load16(row + i) + load16(d + i));
         for (int64_t i = NV; i < N; ++i) row[i] = static_cast<scalar_t>(static_cast<float>(row[i]) + static_cast<float>(d[i]));
       }
-      v16f acc = {};
-      for (int64_t i = 0; i < NV; i += 16) {
-        const v16f v = load16(row + i);
-        acc += v * v;
-      }
-      float ss = 0.f;
-      for (int i = 0; i < 16; ++i) ss += acc[i];
-      for (int64_t i = NV; i < N; ++i) ss += static_cast<float>(row[i]) * static_cast<float>(row[i]);
-      const float r = 1.f / std::sqrt(ss / static_cast<float>(N) + eps);
+      const float r = inv_rms(row, N, eps);
       scalar_t* __restrict__ out = y + t * N;
+      if (wf != nullptr) {
+        norm_float_weight(row, wf, out, N, r);
+        continue;
+      }
       for (int64_t i = 0; i < NV; i += 16)  // hidden_states.to(input_dtype), then weight * it
         store16(out + i, load16(w + i) * round16<scalar_t>(load16(row + i) * r));
       for (int64_t i = NV; i < N; ++i) {
@@ -180,20 +224,25 @@ void clear_new_blocks(const int64_t* slots, int64_t T, scalar_t* v_cache, const 
       std::memset(v_cache + (slots[t] / p.bs) * p.Hkv * p.D * p.bs, 0, sizeof(scalar_t) * p.Hkv * p.D * p.bs);
 }
 
+// Rotary on the first `rot` dims of each q and k head (rot < D: partial rotary, the rest passed through; rot 0:
+// none), cos / sin [T, rot]; then K/V stored.
+// With cos_f / sin_f (float32 tables: OLMo-2's rotary), the rotation runs in float32 and rounds once, as torch
+// computes a bf16 q times a float32 cos.
 template <typename scalar_t>
 void rope_store_rows(scalar_t* qkv, const scalar_t* cos, const scalar_t* sin, const int64_t* slots, scalar_t* k_cache,
-                     scalar_t* v_cache, int64_t T, int64_t H, const Pool& pool) {
+                     scalar_t* v_cache, int64_t T, int64_t H, const Pool& pool, int64_t rot,
+                     const float* cos_f = nullptr, const float* sin_f = nullptr) {
   const int64_t Hkv = pool.Hkv, D = pool.D;
-  const int64_t width = (H + 2 * Hkv) * D, half = D / 2;
+  const int64_t width = (H + 2 * Hkv) * D, half = rot / 2;
   clear_new_blocks(slots, T, v_cache, pool);
-  const bool vec = half % 16 == 0;
+  const bool vec = half % 16 == 0 && half > 0 && cos_f == nullptr;
   at::parallel_for(0, T, grain(width), [&](int64_t begin, int64_t end) {
     std::vector<float> tmp(D);
     for (int64_t t = begin; t < end; ++t) {
-      const scalar_t* __restrict__ c = cos + t * D;
-      const scalar_t* __restrict__ s = sin + t * D;
+      const scalar_t* __restrict__ c = cos + t * rot;
+      const scalar_t* __restrict__ s = sin + t * rot;
       scalar_t* row = qkv + t * width;
-      for (int64_t head = 0; head < H + Hkv; ++head) {  // q heads then k heads: x*cos + rotate_half(x)*sin
+      for (int64_t head = 0; rot > 0 && head < H + Hkv; ++head) {  // q heads then k heads: x*cos + rotate_half(x)*sin
         scalar_t* x = row + head * D;
         if (vec) {  // both halves loaded before either is written back
           for (int64_t d = 0; d < half; d += 16) {
@@ -205,13 +254,23 @@ void rope_store_rows(scalar_t* qkv, const scalar_t* cos, const scalar_t* sin, co
           }
           continue;
         }
-        for (int64_t d = 0; d < D; ++d) {
-          const float rot = d < half ? -static_cast<float>(x[d + half]) : static_cast<float>(x[d - half]);
+        if (cos_f != nullptr) {
+          const float* cf = cos_f + t * rot;
+          const float* sf = sin_f + t * rot;
+          for (int64_t d = 0; d < rot; ++d) {
+            const float rx = d < half ? -static_cast<float>(x[d + half]) : static_cast<float>(x[d - half]);
+            tmp[d] = static_cast<float>(x[d]) * cf[d] + rx * sf[d];
+          }
+          for (int64_t d = 0; d < rot; ++d) x[d] = static_cast<scalar_t>(tmp[d]);
+          continue;
+        }
+        for (int64_t d = 0; d < rot; ++d) {
+          const float rx = d < half ? -static_cast<float>(x[d + half]) : static_cast<float>(x[d - half]);
           const float a = rnd<scalar_t>(static_cast<float>(x[d]) * static_cast<float>(c[d]));
-          const float b = rnd<scalar_t>(rnd<scalar_t>(rot) * static_cast<float>(s[d]));
+          const float b = rnd<scalar_t>(rnd<scalar_t>(rx) * static_cast<float>(s[d]));
           tmp[d] = a + b;
         }
-        for (int64_t d = 0; d < D; ++d) x[d] = static_cast<scalar_t>(tmp[d]);
+        for (int64_t d = 0; d < rot; ++d) x[d] = static_cast<scalar_t>(tmp[d]);
       }
       store_kv_row(row + H * D, row + (H + Hkv) * D, slots[t], k_cache, v_cache, pool);
     }
@@ -252,6 +311,53 @@ inline v16f silu16(v16f x) {
   if constexpr (!std::is_same_v<scalar_t, float>) return silu16_fast(x);
 #endif
   return x / (1.f + exp16(-x));
+}
+
+// GELU with the tanh approximation, as torch's gelu(approximate="tanh") writes it: 0.5 x (1 + tanh(sqrt(2 / pi)
+// (x + 0.044715 x^3))).
+inline v16f gelu_tanh16(v16f x) {
+  const float beta = 0.7978845608028654f, kappa = 0.044715f;
+  const v16f inner = (x + (x * x * x) * kappa) * beta;
+  return (x * 0.5f) * (tanh16(inner) + 1.f);
+}
+
+inline float gelu_tanh1(float x) {  // a lane of the above
+  v16f v = {};
+  v[0] = x;
+  return gelu_tanh16(v)[0];
+}
+
+template <typename scalar_t>
+void gelu_tanh_mul_rows(const scalar_t* gu, scalar_t* out, int64_t T, int64_t I) {
+  at::parallel_for(0, T, grain(2 * I), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const scalar_t* __restrict__ g = gu + t * 2 * I;
+      const scalar_t* __restrict__ u = g + I;
+      scalar_t* __restrict__ o = out + t * I;
+      int64_t i = 0;
+      for (; i + 16 <= I; i += 16) store16(o + i, round16<scalar_t>(gelu_tanh16(load16(g + i))) * load16(u + i));
+      for (; i < I; ++i)
+        o[i] = static_cast<scalar_t>(rnd<scalar_t>(gelu_tanh1(static_cast<float>(g[i]))) * static_cast<float>(u[i]));
+    }
+  });
+}
+
+// x <- cap * tanh(x / cap), in place, each element on its own (Gemma 2's final logit softcap).
+template <typename scalar_t>
+void softcap_rows(scalar_t* x, int64_t T, int64_t N, float cap) {
+  at::parallel_for(0, T, grain(N), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      scalar_t* __restrict__ row = x + t * N;
+      int64_t i = 0;  // torch's three ops, each rounded to the dtype
+      for (; i + 16 <= N; i += 16)
+        store16(row + i, round16<scalar_t>(tanh16(round16<scalar_t>(load16(row + i) / cap))) * cap);
+      for (; i < N; ++i) {
+        v16f v = {};
+        v[0] = rnd<scalar_t>(static_cast<float>(row[i]) / cap);
+        row[i] = static_cast<scalar_t>(rnd<scalar_t>(tanh16(v)[0]) * cap);
+      }
+    }
+  });
 }
 
 template <typename scalar_t>
@@ -302,22 +408,76 @@ at::Tensor rms_norm(at::Tensor h, c10::optional<at::Tensor> delta, at::Tensor w,
   return y;
 }
 
-// In place: rotary on the q and k heads of qkv [T, (H + 2 Hkv) * D]; then k, v stored at slots.
+// y = RMSNorm(h) with a float32 weight multiplied in float32 and rounded once (Gemma's 1 + w, OLMo-2's w); with
+// delta given, h += delta first (in place). Returns y.
+at::Tensor rms_norm_float_weight(at::Tensor h, c10::optional<at::Tensor> delta, at::Tensor wf, double eps) {
+  check_rows(h, "hidden states");
+  TORCH_CHECK(wf.dim() == 1 && wf.size(0) == h.size(1) && wf.scalar_type() == at::kFloat, "float norm weight mismatch");
+  if (delta.has_value()) {
+    check_rows(*delta, "residual delta");
+    TORCH_CHECK(delta->sizes() == h.sizes() && delta->scalar_type() == h.scalar_type(), "residual delta mismatch");
+  }
+  auto wc = wf.contiguous();
+  auto y = at::empty_like(h);
+  AT_DISPATCH_V2(h.scalar_type(), "rms_norm_float_weight", AT_WRAP([&] {
+    rms_norm_rows<scalar_t>(h.data_ptr<scalar_t>(), delta.has_value() ? delta->data_ptr<scalar_t>() : nullptr,
+                            nullptr, y.data_ptr<scalar_t>(), h.size(0), h.size(1), static_cast<float>(eps),
+                            wc.data_ptr<float>());
+  }), at::kFloat, at::kBFloat16, at::kHalf);
+  return y;
+}
+
+// In place on x [T, >= offset + groups * n]: each of `groups` runs of n columns from `offset` (q or k heads, or the
+// whole q / k) RMS-normalized with weight w [n]: Llama's form where w has x's dtype, the float-weight form where
+// w is float32 and x is not.
+void norm_runs_inplace(at::Tensor x, int64_t offset, int64_t groups, int64_t n, at::Tensor w, double eps) {
+  check_rows(x, "rows");
+  TORCH_CHECK(offset + groups * n <= x.size(1) && w.dim() == 1 && w.size(0) == n, "norm_runs: shape mismatch");
+  const bool float_w = w.scalar_type() == at::kFloat && x.scalar_type() != at::kFloat;
+  TORCH_CHECK(float_w || w.scalar_type() == x.scalar_type(), "norm_runs: weight dtype");
+  auto wc = w.contiguous();
+  AT_DISPATCH_V2(x.scalar_type(), "norm_runs", AT_WRAP([&] {
+    norm_runs<scalar_t>(x.data_ptr<scalar_t>() + offset, x.size(0), x.size(1), groups, n,
+                        float_w ? nullptr : wc.data_ptr<scalar_t>(), float_w ? wc.data_ptr<float>() : nullptr,
+                        static_cast<float>(eps));
+  }), at::kFloat, at::kBFloat16, at::kHalf);
+}
+
+// In place: x <- cap * tanh(x / cap) over x [T, N].
+void softcap_inplace(at::Tensor x, double cap) {
+  check_rows(x, "rows");
+  TORCH_CHECK(cap > 0, "softcap must be > 0");
+  AT_DISPATCH_V2(x.scalar_type(), "softcap", AT_WRAP([&] {
+    softcap_rows<scalar_t>(x.data_ptr<scalar_t>(), x.size(0), x.size(1), static_cast<float>(cap));
+  }), at::kFloat, at::kBFloat16, at::kHalf);
+}
+
+// In place: rotary on the first rot = cos.size(1) dims of the q and k heads of qkv [T, (H + 2 Hkv) * D] (rot 0:
+// none); then k, v stored at slots.
 void rope_store(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor slots, at::Tensor k_cache,
                 at::Tensor v_cache, int64_t num_heads) {
   check_rows(qkv, "qkv");
   const Pool pool = pool_of(k_cache, v_cache);
   const int64_t T = qkv.size(0), D = pool.D;
-  TORCH_CHECK(qkv.size(1) == (num_heads + 2 * pool.Hkv) * D && D % 2 == 0, "qkv width does not match the heads");
-  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.size(0) == T && cos.size(1) == D, "cos/sin must be [T, head_dim]");
+  TORCH_CHECK(qkv.size(1) == (num_heads + 2 * pool.Hkv) * D, "qkv width does not match the heads");
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.size(0) == T && cos.size(1) <= D && cos.size(1) % 2 == 0,
+              "cos/sin must be [T, rotary dims <= head_dim, even]");
   TORCH_CHECK(slots.size(0) == T && slots.scalar_type() == at::kLong, "slots must be [T] int64");
-  for (const auto* x : {&cos, &sin, &k_cache, &v_cache})
-    TORCH_CHECK(x->scalar_type() == qkv.scalar_type(), "rope_store: all tensors must share the model's dtype");
+  for (const auto* x : {&k_cache, &v_cache})
+    TORCH_CHECK(x->scalar_type() == qkv.scalar_type(), "rope_store: the pool must have the model's dtype");
+  const bool float_tables = cos.scalar_type() == at::kFloat && qkv.scalar_type() != at::kFloat;
+  TORCH_CHECK(cos.scalar_type() == sin.scalar_type() && (float_tables || cos.scalar_type() == qkv.scalar_type()),
+              "rope_store: cos / sin in the model's dtype or float32");
   auto c = cos.contiguous(), s = sin.contiguous(), sl = slots.contiguous();
   AT_DISPATCH_V2(qkv.scalar_type(), "rope_store", AT_WRAP([&] {
-    rope_store_rows<scalar_t>(qkv.data_ptr<scalar_t>(), c.data_ptr<scalar_t>(), s.data_ptr<scalar_t>(),
-                              sl.data_ptr<int64_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), T,
-                              num_heads, pool);
+    if (float_tables)
+      rope_store_rows<scalar_t>(qkv.data_ptr<scalar_t>(), nullptr, nullptr, sl.data_ptr<int64_t>(),
+                                k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), T, num_heads, pool,
+                                c.size(1), c.data_ptr<float>(), s.data_ptr<float>());
+    else
+      rope_store_rows<scalar_t>(qkv.data_ptr<scalar_t>(), c.data_ptr<scalar_t>(), s.data_ptr<scalar_t>(),
+                                sl.data_ptr<int64_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), T,
+                                num_heads, pool, c.size(1));
   }), at::kFloat, at::kBFloat16, at::kHalf);
 }
 
@@ -346,13 +506,21 @@ void store_kv(at::Tensor k, at::Tensor v, at::Tensor slots, at::Tensor k_cache, 
 // gu [T, 2I] (gate | up) -> SiLU(gate) * up [T, I] in one vectorized pass, rounding the SiLU
 // result to the model's dtype before the product as the eager MLP does. (torch's silu and mul on
 // the strided halves took ~10% of a bf16 prompt step.)
-at::Tensor silu_mul(at::Tensor gu) {
+at::Tensor act_mul(at::Tensor gu, int64_t act);
+at::Tensor silu_mul(at::Tensor gu) { return act_mul(gu, 0); }
+
+// act(gate) * up for act 0 SiLU, 1 GELU-tanh.
+at::Tensor act_mul(at::Tensor gu, int64_t act) {
   check_rows(gu, "gate_up");
   TORCH_CHECK(gu.size(1) % 2 == 0, "gate_up width must be even");
+  TORCH_CHECK(act == 0 || act == 1, "act must be 0 (SiLU) or 1 (GELU-tanh)");
   const int64_t T = gu.size(0), I = gu.size(1) / 2;
   auto out = at::empty({T, I}, gu.options());
-  AT_DISPATCH_V2(gu.scalar_type(), "silu_mul", AT_WRAP([&] {
-    silu_mul_rows<scalar_t>(gu.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), T, I);
+  AT_DISPATCH_V2(gu.scalar_type(), "act_mul", AT_WRAP([&] {
+    if (act == 0)
+      silu_mul_rows<scalar_t>(gu.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), T, I);
+    else
+      gelu_tanh_mul_rows<scalar_t>(gu.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), T, I);
   }), at::kFloat, at::kBFloat16, at::kHalf);
   return out;
 }
