@@ -12,6 +12,7 @@ from conveyor.cli.command_line import set_command_line
 from conveyor.cli.exit_codes import ExitCode, code_for, message_for
 from conveyor.cli.options import (
     ChatFieldOpt,
+    ChatTemplateOpt,
     ConfigOpt,
     IdFieldOpt,
     InputArg,
@@ -67,6 +68,7 @@ def validate_command(
     max_tokens: MaxTokensOpt = None,
     system_prompt: SystemPromptOpt = None,
     chat_field: ChatFieldOpt = None,
+    chat_template: ChatTemplateOpt = None,
     prompt_template: PromptTemplateOpt = None,
     prompt_template_as: PromptTemplateAsOpt = None,
     truncate_prompt_tokens: TruncatePromptTokensOpt = None,

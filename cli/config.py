@@ -70,7 +70,7 @@ OPTIONS: dict[str, tuple[type, str]] = {
                                          "min_tokens", "logprobs", "prompt_logprobs")},
     **{k: (BuildOptions, k) for k in ("seed", "system_prompt", "prompt_field", "messages_field", "id_field",
                                        "keep_fields", "chat_field", "prompt_template", "prompt_template_as",
-                                       "truncate_prompt_tokens", "n")},
+                                       "truncate_prompt_tokens", "n", "chat_template")},
     "served_model_name": (BuildOptions, "served_model_names"),  # vLLM's option name
     **{k: (EngineConfig, k) for k in ("dtype", "device", "backend", "max_num_seqs", "max_num_batched_tokens",
                                        "num_kv_blocks", "kv_cache_memory", "gpu_memory_utilization", "block_size",
@@ -257,7 +257,7 @@ def _as_str_tuple(key: str, value: Any) -> tuple[str, ...]:
 _STR_KEYS = {"input", "output", "model", "dtype", "device", "backend", "system_prompt", "prompt_field",
              "messages_field", "id_field", "input_format", "output_format", "split", "on_error", "summary_json",
              "run_dir", "json_schema", "regex", "shard", "executor", "chat_field", "prompt_template",
-             "prompt_template_as", "reasoning_parser", "schedule", "speculative"}
+             "prompt_template_as", "reasoning_parser", "schedule", "speculative", "chat_template"}
 
 
 def _check_strings(values: dict[str, Any]) -> None:

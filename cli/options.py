@@ -91,6 +91,9 @@ SystemPromptOpt = Annotated[Optional[str], typer.Option(help="System message (TE
                                                              "have none: messages records, --chat-field, "
                                                              "--prompt-template-as chat. Not with raw prompts.",
                                                         rich_help_panel=GEN)]
+ChatTemplateOpt = Annotated[Optional[str], typer.Option(
+    help="The chat template (a Jinja file, or the template itself) that builds chat records' prompts, instead of "
+         "the model's own (vLLM's option); for a model that has none.", rich_help_panel=DATA)]
 ChatFieldOpt = Annotated[Optional[str], typer.Option(help="Field whose text is the user message, sent through the "
                                                           "model's chat template (what an instruct model expects).",
                                                      rich_help_panel=DATA)]

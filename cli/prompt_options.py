@@ -1,5 +1,6 @@
-"""The options that say how a record becomes a prompt (--chat-field, --system-prompt, --prompt-template and
---prompt-template-as, --truncate-prompt-tokens, --served-model-name): `@FILE` values read, values parsed, and the
+"""The options that say how a record becomes a prompt (--chat-field, --chat-template, --system-prompt,
+--prompt-template and --prompt-template-as, --truncate-prompt-tokens, --served-model-name): `@FILE` values read
+(--chat-template's file), values parsed, and the
 combinations that would drop or ignore one refused as usage errors, before the model loads."""
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ def check_prompt_options(values: dict[str, Any]) -> None:
     for key in AT_FILE_KEYS:
         if isinstance(values.get(key), str) and values[key].startswith("@"):
             values[key] = _file_text(key, values[key][1:])
+    if isinstance(values.get("chat_template"), str):
+        values["chat_template"] = _chat_template(values["chat_template"])
     if "truncate_prompt_tokens" in values:
         values["truncate_prompt_tokens"] = _truncation(values["truncate_prompt_tokens"])
     if "served_model_name" in values:
@@ -57,6 +60,30 @@ def _file_text(key: str, path: str) -> str:
     except (OSError, UnicodeDecodeError) as e:
         raise UsageError(f"{option} @{path}: cannot be read ({getattr(e, 'strerror', None) or e}); give a UTF-8 "
                          "text file after @, or the text itself") from None
+
+
+def _chat_template(value: str) -> str:
+    """--chat-template: a file's text, or (vLLM's way) the template itself where it is no file but Jinja; checked
+    to parse."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        try:
+            value = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise UsageError(f"--chat-template {path}: cannot be read ({getattr(e, 'strerror', None) or e}); give "
+                             "a UTF-8 Jinja file") from None
+    elif "{{" not in value and "{%" not in value:
+        raise UsageError(f"--chat-template {value}: no such file; give a Jinja chat template file (or the "
+                         "template itself)")
+    import jinja2
+
+    try:
+        jinja2.Environment().parse(value)
+    except jinja2.TemplateSyntaxError as e:
+        raise UsageError(f"--chat-template: not a valid Jinja template (line {e.lineno}: {e.message})") from None
+    if not value.strip():
+        raise UsageError("--chat-template: the template is empty")
+    return value
 
 
 def _truncation(value: Any) -> int | str:

@@ -59,6 +59,7 @@ def run_command(
     reasoning_parser: opt.ReasoningParserOpt = None,
     system_prompt: opt.SystemPromptOpt = None,
     chat_field: opt.ChatFieldOpt = None,
+    chat_template: opt.ChatTemplateOpt = None,
     prompt_template: opt.PromptTemplateOpt = None,
     prompt_template_as: opt.PromptTemplateAsOpt = None,
     truncate_prompt_tokens: opt.TruncatePromptTokensOpt = None,

@@ -15,7 +15,7 @@ def validate(flags: dict, config_path: str | None, show_errors: int) -> int:
 
     spec = build_config(flags, config_path).spec
     _quiet_libraries()
-    report = Run(spec).validate(show_errors)
+    report = Run(spec, say=lambda note: sys.stderr.write(f"conveyor: {note}\n")).validate(show_errors)
     sink = report.sink
     out = sys.stdout
     lengths = sink.lengths

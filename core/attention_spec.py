@@ -17,14 +17,6 @@ class LayerAttention:
     softcap: float | None = None  # scores -> softcap * tanh(scores / softcap) before the softmax
     sinks: bool = False  # a per-head logit joins the softmax's denominator (gpt-oss's `sinks`)
 
-    def describe(self) -> str:
-        parts = [f"window {self.window}" if self.window else "full"]
-        if self.softcap:
-            parts.append(f"softcap {self.softcap:g}")
-        if self.sinks:
-            parts.append("sinks")
-        return ", ".join(parts)
-
 
 @dataclass(frozen=True, slots=True)
 class ModelAttention:
@@ -42,11 +34,3 @@ class ModelAttention:
         if not windows or any(w is None for w in windows):
             return None
         return max(windows)
-
-    def summary(self) -> str:
-        """One line: the layers' kinds, counted ("24 layers: 20 window 512, 4 full")."""
-        counts: dict[str, int] = {}
-        for layer in self.layers:
-            counts[layer.describe()] = counts.get(layer.describe(), 0) + 1
-        kinds = "; ".join(f"{n} {kind}" for kind, n in counts.items())
-        return f"{len(self.layers)} layers: {kinds}"

@@ -97,12 +97,12 @@ def refusal(cfg: Any) -> str | None:
                 "not the per-head K/V conveyor's pool holds")
     if model_type in NOT_PLAIN_KV:
         return f"{NOT_PLAIN_KV[model_type]}: their state is not the per-head K/V conveyor's pool holds"
-    other = sorted({t for t in getattr(cfg, "layer_types", None) or () if t not in ATTENTION_LAYER_TYPES})
+    other = sorted({str(t) for t in getattr(cfg, "layer_types", None) or () if t not in ATTENTION_LAYER_TYPES})
+    if getattr(cfg, "attention_chunk_size", None) or "chunked_attention" in other:
+        return (f"chunked attention (attention_chunk_size={getattr(cfg, 'attention_chunk_size', None)}), which "
+                "conveyor does not compute")
     if other:
-        return (f"layers of type {', '.join(map(str, other))}: conveyor runs full and sliding-window attention "
-                "layers only")
-    if getattr(cfg, "attention_chunk_size", None):
-        return f"chunked attention (attention_chunk_size={cfg.attention_chunk_size}), which conveyor does not compute"
+        return (f"layers of type {', '.join(other)}: conveyor runs full and sliding-window attention layers only")
     if getattr(cfg, "alibi", False) or model_type in ("bloom", "mpt"):
         return "ALiBi position biases, which conveyor's attention does not add"
     return None

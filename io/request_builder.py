@@ -42,6 +42,7 @@ class BuildOptions:
     prompt_template_as: str = TEMPLATE_AS[0]  # what the template builds: a raw "prompt" or the "chat" user message
     truncate_prompt_tokens: int | str | None = None  # keep a prompt's last K tokens; "auto": what max_tokens leaves
     served_model_names: tuple[str, ...] = ()  # an OpenAI body's model must be one; (): the model's name and path
+    chat_template: str | None = None  # builds chat prompts instead of the tokenizer's own (Jinja text)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "keep_fields", tuple(self.keep_fields))
@@ -358,11 +359,16 @@ class RequestBuilder:
 
     def _chat_tokens(self, messages: Any, field: str) -> list[int]:
         messages = _checked_messages(messages, field)
+        template = self.options.chat_template
+        if template is None and not has_chat_template(self.tokenizer):
+            raise _Reject(f"'{field}' is a chat, and the model has no chat template to build its prompt with; give "
+                          "one with --chat-template FILE, or send raw prompts")
         system_prompt = self.options.system_prompt
         if system_prompt and not any(m["role"] == "system" for m in messages):
             messages = [{"role": "system", "content": system_prompt}, *messages]
         try:
-            out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                     chat_template=template)
         except Exception as e:  # templates raise what they like (jinja errors, ValueError, ...)
             raise _Reject(f"the chat template rejected '{field}' ({first_line(e)}); check the messages' "
                           "roles and order") from None
@@ -431,6 +437,10 @@ def _json_messages(text: str, field: str) -> Any:
     except ValueError as e:
         raise _Reject(f"field '{field}' is text but not JSON of a list of chat messages ({first_line(e)}); write it "
                       "as [{\"role\": \"user\", \"content\": ...}]") from None
+
+
+def has_chat_template(tokenizer: Any) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
 
 
 def _checked_messages(messages: Any, field: str) -> list[dict]:

@@ -46,7 +46,7 @@ from conveyor.io.paths import check_output_path, check_run_paths
 from conveyor.io.pending import PendingRecords
 from conveyor.io.readers import fingerprint, fingerprints_content, open_reader
 from conveyor.io.records_run import run_records
-from conveyor.io.request_builder import RequestBuilder
+from conveyor.io.request_builder import RequestBuilder, has_chat_template
 from conveyor.io.rows import SAMPLE_INDEX, without_errors
 from conveyor.io.run_dir import STATE_FILES, Manifest, RunDir
 from conveyor.io.run_info import read_run_info, write_run_info
@@ -174,6 +174,7 @@ class Run:
             raise SpecError(f"{option}: {e}") from None
         if spec.reasoning_parser is not None:  # a model without think tags: refused before it loads
             self._reasoning(load_tokenizer(spec.model)[0])
+        self._check_chat_template()
         run_dir = self.base_run_dir
         if spec.state.shard is not None:
             self.shard = Shard.parse(spec.state.shard)
@@ -257,6 +258,26 @@ class Run:
             sampling = dataclasses.replace(sampling, reasoning=self._reasoning(self.engine.tokenizer))
         self.builder = RequestBuilder(self.engine.tokenizer, self.spec.build, sampling, self.engine.limits,
                                       self.spec.model, priorities=self.spec.engine.schedule == "priority")
+        self._no_chat_template_note(self.engine.tokenizer)
+
+    def _check_chat_template(self, tokenizer=None) -> None:
+        """--chat-field and --prompt-template-as chat build every prompt through a chat template: a model without
+        one (and no --chat-template) is a usage error before it loads."""
+        b = self.spec.build
+        option = "--chat-field" if b.chat_field is not None else \
+            "--prompt-template-as chat" if b.prompt_template is not None and b.prompt_template_as == "chat" else None
+        if option is None or b.chat_template is not None:
+            return
+        if not has_chat_template(tokenizer if tokenizer is not None else load_tokenizer(self.spec.model)[0]):
+            raise SpecError(f"{option}: every prompt goes through the model's chat template, and {self.spec.model} "
+                            "has none; give one with --chat-template FILE, or build raw prompts (--prompt-field, "
+                            "--prompt-template)")
+
+    def _no_chat_template_note(self, tokenizer) -> None:
+        """Said once at the start: chat records of a model without a chat template become error rows."""
+        if self.spec.build.chat_template is None and not has_chat_template(tokenizer):
+            self.say(f"note: {self.spec.model} has no chat template: chat records (a messages field, an OpenAI chat "
+                     "body) become error rows saying so; give one with --chat-template FILE")
 
     def _reasoning(self, tokenizer):
         """The run's reasoning section (core.reasoning.Reasoning) for the model's tokenizer; SpecError naming
@@ -386,6 +407,8 @@ class Run:
         spec = self.spec
         reader = open_reader(spec.input.path, spec.input.format, spec.input.split, spec.input.max_record_bytes)
         tokenizer, limits = load_tokenizer(spec.model)
+        self._check_chat_template(tokenizer)
+        self._no_chat_template_note(tokenizer)
         builder = RequestBuilder(tokenizer, spec.build, spec.sampling, limits, spec.model,
                                  priorities=spec.engine.schedule == "priority")
         limit = spec.input.limit

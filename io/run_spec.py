@@ -5,6 +5,7 @@ state are); every default is a field default of one of these dataclasses, writte
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -82,6 +83,8 @@ class RunSpec:
                  "truncate_prompt_tokens": b.truncate_prompt_tokens,
                  "served_model_names": list(b.served_model_names),
                  "n": b.n if b.n != 1 else None,
+                 "chat_template": hashlib.sha256(b.chat_template.encode()).hexdigest()[:16]
+                 if b.chat_template is not None else None,
                  # (the other schedules give the same rows; this one reads a record's priority field)
                  "schedule": self.engine.schedule if self.engine.schedule == "priority" else None}
         out.update({k: v for k, v in later.items() if not (v is None or v is False or v == [])})
