@@ -14,6 +14,8 @@ Random weights are enough: equivalence is a property of the engine. Prompts are 
    conveyor's Engine on all prompts at once, with a roomy pool, a pool small enough to force preemption, and
    a token budget small enough to chunk every prompt. A mismatch reports the first differing position and the
    gap between the two candidates' logits there (a gap near 0 is a float near-tie, not an engine bug).
+   Then each decoder family (tests/core/families.py: tiny random models with windows, softcaps, sinks, MoE, q/k
+   norms, partial rotary), greedy float32 against transformers' full-recompute forward on a crowded pool.
 2. Exactness (bfloat16, seeded sampling at temperature 0.8, top-p 0.95): each record alone, then all records
    batched, chunked at a 48-token budget and preempted; how many records' outputs differ from alone. The
    cuda backend does not promise batch invariance (cuBLAS), so this reports and does not fail. Then speculative
@@ -200,6 +202,59 @@ def equivalence(folder: Path, device: str, num_prompts: int, max_tokens: int, ti
     return report
 
 
+def families(device: str, backend: str, names: list[str]) -> dict:
+    """Greedy float32 on the backend vs transformers' full-recompute forward (eager attention), for tiny random
+    models of each decoder family (tests/core/families.py: windows, softcaps, sinks, MoE, q/k norms, partial
+    rotary), with a crowded pool (preemption), chunked prompts and a shared prefix."""
+    import torch
+
+    sys.path.insert(0, str(REPO / "tests" / "core"))
+    from families import build, prompts
+
+    from conveyor.core.config import EngineConfig
+    from conveyor.core.engine import Engine
+    from conveyor.core.outputs import GenerationRequest
+    from conveyor.core.sampling_params import SamplingParams
+
+    class CharTokenizer:
+        eos_token_id = None
+
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(chr(0x4E00 + int(i)) for i in ids)
+
+    max_tokens = 12
+    report = {"families": {}, "ok": True}
+    for name in names:
+        model = build(name).to(device)
+        model.set_attn_implementation("eager")
+        want = {}
+        with torch.inference_mode():
+            for k, p in prompts().items():
+                ids = list(p)
+                for _ in range(max_tokens):
+                    ids.append(int(model(torch.tensor([ids], device=device)).logits[0, -1].argmax()))
+                want[k] = ids[len(p):]
+        engine = Engine(build(name).to(device), CharTokenizer(),
+                        EngineConfig(dtype="float32", device=device, backend=backend, num_kv_blocks=14,
+                                     max_num_batched_tokens=32, max_num_seqs=8))
+        sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        outs = {o.req_id: o.output_token_ids for o in engine.generate(
+            GenerationRequest(k, p, sampling) for k, p in prompts().items())}
+        same = sum(outs[k] == want[k] for k in want)
+        report["families"][name] = {"same": same, "prompts": len(want), "backend": engine.backend.describe(),
+                                    "preemptions": engine.stats().num_preemptions}
+        report["ok"] &= same == len(want)
+        del engine, model
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    return report
+
+
+FAMILIES = ("llama", "qwen2-window", "qwen3", "qwen3-moe", "mistral-window", "mixtral", "gemma", "gemma2", "gemma3",
+            "phi3-partial-window", "olmo2", "granite", "smollm3", "exaone4", "starcoder2", "gpt-neox", "gpt2",
+            "gpt-oss")
+
+
 def exactness(folder: Path, device: str, num_prompts: int, max_tokens: int, tiny: bool, backend: str) -> dict:
     """bf16, seeded sampling: each record alone vs batched, chunked and preempted (issue-style exactness)."""
     import torch
@@ -349,6 +404,8 @@ def main() -> None:
     p.add_argument("--skip-throughput", action="store_true")
     p.add_argument("--skip-exactness", action="store_true")
     p.add_argument("--skip-speculation", action="store_true")
+    p.add_argument("--skip-families", action="store_true")
+    p.add_argument("--families", default=",".join(FAMILIES), help="the decoder families checked (tests/core/families.py)")
     p.add_argument("--exact-records", type=int, default=16)
     p.add_argument("--backend", default="auto", help="conveyor's backend (default: cuda on a GPU)")
     p.add_argument("--bandwidth", type=float, default=4.3e12, help="bytes/s (H200, measured copy)")
@@ -403,6 +460,19 @@ def main() -> None:
         if "note" in eq:
             print(f"   note: {eq['note']}")
         print(f"   ({time.perf_counter() - t0:.0f}s)", flush=True)
+
+        if not a.skip_families:
+            t0 = time.perf_counter()
+            names = [n.strip() for n in a.families.split(",") if n.strip()]
+            if a.tiny and a.device == "cpu":
+                names = names[:4]  # the dry run: Triton's interpreter takes seconds a family
+            fam = families(a.device, a.backend, names)
+            report["families"] = fam
+            ok &= fam["ok"]
+            for name, r in fam["families"].items():
+                print(f"family {name:20s} float32 greedy vs transformers: {r['same']}/{r['prompts']} identical "
+                      f"({r['preemptions']} preemptions) [{r['backend']}]", flush=True)
+            print(f"   ({time.perf_counter() - t0:.0f}s)", flush=True)
 
         if not a.skip_exactness:
             t0 = time.perf_counter()

@@ -2,6 +2,7 @@
 # One prepared check for a machine with a CUDA GPU and no network (installs nothing), about 5 minutes on an H200:
 #   1. greedy equivalence, float32, conveyor's cuda backend vs transformers `generate`, random Llama (0.28B),
 #      with a roomy pool, forced preemption and forced chunking;
+#      then each decoder family (tests/core/families.py) greedy float32 against transformers' full recompute;
 #   2. bf16 exactness: seeded records alone vs batched, chunked and preempted (reported, not failed: the cuda
 #      backend's cuBLAS linears are not batch-invariant);
 #   3. speculative decoding on and off (float32, greedy; reported): equal records, acceptance, speed;

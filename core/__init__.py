@@ -23,7 +23,7 @@ from conveyor.core.loading import (
     model_report,
     resolve_engine_config,
 )
-from conveyor.core.model_loader import EMBEDDED_MODELS, is_embedded_cached, models_cache_dir
+from conveyor.core.model_loader import EMBEDDED_MODELS, check_model, is_embedded_cached, models_cache_dir
 from conveyor.core.outputs import GenerationRequest, InFlight, ModelLimits, RequestOutput
 from conveyor.core.reasoning import REASONING_PARSERS, resolve_reasoning
 from conveyor.core.request import FinishReason
@@ -35,7 +35,7 @@ from conveyor.core.speculative import DEFAULT_SPECULATIVE_TOKENS, SPECULATIVE_ME
 
 __all__ = ["BACKENDS", "DEFAULT_KV_CACHE_MEMORY", "DEFAULT_MODEL", "DEVICE_DEFAULTS", "DTYPES", "EMBEDDED_MODELS",
            "MAX_LOGPROBS", "REASONING_PARSERS", "SCHEDULES", "SPECULATIVE_METHODS", "DEFAULT_SPECULATIVE_TOKENS", "MIN_WAITING", "resolve_reasoning", "schema_error", "ConfigError", "EngineConfig", "FinishReason", "GenerationRequest", "Grammar", "Grammars", "InFlight",
-           "ModelLimits", "ModelLoadError", "RequestOutput", "SamplingParams", "check_before_loading", "compiling",
+           "ModelLimits", "ModelLoadError", "RequestOutput", "SamplingParams", "check_before_loading", "check_model", "compiling",
            "is_embedded_cached",
            "load_engine", "load_tokenizer", "model_report",
            "TokenLogprobs", "models_cache_dir", "parse_memory", "resolve_engine_config"]

@@ -34,6 +34,7 @@ from conveyor.core import (
     ConfigError,
     EngineConfig,
     check_before_loading,
+    check_model,
     load_engine,
     load_tokenizer,
     resolve_engine_config,
@@ -406,6 +407,7 @@ class Run:
         """Every record parsed, templated, tokenized and checked as this run would, none generated."""
         spec = self.spec
         reader = open_reader(spec.input.path, spec.input.format, spec.input.split, spec.input.max_record_bytes)
+        check_model(spec.model)  # a model conveyor refuses, or whose weight files are not whole: refused here too
         tokenizer, limits = load_tokenizer(spec.model)
         self._check_chat_template(tokenizer)
         self._no_chat_template_note(tokenizer)

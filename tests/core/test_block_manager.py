@@ -135,10 +135,11 @@ def test_blocks_wholly_before_every_window_go_back_and_keep_their_prefix():
     assert r.block_ids[:2] == [NULL_BLOCK, NULL_BLOCK] and NULL_BLOCK not in r.block_ids[2:]
     assert bm.num_free_blocks == 8 - 6 + 2
     bm.check_invariants([r])
-    other = make_request("b", 12)  # the same prompt: its first blocks are still cached
+    other = make_request("b", prompt=list(r.prompt_token_ids))  # the same prompt: its first blocks are still cached
     assert len(bm.find_cached_prefix(other)) == (12 - 1) // 2
     bm.release_out_of_window(r)  # nothing new
     assert bm.num_free_blocks == 4
+    r.token_ids.extend(range(100, 108))  # eight tokens generated
     bm.append_slots(r, 20)
     r.num_computed_tokens = 20
     bm.cache_full_blocks(r)
