@@ -5,8 +5,8 @@
 
 A model of each shape is built from its transformers config with SmolLM2-135M-Instruct's sizes (hidden 576, 30
 layers, 9 query and 3 KV heads of 64, MLP 1536, vocabulary 49152, tied embeddings) and random weights (seeded),
-with each family's own features on: Qwen3's q/k norms; Qwen3-MoE's experts (8 of 768 wide, 2 per token: the same
-active MLP width as the dense ones); Gemma's norms, GELU-tanh and embedding scale, Gemma 2's sandwich norms and
+with each family's own features on: Qwen3's q/k norms; Qwen3-MoE's experts (8 of 192 wide, 2 per token: the
+dense shapes' MLP weights split into experts, so the same 135M parameters); Gemma's norms, GELU-tanh and embedding scale, Gemma 2's sandwich norms and
 softcaps (attention 50, final 30) on alternate 4096-token windows, Gemma 3's q/k norms and five of six layers on a
 512-token window; Phi-3's fused q/k/v and gate/up; OLMo-2's norms after the sublayers; Granite's multipliers;
 Mistral's 512-token window on every layer. The workload is benchmarks/workload.py's (--n chat requests through
@@ -28,19 +28,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-# This folder off the path: its kernels.py would shadow the `kernels` package transformers imports where installed.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
-
-
-def make_workload(n: int, seed: int):
-    """benchmarks/workload.py's workload (imported by path)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("workload", HERE / "workload.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["workload"] = module  # (its dataclasses look their module up)
-    spec.loader.exec_module(module)
-    return module.make_workload(n, seed)
+sys.path.insert(0, str(HERE))
 
 SIZES = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
              num_key_value_heads=3, max_position_embeddings=8192, tie_word_embeddings=True, bos_token_id=1,
@@ -56,7 +44,7 @@ def config_of(shape: str):
         "llama": lambda: tf.LlamaConfig(**s),
         "qwen3": lambda: tf.Qwen3Config(**s, head_dim=64),
         "qwen3-moe": lambda: tf.Qwen3MoeConfig(**s, head_dim=64, num_experts=8, num_experts_per_tok=2,
-                                               moe_intermediate_size=768),
+                                               moe_intermediate_size=192),
         "gemma": lambda: tf.GemmaConfig(**s, head_dim=64),
         "gemma2": lambda: tf.Gemma2Config(**s, head_dim=64, query_pre_attn_scalar=64, sliding_window=4096),
         "gemma3": lambda: tf.Gemma3TextConfig(**s, head_dim=64, query_pre_attn_scalar=64, sliding_window=512),
@@ -72,6 +60,7 @@ def worker(args) -> None:
     """One shape, one round: build, warm up, time the workload; one JSON line on stdout."""
     import torch
     import transformers as tf
+    from workload import make_workload
 
     from conveyor.core import EngineConfig, GenerationRequest, SamplingParams
     from conveyor.core.engine import Engine

@@ -71,7 +71,7 @@ class EngineConfig:
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
     dtype: str = "auto"  # one of DTYPES
     backend: str = "auto"  # one of BACKENDS (core/backends)
-    fused_forward: bool = True  # the cpu backend, Llama-family models: the fused forward instead of transformers'
+    fused_forward: bool = True  # the cpu backend, the decoder families: the fused forward instead of transformers'
     # A request's grammar: compiled off the step loop within this many seconds, and refused above this many bytes
     # of schema, regex or choices (a record past either is an error row; the run goes on).
     max_grammar_compile_s: float = 20.0

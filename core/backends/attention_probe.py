@@ -22,7 +22,7 @@ from conveyor.core.errors import UnsupportedModel
 # Keywords the attention function may be handed that change nothing here (the positions are the step's own) or
 # that the probe reads (scaling, dropout, sliding_window, softcap, s_aux).
 _HARMLESS = {"position_ids", "cache_position", "use_cache", "output_attentions", "past_key_values",
-             "past_key_value", "layer_idx", "conveyor_batch"}
+             "past_key_value", "layer_idx"}
 _POSITIONS_CHECKED = (0, 1, 2, 3, 7, 15, 16, 17, 31, 63, 64, 65, 127, 255, 511, 512, 513, 1023, 2047, 4095, 4096,
                       4097, 8191, 8192, 8193, 16383, 32767, 65535, 131071)
 
@@ -61,7 +61,7 @@ class _Call:
 
 
 class AttentionProbe:
-    """Handed to the attention function as `conveyor_batch` in probe mode: records each call."""
+    """The attention function's step in probe mode (`transformers_forward.probing`): records each call."""
 
     def __init__(self) -> None:
         self.calls: list[_Call] = []
@@ -117,9 +117,9 @@ def probe_attention(model: torch.nn.Module, name: str) -> ModelAttention:
     probe = AttentionProbe()
     device = next(model.parameters()).device
     ids = torch.zeros(1, 1, dtype=torch.long, device=device)
-    with transformers_forward.probing(), torch.inference_mode():
+    with transformers_forward.probing(probe), torch.inference_mode():
         try:
-            model(input_ids=ids, position_ids=torch.zeros_like(ids), use_cache=False, conveyor_batch=probe)
+            model(input_ids=ids, position_ids=torch.zeros_like(ids), use_cache=False)
         except UnsupportedModel:
             raise
         except Exception as e:  # noqa: BLE001 - whatever stops a forward that passes the step's metadata

@@ -5,9 +5,10 @@ The model runs one flat batch [1, num_tokens] per step with attention implementa
 registered with transformers' AttentionInterface: for each layer it hands the layer's new K/V and queries
 to the step's `StepAttention` (the backend's: the C++ kernel, Triton or SDPA), which stores them in the pool
 and attends, with the layer's sliding window, softcap and sinks as the model hands them over (`attention_probe`
-checks once, before any record runs, that these are all it asks for). The step reaches it as the
-`conveyor_batch` keyword through the unmodified model's forward; transformers builds no mask (the causal
-structure is in the metadata).
+checks once, before any record runs, that these are all it asks for). The step's attention is the one this module
+holds while the model's unmodified forward runs (`_running`): not a keyword, which a model's forward need not
+pass down to its layers (Falcon's does not); transformers builds no mask (the causal structure is in the
+metadata).
 """
 
 from __future__ import annotations
@@ -16,30 +17,32 @@ import contextlib
 
 import torch
 
-from conveyor.core.backends.base import Step, StepAttention
+from conveyor.core.backends.base import Step
 
 ATTN_IMPLEMENTATION = "conveyor_paged"
 _probing = False  # while `probing()`: masks are handed over as their mask functions, calls recorded
+_step = None  # the StepAttention (or, probing, the AttentionProbe) of the forward running now
 
 
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                             attention_mask, scaling: float | None = None, dropout: float = 0.0,
                             sliding_window: int | None = None, softcap: float | None = None,
-                            s_aux: torch.Tensor | None = None, conveyor_batch: StepAttention | None = None, **kwargs):
+                            s_aux: torch.Tensor | None = None, **kwargs):
     """query [1, H, T, D], key/value [1, Hkv, T, D] -> (output [1, T, H, D], None)."""
-    if conveyor_batch is None:
+    step = _step
+    if step is None:
         raise RuntimeError("conveyor_paged attention needs the step's metadata (run the model via ModelRunner)")
     if _probing:
-        return conveyor_batch.record(module, query, key, value, attention_mask, scaling, dropout, sliding_window,
+        return step.record(module, query, key, value, attention_mask, scaling, dropout, sliding_window,
                                      softcap, s_aux, kwargs), None
     layer = module.layer_idx
     k_new = key[0].transpose(0, 1)  # [T, Hkv, D]
     v_new = value[0].transpose(0, 1)
-    conveyor_batch.store(layer, k_new, v_new)
+    step.store(layer, k_new, v_new)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     q = query[0].transpose(0, 1)  # [T, H, D]
     window = sliding_window if isinstance(sliding_window, int) and sliding_window > 0 else None
-    out = conveyor_batch.attend(layer, q, k_new, v_new, scale, window=window, softcap=softcap or None,
+    out = step.attend(layer, q, k_new, v_new, scale, window=window, softcap=softcap or None,
                                 sinks=None if s_aux is None else s_aux.float())
     return out.to(query.dtype).unsqueeze(0), None
 
@@ -55,12 +58,24 @@ def _no_mask(*args, mask_function=None, **kwargs):
 
 
 @contextlib.contextmanager
-def probing():
-    """The attention function and the masks in probe mode (`attention_probe.probe_attention`)."""
+def _running(step):
+    """`step` is the attention of the model's forward while it runs."""
+    global _step
+    before, _step = _step, step
+    try:
+        yield
+    finally:
+        _step = before
+
+
+@contextlib.contextmanager
+def probing(probe):
+    """The attention function and the masks in probe mode, recording into `probe` (`attention_probe`)."""
     global _probing
     _probing = True
     try:
-        yield
+        with _running(probe):
+            yield
     finally:
         _probing = False
 
@@ -82,5 +97,6 @@ def transformers_forward(model: torch.nn.Module, step: Step) -> torch.Tensor:
     if impl != ATTN_IMPLEMENTATION:
         raise RuntimeError(f"the model's attention implementation is {impl!r}, not {ATTN_IMPLEMENTATION!r}; "
                            "it was changed after the engine was built")
-    return model(input_ids=step.input_ids.unsqueeze(0), position_ids=step.positions.unsqueeze(0), use_cache=False,
-                 logits_to_keep=step.logit_rows, conveyor_batch=step.attention).logits[0]
+    with _running(step.attention):
+        return model(input_ids=step.input_ids.unsqueeze(0), position_ids=step.positions.unsqueeze(0),
+                     use_cache=False, logits_to_keep=step.logit_rows).logits[0]

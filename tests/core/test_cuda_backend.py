@@ -25,7 +25,7 @@ from conveyor.core.backends.cuda.graphs import StaticInputs  # noqa: E402
 from conveyor.core.backends.cuda.triton_attention import block_shape, paged_attention, query_blocks  # noqa: E402
 
 
-def _attention(q, kp, vp, reqs, tables, prefill):
+def _attention(q, kp, vp, reqs, tables, prefill, **variant):
     """reqs: (keys before, queries) per request; the step's rows are the requests' queries in order."""
     H, Hkv = q.shape[1], kp.shape[2]
     block_m, block_q = block_shape(H // Hkv, prefill)
@@ -40,7 +40,7 @@ def _attention(q, kp, vp, reqs, tables, prefill):
     return paged_attention(out, q, kp, vp, torch.tensor([t + [0] * (width - len(t)) for t in tables], **i32),
                            torch.tensor([c + n for c, n in reqs], **i32), torch.tensor(q_start, **i32),
                            torch.tensor(blocks.seq, **i32), torch.tensor(blocks.first, **i32), q.shape[2] ** -0.5,
-                           block_m, block_q)
+                           block_m, block_q, **variant)
 
 
 def _pool_and_step(reqs, H, Hkv, D, bs, dtype, seed):
@@ -79,6 +79,30 @@ def test_kernel_rows_equal_the_reference_and_themselves_alone(dtype, heads):
         for i in range(n):
             want = reference_attention(q[row + i], keys[:c + i + 1], values[:c + i + 1], D ** -0.5)
             assert torch.allclose(got[row + i].double(), want, atol=tol, rtol=tol)
+        row += n
+
+
+@pytest.mark.parametrize("variant", ["window", "softcap", "sinks", "all"])
+def test_kernel_windows_softcaps_and_sinks_equal_the_reference_and_themselves_alone(variant):
+    """A layer's sliding window (shorter than most contexts: whole tiles before it skipped), softcap and sinks
+    (float32; the GPU runs the same program in bf16 too)."""
+    H, Hkv, D, bs = 6, 2, 24, 4
+    reqs = [(0, 7), (40, 1), (9, 3), (0, 1), (70, 1), (0, 45)]
+    q, kp, vp, tables = _pool_and_step(reqs, H, Hkv, D, bs, torch.float32, seed=3)
+    sinks = torch.randn(H, generator=torch.Generator().manual_seed(4))
+    v = {"window": dict(window=10), "softcap": dict(softcap=2.0), "sinks": dict(sinks=sinks),
+         "all": dict(window=33, softcap=3.0, sinks=sinks)}[variant]
+    got = _attention(q, kp, vp, reqs, tables, prefill=True, **v)
+    row = 0
+    for r, (c, n) in enumerate(reqs):
+        slots = torch.tensor([tables[r][p // bs] * bs + p % bs for p in range(c + n)])
+        keys, values = kp.view(-1, Hkv, D)[slots], vp.view(-1, Hkv, D)[slots]
+        assert torch.equal(_attention(q[row:row + n], kp, vp, [(c, n)], [tables[r]], prefill=True, **v),
+                           got[row:row + n])
+        for i in range(n):
+            want = reference_attention(q[row + i], keys[:c + i + 1], values[:c + i + 1], D ** -0.5,
+                                       v.get("window"), v.get("softcap"), v.get("sinks"))
+            assert torch.allclose(got[row + i].double(), want, atol=1e-5, rtol=1e-5), (r, i)
         row += n
 
 

@@ -1,7 +1,7 @@
 """(torch) Builds and loads conveyor's C++ CPU kernels once, cached on disk.
 
 One extension module: paged attention (`paged_attention.cpp`), the fused element-wise ops of
-the Llama-family forward (`fused_ops.cpp`), the sampler's greedy argmax and temperature sampling
+the decoder families' fused forward (`fused_ops.cpp`, `decoder.cpp`), the sampler's greedy argmax and temperature sampling
 (`sampling.cpp`), and the linears: float multiply-adds over weight panels (`panel_gemm.cpp`), bf16
 pair products (`pair_gemm.cpp`, compiled in where the compiler targets AVX512-BF16) and bf16 on AMX
 tiles (`amx_gemm.cpp`, where it targets AMX). The build needs a C++

@@ -2,7 +2,7 @@
 //
 // oneDNN's AMX GEMM reaches 1.6-2.2 TFLOP/s on large prompt steps here but only 160-290 GFLOP/s at
 // 16-32 rows, where a linear layer should be a read of its weights at memory speed. This kernel
-// keeps W prepacked in the tile layout TDPBF16PS wants (see fused_llama.pack_amx): for each panel
+// keeps W prepacked in the tile layout TDPBF16PS wants (see linears.pack_amx): for each panel
 // of 32 output columns, for each 32-wide slice of K, two 16 x 16 tiles of bf16 pairs, so a panel
 // is one contiguous run read front to back. Each thread takes a range of panels; for each panel it
 // walks the rows 32 at a time (four accumulator tiles: 2 row tiles x 2 column tiles), reading the
@@ -149,7 +149,7 @@ bool amx_gemm_available() {
 #endif
 }
 
-// x [M, K] bf16 (K a multiple of 32), packed [ceil(N / 32), K / 32, 2, 16, 16, 2] (fused_llama.pack_amx),
+// x [M, K] bf16 (K a multiple of 32), packed [ceil(N / 32), K / 32, 2, 16, 16, 2] (linears.pack_amx),
 // bias [N] or None -> y [M, N] bf16.
 at::Tensor amx_gemm(at::Tensor x, at::Tensor packed, int64_t N, c10::optional<at::Tensor> bias) {
   TORCH_CHECK(amx_gemm_available(), "amx_gemm: this CPU or build has no AMX tiles");

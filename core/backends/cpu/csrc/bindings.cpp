@@ -54,9 +54,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("store_kv", &store_kv, "k, v [T, Hkv, D] stored into the paged pool at slots, in its layout (CPU)");
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up over [rows, 2I] (CPU)");
   m.def("panel_gemm", &panel_gemm, "x @ W.T (+ bias) by float multiply-adds in k order, W prepacked in 32-column panels (CPU)");
-  m.def("pair_gemm", &pair_gemm, "x @ W.T (+ bias) in bf16 by AVX512-BF16 pair products, W prepacked by fused_llama.pack_pairs (CPU)");
+  m.def("pair_gemm", &pair_gemm, "x @ W.T (+ bias) in bf16 by AVX512-BF16 pair products, W prepacked by linears.pack_pairs (CPU)");
   m.def("pair_gemm_available", &pair_gemm_available, "whether pair_gemm is built in (AVX512-BF16)");
-  m.def("amx_gemm", &amx_gemm, "x @ W.T (+ bias) in bf16 on AMX tiles, W prepacked by fused_llama.pack_amx (CPU)");
+  m.def("amx_gemm", &amx_gemm, "x @ W.T (+ bias) in bf16 on AMX tiles, W prepacked by linears.pack_amx (CPU)");
   m.def("amx_gemm_available", &amx_gemm_available, "whether amx_gemm can run here (AMX built in and permitted)");
   m.def("act_mul", &act_mul, "act(gate) * up over [rows, 2I]: act 0 SiLU, 1 GELU-tanh (CPU)");
   m.def("rms_norm_float_weight", &rms_norm_float_weight,

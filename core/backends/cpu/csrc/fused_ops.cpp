@@ -1,4 +1,4 @@
-// Fused element-wise ops for the Llama-family CPU forward: RMSNorm (optionally adding the
+// Fused element-wise ops for the decoder families' CPU forward: RMSNorm (optionally adding the
 // residual first), rotary embedding + KV-cache store, and SiLU(gate) * up. Each replaces several
 // eager torch ops (and their temporaries) with one pass over the rows.
 //

@@ -6,7 +6,7 @@
 // steps over k = (0, 1), (2, 3), ... in order, starting from zero, plus the bias, rounded once to bf16:
 // the other rows, the thread count (threads split the columns) and M never enter it.
 //
-// W is prepacked as [ceil(N / 32)][K / 2][32][2] (fused_llama.pack_pairs): for each panel of 32 output
+// W is prepacked as [ceil(N / 32)][K / 2][32][2] (linears.pack_pairs): for each panel of 32 output
 // columns, for each pair of K, the 32 columns' (k, k + 1) weights, one contiguous run per panel. The
 // micro-kernel and its blocking are those of panel_gemm.cpp: up to 14 rows x 32 columns in 28 registers,
 // x broadcast a pair at a time from the rows themselves, rows in L2-sized chunks, the next panel
@@ -102,7 +102,7 @@ bool pair_gemm_available() {
 #endif
 }
 
-// x [M, K] bf16 (K even), packed [ceil(N / 32), K / 2, 32, 2] (fused_llama.pack_pairs), bias [N] or None
+// x [M, K] bf16 (K even), packed [ceil(N / 32), K / 2, 32, 2] (linears.pack_pairs), bias [N] or None
 // -> y [M, N] bf16.
 at::Tensor pair_gemm(at::Tensor x, at::Tensor packed, int64_t N, c10::optional<at::Tensor> bias) {
   TORCH_CHECK(pair_gemm_available(), "pair_gemm: this build has no AVX512-BF16");

@@ -6,7 +6,7 @@
 // (threads split the output columns, never K), not M (no shape-dependent routes). So a row's result is
 // the same alone, in a step of 2048 rows, or anywhere in between.
 //
-// W is prepacked in panels of 32 columns, [ceil(N / 32)][K][32] (fused_llama.pack_panels), each panel
+// W is prepacked in panels of 32 columns, [ceil(N / 32)][K][32] (linears.pack_panels), each panel
 // one contiguous run read front to back. The micro-kernel keeps a block of up to 14 rows x 32 columns
 // in 28 vector registers and broadcasts x from the rows themselves (no packing of x). Rows are taken in
 // chunks that stay in L2 while every panel of the thread passes over them; within a chunk a panel is
@@ -87,7 +87,7 @@ void panel_gemm_impl(const float* xf, const scalar_t* packed, const scalar_t* bi
 
 }  // namespace
 
-// x [M, K], packed [ceil(N / 32), K, 32] (see fused_llama.pack_panels), bias [N] or None -> [M, N].
+// x [M, K], packed [ceil(N / 32), K, 32] (see linears.pack_panels), bias [N] or None -> [M, N].
 at::Tensor panel_gemm(at::Tensor x, at::Tensor packed, int64_t N, c10::optional<at::Tensor> bias) {
   TORCH_CHECK(x.dim() == 2 && packed.dim() == 3 && packed.size(2) == PW && x.size(1) == packed.size(1),
               "panel_gemm: x [M, K] with packed [N/32, K, 32]");

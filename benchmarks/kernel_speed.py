@@ -1,8 +1,8 @@
 """Kernel microbenchmark: each linear of the embedded model and its attention, on every route this CPU has, against
 the multiply-add peak measured here and torch's matmul on the same shapes.
 
-    python benchmarks/kernels.py                                   # both dtypes, M = 1, 16, 64, 256, 2048
-    python benchmarks/kernels.py --dtypes bfloat16 --ms 1,64 --out benchmarks/results/kernels-epyc.json
+    python benchmarks/kernel_speed.py                                   # both dtypes, M = 1, 16, 64, 256, 2048
+    python benchmarks/kernel_speed.py --dtypes bfloat16 --ms 1,64 --out benchmarks/results/kernels-epyc.json
 
 Linears (SmolLM2-135M's shapes, read from the cached model's config.json): qkv (q, k, v as one matmul, as the
 fused forward runs them), o, gate_up (one matmul), down, lm_head; x [M, K] @ W.T with W [N, K], per layer's weight
@@ -173,7 +173,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     ops = cpu_kernels()
     if ops is None:
-        sys.exit("kernels.py: conveyor's C++ kernels do not run here (no AVX-512 or no compiler)")
+        sys.exit("kernel_speed.py: conveyor's C++ kernels do not run here (no AVX-512 or no compiler)")
     peak = {"float32": ops.fma_peak_gflops(1.0, False),
             "bf16": ops.fma_peak_gflops(1.0, True) if ops.peak_bf16_available() else None,
             "read_gbs": read_bandwidth(torch, args)}
