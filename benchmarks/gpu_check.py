@@ -219,7 +219,7 @@ def families(device: str, backend: str, names: list[str]) -> dict:
     class CharTokenizer:
         eos_token_id = None
 
-        def decode(self, ids, skip_special_tokens=True):
+        def decode(self, ids, **kwargs):
             return "".join(chr(0x4E00 + int(i)) for i in ids)
 
     max_tokens = 12

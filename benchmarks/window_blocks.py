@@ -26,7 +26,7 @@ def run(window: int, requests: int, prompt: int, output: int, release: bool) -> 
     class Tokens:
         eos_token_id = None
 
-        def decode(self, ids, skip_special_tokens=True):
+        def decode(self, ids, **kwargs):
             return " ".join(map(str, ids))
 
     torch.manual_seed(0)
