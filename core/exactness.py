@@ -18,10 +18,12 @@ norms, rotary, the LM head, the sampler):
    position, not per step).
 4. Sampling draws from (seed, output index) and the row's own logits only (`sampler.uniform_for`).
 
-Backends (`core/backends`), and whether they meet it: the cpu backend (conveyor's C++ kernels) in float32
-and bfloat16 does, tested bitwise in tests/core/test_exactness_kernels.py (each kernel, random row counts)
-and tests/core/test_exactness_engine.py (real records through the engine in every configuration). The
-torch and cuda backends (`INEXACT_ROUTES`) do not, and say so when chosen (`inexact_reason`).
+Backends (`core/backends`), and whether they meet it: the cpu backend's fused forward (conveyor's C++ kernels,
+every decoder family it covers) in float32 and bfloat16 does, tested bitwise in
+tests/core/test_exactness_kernels.py (each kernel, random row counts), tests/core/test_exactness_engine.py (real
+records through the engine in every configuration) and tests/core/test_model_families.py (every family). The cpu
+backend under a model's transformers forward (torch's linears), and the torch and cuda backends
+(`INEXACT_ROUTES`), do not, and say so when chosen (`inexact_reason`).
 """
 
 from __future__ import annotations
