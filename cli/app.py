@@ -132,7 +132,14 @@ def models_command(check: str | None = typer.Option(
     from conveyor.core import EMBEDDED_MODELS, is_embedded_cached, model_report, models_cache_dir
 
     if check is not None:
-        lines, why = model_report(check)
+        from conveyor.core import ConfigError, ModelLoadError
+
+        try:
+            lines, why = model_report(check)
+        except (ModelLoadError, ConfigError) as e:  # nothing there to check: a usage error naming what was given
+            from conveyor.cli.exit_codes import UsageError
+
+            raise UsageError(f"--check {str(e).removeprefix('--').removeprefix('model ')}") from None
         width = max(len(what) for what, _ in lines)
         for what, value in lines:
             typer.echo(f"{what + ':':<{width + 2}}{value}")

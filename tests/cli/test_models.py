@@ -202,3 +202,8 @@ def test_chat_records_of_a_model_without_a_chat_template(copy_of, tiny_model, tm
     missing = run_in_process("run", tmp_path / "in.jsonl", "-o", out, *tiny_args(folder), "--chat-template",
                              tmp_path / "nope.jinja")
     assert missing.code == 2 and "--chat-template" in missing.err and "no such file" in missing.err
+
+
+def test_models_check_of_nothing_is_a_usage_error(tmp_path):
+    r = run_in_process("models", "--check", tmp_path / "nope")
+    assert r.code == 2 and "--check" in r.err and "no such file or folder" in r.err, r.err
