@@ -1,6 +1,6 @@
 """The exactness contract at the kernel level (conveyor.core.exactness), as a property: for a random number
-of rows M in 1..2048 and a random mix of rows, every row of every route's linear, attention and
-element-wise kernels equals that row computed alone, bitwise, in float32 and bfloat16. The batch runs on
+of rows M in 1..2048 and a random mix of rows, every row of every route's linear, attention (with a layer's window,
+softcap and sinks), element-wise and MoE kernels equals that row computed alone, bitwise, in float32 and bfloat16. The batch runs on
 two threads, each row alone on one.
 
 On a CPU with AMX the routes of CPUs without tiles (bf16 pair products) are checked too, in a child
@@ -140,18 +140,25 @@ def test_every_row_of_attention_equals_that_row_alone(route, step, heads, seed, 
 @EXAMPLES
 @given(m=st.integers(1, 2048), seed=st.integers(0, 2**16))
 def test_every_row_of_the_element_wise_kernels_equals_that_row_alone(dtype, m, seed):
-    """RMSNorm (with and without the residual add), SiLU(gate) * up and the greedy argmax."""
+    """RMSNorm (with and without the residual add, its weight in the dtype or in float32), q/k norms in place,
+    SiLU(gate) * up, GELU-tanh(gate) * up, the logit softcap and the greedy argmax."""
     g = torch.Generator().manual_seed(seed)
     h = torch.randn(m, 576, generator=g).to(dtype)
     delta = torch.randn(m, 576, generator=g).to(dtype)
     w = torch.randn(576, generator=g).to(dtype)
+    wf = 1.0 + torch.randn(576, generator=g)
+    wh = torch.randn(64, generator=g).to(dtype)
     gu = (torch.randn(m, 2 * 200, generator=g) * 3).to(dtype)
     logits = torch.randn(m, 1000, generator=g).to(dtype)
+    qkv = torch.randn(m, 9 * 64, generator=g).to(dtype)
+    capped = (logits * 20).contiguous()
     before = _threads(2)
     try:
-        summed = h.clone()
+        summed, heads = h.clone(), qkv.clone()
+        ops.norm_runs(heads, 64, 6, 64, wh, 1e-6)  # six heads from the second: q/k norms in place
+        ops.softcap(capped, 30.0)
         full = (ops.rms_norm(h, None, w, 1e-5), ops.rms_norm(summed, delta, w, 1e-5), ops.silu_mul(gu),
-                ops.argmax_rows(logits))
+                ops.argmax_rows(logits), ops.rms_norm_float_weight(h, None, wf, 1e-6), ops.act_mul(gu, 1))
         torch.set_num_threads(1)
         for i in range(0, m, max(1, m // 64)):  # a spread of rows: each op alone on row i
             one = h[i:i + 1].clone()
@@ -160,6 +167,41 @@ def test_every_row_of_the_element_wise_kernels_equals_that_row_alone(dtype, m, s
             assert torch.equal(one, summed[i:i + 1]), i
             assert torch.equal(ops.silu_mul(gu[i:i + 1].clone()), full[2][i:i + 1]), i
             assert torch.equal(ops.argmax_rows(logits[i:i + 1].clone()), full[3][i:i + 1]), i
+            assert torch.equal(ops.rms_norm_float_weight(h[i:i + 1].clone(), None, wf, 1e-6), full[4][i:i + 1]), i
+            assert torch.equal(ops.act_mul(gu[i:i + 1].clone(), 1), full[5][i:i + 1]), i
+            row = qkv[i:i + 1].clone()
+            ops.norm_runs(row, 64, 6, 64, wh, 1e-6)
+            assert torch.equal(row, heads[i:i + 1]), i
+            cap = (logits[i:i + 1] * 20).contiguous()
+            ops.softcap(cap, 30.0)
+            assert torch.equal(cap, capped[i:i + 1]), i
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@EXAMPLES
+@given(m=st.integers(1, 2048), seed=st.integers(0, 2**16), weights_in_dtype=st.booleans())
+def test_every_row_of_an_moe_mlp_equals_that_row_alone(dtype, m, seed, weights_in_dtype):
+    """The fused forward's MoE MLP (8 experts, 2 a row): a row's routing, its experts' linears at whatever number
+    of rows each expert gets, and its sum over its experts are the row's own."""
+    from conveyor.core.backends.cpu.linears import Linear
+
+    g = torch.Generator().manual_seed(seed)
+    hidden, inter, experts = 64, 32, 8
+
+    def lin(n, k):
+        return Linear((torch.randn(n, k, generator=g) / k ** 0.5).to(dtype), None, ops).native(ops)
+
+    moe = ops.Moe(lin(experts, hidden), [lin(2 * inter, hidden) for _ in range(experts)],
+                  [lin(hidden, inter) for _ in range(experts)], 2, True, weights_in_dtype)
+    x = torch.randn(m, hidden, generator=g).to(dtype)
+    before = _threads(2)
+    try:
+        full = moe(x, 0)
+        torch.set_num_threads(1)
+        for i in range(0, m, max(1, m // 64)):
+            assert torch.equal(moe(x[i:i + 1].clone(), 0), full[i:i + 1]), i
     finally:
         torch.set_num_threads(before)
 
