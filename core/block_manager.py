@@ -139,13 +139,7 @@ class BlockManager:
         upto = min(first // self.block_size, len(request.block_ids))
         done = self.released.get(request.req_id, 0)
         for i in range(done, upto):
-            block = self.blocks[request.block_ids[i]]
-            block.ref_count -= 1
-            assert block.ref_count >= 0, f"block {block.block_id} freed twice"
-            if block.ref_count == 0:
-                self.free_queue[block.block_id] = None
-                if block.block_hash is None:
-                    self.free_queue.move_to_end(block.block_id, last=False)
+            self._release(request.block_ids[i])
             request.block_ids[i] = NULL_BLOCK
         if upto > done:
             self.released[request.req_id] = upto
@@ -170,15 +164,20 @@ class BlockManager:
         for block_id in reversed(request.block_ids):
             if block_id == NULL_BLOCK:
                 break  # the entries before it were given back already
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            assert block.ref_count >= 0, f"block {block_id} freed twice"
-            if block.ref_count == 0:
-                self.free_queue[block_id] = None
-                if block.block_hash is None:  # nothing worth keeping: reuse it first
-                    self.free_queue.move_to_end(block_id, last=False)
+            self._release(block_id)
         request.block_ids = []
         self.released.pop(request.req_id, None)
+
+    def _release(self, block_id: int) -> None:
+        """One reference fewer; a block nobody holds goes to the free queue (first, where it holds nothing worth
+        keeping; last, where its prefix may be revived)."""
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        assert block.ref_count >= 0, f"block {block_id} freed twice"
+        if block.ref_count == 0:
+            self.free_queue[block_id] = None
+            if block.block_hash is None:  # nothing worth keeping: reuse it first
+                self.free_queue.move_to_end(block_id, last=False)
 
     # -- prefix cache registration -------------------------------------------------------------
 

@@ -173,9 +173,13 @@ class Run:
                 raise
             option = {"regex": "--regex", "choice": "--choice"}.get(spec.sampling.grammar.kind, "--json-schema")
             raise SpecError(f"{option}: {e}") from None
-        if spec.reasoning_parser is not None:  # a model without think tags: refused before it loads
-            self._reasoning(load_tokenizer(spec.model)[0])
-        self._check_chat_template()
+        # Refused before the model loads: a reasoning parser for a model without think tags, a chat option for one
+        # without a chat template (its tokenizer read once for both).
+        tokenizer = load_tokenizer(spec.model)[0] if spec.reasoning_parser is not None or self._chat_option() else None
+        if spec.reasoning_parser is not None:
+            self._reasoning(tokenizer)
+        if tokenizer is not None:
+            self._check_chat_template(tokenizer)
         run_dir = self.base_run_dir
         if spec.state.shard is not None:
             self.shard = Shard.parse(spec.state.shard)
@@ -261,15 +265,19 @@ class Run:
                                       self.spec.model, priorities=self.spec.engine.schedule == "priority")
         self._no_chat_template_note(self.engine.tokenizer)
 
-    def _check_chat_template(self, tokenizer=None) -> None:
+    def _chat_option(self) -> str | None:
+        """The option that builds every prompt through a chat template (none given by --chat-template), if any."""
+        b = self.spec.build
+        if b.chat_template is not None:
+            return None
+        return "--chat-field" if b.chat_field is not None else \
+            "--prompt-template-as chat" if b.prompt_template is not None and b.prompt_template_as == "chat" else None
+
+    def _check_chat_template(self, tokenizer) -> None:
         """--chat-field and --prompt-template-as chat build every prompt through a chat template: a model without
         one (and no --chat-template) is a usage error before it loads."""
-        b = self.spec.build
-        option = "--chat-field" if b.chat_field is not None else \
-            "--prompt-template-as chat" if b.prompt_template is not None and b.prompt_template_as == "chat" else None
-        if option is None or b.chat_template is not None:
-            return
-        if not has_chat_template(tokenizer if tokenizer is not None else load_tokenizer(self.spec.model)[0]):
+        option = self._chat_option()
+        if option is not None and not has_chat_template(tokenizer):
             raise SpecError(f"{option}: every prompt goes through the model's chat template, and {self.spec.model} "
                             "has none; give one with --chat-template FILE, or build raw prompts (--prompt-field, "
                             "--prompt-template)")

@@ -68,10 +68,14 @@ class AttentionProbe:
 
     def record(self, module, query, key, value, attention_mask, scaling, dropout, sliding_window, softcap, s_aux,
                kwargs) -> torch.Tensor:
+        kwargs = dict(kwargs)
+        causal = kwargs.pop("is_causal", None)  # handed over by some forwards: True is what conveyor computes
+        if causal is None:
+            causal = getattr(module, "is_causal", True)
         unknown = {k: v for k, v in kwargs.items() if k not in _HARMLESS and v is not None and v is not False}
         self.calls.append(_Call(getattr(module, "layer_idx", None), query.shape[1], key.shape[1], key.shape[-1],
                                 value.shape[-1], scaling, float(dropout or 0.0), sliding_window, softcap, s_aux,
-                                attention_mask, unknown, getattr(module, "is_causal", True)))
+                                attention_mask, unknown, causal))
         return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1])
 
 
@@ -142,7 +146,7 @@ def probe_attention(model: torch.nn.Module, name: str) -> ModelAttention:
                          "attention does not implement")
         if c.dropout:
             raise refuse(f"attention dropout {c.dropout} at inference ({where})")
-        if c.is_causal is False:
+        if not bool(c.is_causal):
             raise refuse(f"its attention is bidirectional ({where}: is_causal False), not a causal language model's")
         if c.head_dim != c.v_head_dim:
             raise refuse(f"keys of {c.head_dim} and values of {c.v_head_dim} elements per head ({where}: "

@@ -64,7 +64,9 @@ def padded_tables(tables: Sequence[Sequence[int]], width: int | None = None) -> 
         width = max(len(t) for t in tables)
     out = []
     for t in tables:
-        row = [max(b, 0) for b in t[:width]]
+        row = list(t[:width])
+        if row and row[0] < 0:  # (entries given back are a prefix of a table)
+            row = [max(b, 0) for b in row]
         row.extend([0] * (width - len(row)))
         out.append(row)
     return out

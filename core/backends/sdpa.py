@@ -85,6 +85,7 @@ class SdpaAttention(StepAttention):
         self.slot_mapping = slot_mapping
         self.fresh_chunks = fresh_chunks  # [start, end) rows of prompt chunks with nothing cached
         self.gathered = gathered  # every other row
+        self._masks: dict = {}  # (gathered rows' index or chunk length, window) -> mask: once a step, not a layer
 
     def store(self, layer, k_new, v_new) -> None:
         store_flash(self.kv, layer, self.slot_mapping, k_new, v_new)
@@ -92,18 +93,25 @@ class SdpaAttention(StepAttention):
     def attend(self, layer, q, k_new, v_new, scale, window=None, softcap=None, sinks=None) -> torch.Tensor:
         k_pool, v_pool = flash_rows(self.kv, layer)  # [slots, Hkv, D]
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        for g in self.gathered:
+        for i, g in enumerate(self.gathered):
             k = k_pool[g.slots].transpose(1, 2).to(q.dtype)  # [b, Hkv, L, D]
             v = v_pool[g.slots].transpose(1, 2).to(q.dtype)
             qb = q[g.rows].unsqueeze(2) if g.is_decode else q[g.rows].transpose(0, 1).unsqueeze(0)
-            o = attention(qb, k, v, g.mask(window), scale, softcap, sinks)
+            key = ("gathered", i, window)
+            if key not in self._masks:
+                self._masks[key] = g.mask(window)
+            o = attention(qb, k, v, self._masks[key], scale, softcap, sinks)
             out[g.rows] = o.squeeze(2) if g.is_decode else o[0].transpose(0, 1)
         for start, end in self.fresh_chunks:
             qc, kc, vc = (t[start:end].transpose(0, 1).unsqueeze(0).to(q.dtype) for t in (q, k_new, v_new))
             mask = None
             if window:
-                pos = torch.arange(end - start, device=q.device)
-                mask = ((pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window))[None, None]
+                key = ("fresh", end - start, window)
+                if key not in self._masks:
+                    pos = torch.arange(end - start, device=q.device)
+                    self._masks[key] = ((pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window))[
+                        None, None]
+                mask = self._masks[key]
             o = attention(qc, kc, vc, mask, scale, softcap, sinks)
             out[start:end] = o[0].transpose(0, 1)
         return out
@@ -112,9 +120,6 @@ class SdpaAttention(StepAttention):
 class TorchBackend(Backend):
     name = "torch"
     exact = False
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__(model)
 
     def kv_layout(self, head_dim: int, block_size: int, group: int) -> KVLayout:
         return FLASH

@@ -77,3 +77,21 @@ def test_a_keyword_no_backend_implements_is_refused(monkeypatch):
     monkeypatch.setattr(tfw, "paged_attention_forward", handed_more)
     with pytest.raises(UnsupportedModel, match="attention_temperature"):
         _probe(build("llama"))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_is_causal_handed_over_is_read(monkeypatch, causal):
+    """Some forwards hand the attention is_causal: True is what conveyor computes, False is bidirectional."""
+    import conveyor.core.backends.transformers_forward as tfw
+
+    real = tfw.paged_attention_forward
+
+    def handed(*args, **kwargs):
+        return real(*args, is_causal=causal, **kwargs)
+
+    monkeypatch.setattr(tfw, "paged_attention_forward", handed)
+    if causal:
+        assert _probe(build("llama")).all_slide is None
+    else:
+        with pytest.raises(UnsupportedModel, match="bidirectional"):
+            _probe(build("llama"))

@@ -158,7 +158,7 @@ def test_every_row_of_the_element_wise_kernels_equals_that_row_alone(dtype, m, s
         ops.norm_runs(heads, 64, 6, 64, wh, 1e-6)  # six heads from the second: q/k norms in place
         ops.softcap(capped, 30.0)
         full = (ops.rms_norm(h, None, w, 1e-5), ops.rms_norm(summed, delta, w, 1e-5), ops.silu_mul(gu),
-                ops.argmax_rows(logits), ops.rms_norm_float_weight(h, None, wf, 1e-6), ops.act_mul(gu, 1))
+                ops.argmax_rows(logits), ops.rms_norm(h, None, wf, 1e-6), ops.act_mul(gu, 1))
         torch.set_num_threads(1)
         for i in range(0, m, max(1, m // 64)):  # a spread of rows: each op alone on row i
             one = h[i:i + 1].clone()
@@ -167,7 +167,7 @@ def test_every_row_of_the_element_wise_kernels_equals_that_row_alone(dtype, m, s
             assert torch.equal(one, summed[i:i + 1]), i
             assert torch.equal(ops.silu_mul(gu[i:i + 1].clone()), full[2][i:i + 1]), i
             assert torch.equal(ops.argmax_rows(logits[i:i + 1].clone()), full[3][i:i + 1]), i
-            assert torch.equal(ops.rms_norm_float_weight(h[i:i + 1].clone(), None, wf, 1e-6), full[4][i:i + 1]), i
+            assert torch.equal(ops.rms_norm(h[i:i + 1].clone(), None, wf, 1e-6), full[4][i:i + 1]), i
             assert torch.equal(ops.act_mul(gu[i:i + 1].clone(), 1), full[5][i:i + 1]), i
             row = qkv[i:i + 1].clone()
             ops.norm_runs(row, 64, 6, 64, wh, 1e-6)

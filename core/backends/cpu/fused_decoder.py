@@ -41,8 +41,8 @@ class FusedDecoder:
     def _linear(self, pair) -> object:
         return Linear(*pair, self.ops).native(self.ops)
 
-    def _norm(self, norm: NormPlan | None):
-        return None if norm is None else self.ops.Norm(norm.weight.contiguous(), norm.eps)
+    def _norm(self, norm: NormPlan):
+        return self.ops.Norm(norm.weight.contiguous(), norm.eps)
 
     def _layer(self, plan: LayerPlan, spec) -> object:
         ops = self.ops
@@ -85,7 +85,7 @@ class FusedDecoder:
                  sample_rows: torch.Tensor) -> torch.Tensor:
         plan = self.plan
         h = plan.embed(input_ids).contiguous()  # [T, hidden]; the residual stream, updated in place
-        known_max = int(positions.max())
+        known_max = int(positions.max())  # (read once for every rotary table)
         tables = [rotary(positions, known_max) for rotary in plan.rotaries]
         cos = [c.contiguous() for c, _ in tables]
         sin = [s.contiguous() for _, s in tables]
@@ -94,12 +94,7 @@ class FusedDecoder:
                                      batch.token_req, batch.token_ctx, kv.block_size)
         rows = h.index_select(0, sample_rows)
         norm = self.final_norm
-        d = delta.index_select(0, sample_rows)
-        if norm.weight.dtype == torch.float32 and rows.dtype != torch.float32:
-            x = self.ops.rms_norm_float_weight(rows, d, norm.weight, norm.eps)
-        else:
-            x = self.ops.rms_norm(rows, d, norm.weight, norm.eps)
-        logits = self.lm_head(x)
+        logits = self.lm_head(self.ops.rms_norm(rows, delta.index_select(0, sample_rows), norm.weight, norm.eps))
         if plan.final_softcap is not None:
             self.ops.softcap(logits, plan.final_softcap)
         if plan.logits_divisor is not None:

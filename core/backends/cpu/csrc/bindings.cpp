@@ -24,7 +24,6 @@ at::Tensor amx_gemm(at::Tensor x, at::Tensor packed, int64_t N, c10::optional<at
 bool amx_gemm_available();
 double fma_peak_gflops(double seconds, bool bf16);
 at::Tensor act_mul(at::Tensor gu, int64_t act);
-at::Tensor rms_norm_float_weight(at::Tensor h, c10::optional<at::Tensor> delta, at::Tensor wf, double eps);
 void norm_runs_inplace(at::Tensor x, int64_t offset, int64_t groups, int64_t n, at::Tensor w, double eps);
 void softcap_inplace(at::Tensor x, double cap);
 bool peak_bf16_available();
@@ -59,9 +58,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_gemm", &amx_gemm, "x @ W.T (+ bias) in bf16 on AMX tiles, W prepacked by linears.pack_amx (CPU)");
   m.def("amx_gemm_available", &amx_gemm_available, "whether amx_gemm can run here (AMX built in and permitted)");
   m.def("act_mul", &act_mul, "act(gate) * up over [rows, 2I]: act 0 SiLU, 1 GELU-tanh (CPU)");
-  m.def("rms_norm_float_weight", &rms_norm_float_weight,
-        "RMSNorm whose float32 weight multiplies in float32, rounded once (Gemma's 1 + w, OLMo-2's w); optionally "
-        "adding a residual delta in place first (CPU)");
   m.def("norm_runs", &norm_runs_inplace,
         "in place: `groups` runs of n columns from `offset` of each row RMS-normalized (q / k norms) (CPU)");
   m.def("softcap", &softcap_inplace, "in place: x <- cap * tanh(x / cap) (CPU)");
@@ -91,12 +87,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("gate_up", &Layer::gate_up).def_readwrite("down", &Layer::down)
       .def_readwrite("moe", &Layer::moe).def_readwrite("act", &Layer::act).def_readwrite("rope", &Layer::rope)
       .def_readwrite("window", &Layer::window).def_readwrite("softcap", &Layer::softcap)
-      .def_readwrite("scale", &Layer::scale).def_readwrite("sinks", &Layer::sinks)
+      .def_readwrite("scale", &Layer::scale)
       .def_readwrite("residual_multiplier", &Layer::residual_multiplier);
   py::class_<Decoder>(m, "Decoder", "the decoder layers of the fused forward, run per step in one call")
       .def(py::init<int64_t, int64_t, int64_t>(), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"))
       .def("add", &Decoder::add)
-      .def("__len__", &Decoder::size)
       .def("forward", &Decoder::forward,
            "h [T, hidden] (the residual stream, updated in place), cos / sin per rotary table, the step's slots, "
            "the layers' K/V pools and the attention metadata -> the last layer's MLP output",

@@ -18,7 +18,6 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                            at::Tensor token_req, at::Tensor token_ctx, int64_t block_size, double scale,
                            int64_t window, double softcap, c10::optional<at::Tensor> sinks);
 at::Tensor rms_norm(at::Tensor h, c10::optional<at::Tensor> delta, at::Tensor w, double eps);
-at::Tensor rms_norm_float_weight(at::Tensor h, c10::optional<at::Tensor> delta, at::Tensor wf, double eps);
 void norm_runs_inplace(at::Tensor x, int64_t offset, int64_t groups, int64_t n, at::Tensor w, double eps);
 void rope_store(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor slots, at::Tensor k_cache,
                 at::Tensor v_cache, int64_t num_heads);
@@ -35,19 +34,9 @@ at::Tensor Linear::operator()(const at::Tensor& x) const {
   }
 }
 
-namespace {
-
-// norm(h += delta) (delta may be none), in the norm's form.
-at::Tensor norm_of(const Norm& norm, const at::Tensor& h, const c10::optional<at::Tensor>& delta) {
-  if (norm.weight.scalar_type() == at::kFloat && h.scalar_type() != at::kFloat)
-    return rms_norm_float_weight(h, delta, norm.weight, norm.eps);
-  return rms_norm(h, delta, norm.weight, norm.eps);
+at::Tensor Norm::operator()(const at::Tensor& h, const c10::optional<at::Tensor>& delta) const {
+  return rms_norm(h, delta, weight, eps);
 }
-
-// h += delta in the model's dtype, as the residual add `residual + x` rounds it.
-void add_into(at::Tensor& h, const at::Tensor& delta) { h.add_(delta); }
-
-}  // namespace
 
 at::Tensor Moe::operator()(const at::Tensor& x, int64_t act) const {
   const int64_t T = x.size(0), E = static_cast<int64_t>(gate_up.size()), k = top_k;
@@ -116,9 +105,9 @@ at::Tensor Decoder::forward(at::Tensor h, const std::vector<at::Tensor>& cos, co
     const Layer& L = layers_[i];
     at::Tensor x;
     if (L.attn_in.present()) {
-      x = norm_of(L.attn_in, h, delta);  // h += delta (the last MLP's output), then the norm
+      x = L.attn_in(h, delta);  // h += delta (the last MLP's output), then the norm
     } else {
-      if (delta) add_into(h, *delta);
+      if (delta) h.add_(*delta);  // the residual add, rounded to the dtype as `residual + x`
       x = h;
     }
     at::Tensor qkv = L.qkv(x);
@@ -137,19 +126,19 @@ at::Tensor Decoder::forward(at::Tensor h, const std::vector<at::Tensor>& cos, co
                v_caches[i], H);
     at::Tensor q = qkv.narrow(1, 0, q_width).view({T, H, D});  // read in place by the kernel
     at::Tensor attn = paged_attention(q, k_caches[i], v_caches[i], tables, token_req, token_ctx, block_size, L.scale,
-                                      L.window, L.softcap, L.sinks)
+                                      L.window, L.softcap, c10::nullopt)
                           .reshape({T, q_width});
     at::Tensor o = L.o(attn);
-    if (L.attn_out.present()) o = norm_of(L.attn_out, o, c10::nullopt);
+    if (L.attn_out.present()) o = L.attn_out(o);
     if (L.residual_multiplier != 1.0) o.mul_(L.residual_multiplier);
     if (L.mlp_in.present()) {
-      x = norm_of(L.mlp_in, h, o);  // h += attention output
+      x = L.mlp_in(h, o);  // h += attention output
     } else {
-      add_into(h, o);
+      h.add_(o);
       x = h;
     }
     at::Tensor m = L.moe.top_k > 0 ? L.moe(x, L.act) : L.down(act_mul(L.gate_up(x), L.act));
-    if (L.mlp_out.present()) m = norm_of(L.mlp_out, m, c10::nullopt);
+    if (L.mlp_out.present()) m = L.mlp_out(m);
     if (L.residual_multiplier != 1.0) m.mul_(L.residual_multiplier);
     delta = m;
   }

@@ -22,6 +22,7 @@ struct Norm {
   at::Tensor weight;
   double eps = 0.0;
   bool present() const { return weight.defined(); }
+  at::Tensor operator()(const at::Tensor& h, const c10::optional<at::Tensor>& delta = c10::nullopt) const;  // h += delta first
 };
 
 // A sparse MoE MLP: router logits -> float softmax -> top_k (renormalized where `renormalize`), each routed
@@ -45,8 +46,7 @@ struct Layer {
   int64_t act = 0;  // 0 SiLU, 1 GELU-tanh
   int64_t rope = -1;  // which rotary table (-1: no rotary in this layer)
   int64_t window = 0;
-  double softcap = 0.0, scale = 1.0;
-  c10::optional<at::Tensor> sinks;
+  double softcap = 0.0, scale = 1.0;  // (a model whose attention has sinks keeps its transformers forward)
   double residual_multiplier = 1.0;
 };
 
@@ -55,7 +55,6 @@ class Decoder {
   Decoder(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim)
       : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim) {}
   void add(const Layer& layer) { layers_.push_back(layer); }
-  int64_t size() const { return static_cast<int64_t>(layers_.size()); }
   // h [T, hidden], the residual stream (updated in place); cos / sin [T, rotary dims] per rotary table. Returns the
   // last layer's MLP output (the delta the final norm adds to h first).
   at::Tensor forward(at::Tensor h, const std::vector<at::Tensor>& cos, const std::vector<at::Tensor>& sin,

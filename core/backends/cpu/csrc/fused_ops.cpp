@@ -101,13 +101,21 @@ inline float inv_rms(const scalar_t* __restrict__ row, int64_t N, float eps) {
   return 1.f / std::sqrt(ss / static_cast<float>(N) + eps);
 }
 
-// A norm whose weight multiplies in float32 (Gemma's (1 + w), OLMo-2's w): out = (x * r * wf) rounded once.
+// out = a row normalized by r, times its weight: Llama's form, w in the model's dtype multiplying the normalized row
+// rounded to it (hidden_states.to(input_dtype), then weight * it); or, with wf, a float32 weight multiplying in
+// float32, rounded once (Gemma's 1 + w, OLMo-2's w).
 template <typename scalar_t>
-inline void norm_float_weight(const scalar_t* __restrict__ row, const float* __restrict__ wf, scalar_t* out, int64_t N,
-                              float r) {
+inline void norm_row(const scalar_t* __restrict__ row, const scalar_t* __restrict__ w, const float* __restrict__ wf,
+                     scalar_t* __restrict__ out, int64_t N, float r) {
   const int64_t NV = N / 16 * 16;
-  for (int64_t i = 0; i < NV; i += 16) store16(out + i, (load16(row + i) * r) * load16(wf + i));
-  for (int64_t i = NV; i < N; ++i) out[i] = static_cast<scalar_t>((static_cast<float>(row[i]) * r) * wf[i]);
+  if (wf != nullptr) {
+    for (int64_t i = 0; i < NV; i += 16) store16(out + i, (load16(row + i) * r) * load16(wf + i));
+    for (int64_t i = NV; i < N; ++i) out[i] = static_cast<scalar_t>((static_cast<float>(row[i]) * r) * wf[i]);
+    return;
+  }
+  for (int64_t i = 0; i < NV; i += 16) store16(out + i, load16(w + i) * round16<scalar_t>(load16(row + i) * r));
+  for (int64_t i = NV; i < N; ++i)
+    out[i] = static_cast<scalar_t>(static_cast<float>(w[i]) * rnd<scalar_t>(static_cast<float>(row[i]) * r));
 }
 
 // The same norm in place on `groups` runs of N elements per row, rows `stride` apart (q / k heads within qkv):
@@ -120,15 +128,7 @@ void norm_runs(scalar_t* x, int64_t T, int64_t stride, int64_t groups, int64_t N
     for (int64_t t = begin; t < end; ++t)
       for (int64_t g = 0; g < groups; ++g) {
         scalar_t* __restrict__ run = x + t * stride + g * N;
-        const float r = inv_rms(run, N, eps);
-        if (wf != nullptr) {
-          norm_float_weight(run, wf, tmp.data(), N, r);
-        } else {
-          const int64_t NV = N / 16 * 16;
-          for (int64_t i = 0; i < NV; i += 16) store16(tmp.data() + i, load16(w + i) * round16<scalar_t>(load16(run + i) * r));
-          for (int64_t i = NV; i < N; ++i)
-            tmp[i] = static_cast<scalar_t>(static_cast<float>(w[i]) * rnd<scalar_t>(static_cast<float>(run[i]) * r));
-        }
+        norm_row(run, w, wf, tmp.data(), N, inv_rms(run, N, eps));
         std::memcpy(run, tmp.data(), sizeof(scalar_t) * N);
       }
   });
@@ -146,18 +146,7 @@ void rms_norm_rows(scalar_t* h, const scalar_t* delta, const scalar_t* w, scalar
         for (int64_t i = 0; i < NV; i += 16) store16(row + i, load16(row + i) + load16(d + i));
         for (int64_t i = NV; i < N; ++i) row[i] = static_cast<scalar_t>(static_cast<float>(row[i]) + static_cast<float>(d[i]));
       }
-      const float r = inv_rms(row, N, eps);
-      scalar_t* __restrict__ out = y + t * N;
-      if (wf != nullptr) {
-        norm_float_weight(row, wf, out, N, r);
-        continue;
-      }
-      for (int64_t i = 0; i < NV; i += 16)  // hidden_states.to(input_dtype), then weight * it
-        store16(out + i, load16(w + i) * round16<scalar_t>(load16(row + i) * r));
-      for (int64_t i = NV; i < N; ++i) {
-        const float normed = rnd<scalar_t>(static_cast<float>(row[i]) * r);
-        out[i] = static_cast<scalar_t>(static_cast<float>(w[i]) * normed);
-      }
+      norm_row(row, w, wf, y + t * N, N, inv_rms(row, N, eps));
     }
   });
 }
@@ -390,10 +379,14 @@ void check_rows(const at::Tensor& x, const char* name) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), name, " must be a contiguous [rows, features] tensor");
 }
 
-// y = RMSNorm(h) * w; with delta given, h += delta first (in place). Returns y.
+// y = RMSNorm(h) * w; with delta given, h += delta first (in place). Returns y. w in h's dtype multiplies the
+// normalized row rounded to it (Llama's form); a float32 w of a bf16 / fp16 h multiplies in float32, rounded once
+// (Gemma's 1 + w, OLMo-2's w).
 at::Tensor rms_norm(at::Tensor h, c10::optional<at::Tensor> delta, at::Tensor w, double eps) {
   check_rows(h, "hidden states");
-  TORCH_CHECK(w.dim() == 1 && w.size(0) == h.size(1) && w.scalar_type() == h.scalar_type(), "norm weight mismatch");
+  const bool float_w = w.scalar_type() == at::kFloat && h.scalar_type() != at::kFloat;
+  TORCH_CHECK(w.dim() == 1 && w.size(0) == h.size(1) && (float_w || w.scalar_type() == h.scalar_type()),
+              "norm weight mismatch");
   if (delta.has_value()) {
     check_rows(*delta, "residual delta");
     TORCH_CHECK(delta->sizes() == h.sizes() && delta->scalar_type() == h.scalar_type(), "residual delta mismatch");
@@ -402,27 +395,8 @@ at::Tensor rms_norm(at::Tensor h, c10::optional<at::Tensor> delta, at::Tensor w,
   auto y = at::empty_like(h);
   AT_DISPATCH_V2(h.scalar_type(), "rms_norm", AT_WRAP([&] {
     rms_norm_rows<scalar_t>(h.data_ptr<scalar_t>(), delta.has_value() ? delta->data_ptr<scalar_t>() : nullptr,
-                            wc.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(), h.size(0), h.size(1),
-                            static_cast<float>(eps));
-  }), at::kFloat, at::kBFloat16, at::kHalf);
-  return y;
-}
-
-// y = RMSNorm(h) with a float32 weight multiplied in float32 and rounded once (Gemma's 1 + w, OLMo-2's w); with
-// delta given, h += delta first (in place). Returns y.
-at::Tensor rms_norm_float_weight(at::Tensor h, c10::optional<at::Tensor> delta, at::Tensor wf, double eps) {
-  check_rows(h, "hidden states");
-  TORCH_CHECK(wf.dim() == 1 && wf.size(0) == h.size(1) && wf.scalar_type() == at::kFloat, "float norm weight mismatch");
-  if (delta.has_value()) {
-    check_rows(*delta, "residual delta");
-    TORCH_CHECK(delta->sizes() == h.sizes() && delta->scalar_type() == h.scalar_type(), "residual delta mismatch");
-  }
-  auto wc = wf.contiguous();
-  auto y = at::empty_like(h);
-  AT_DISPATCH_V2(h.scalar_type(), "rms_norm_float_weight", AT_WRAP([&] {
-    rms_norm_rows<scalar_t>(h.data_ptr<scalar_t>(), delta.has_value() ? delta->data_ptr<scalar_t>() : nullptr,
-                            nullptr, y.data_ptr<scalar_t>(), h.size(0), h.size(1), static_cast<float>(eps),
-                            wc.data_ptr<float>());
+                            float_w ? nullptr : wc.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(), h.size(0), h.size(1),
+                            static_cast<float>(eps), float_w ? wc.data_ptr<float>() : nullptr);
   }), at::kFloat, at::kBFloat16, at::kHalf);
   return y;
 }

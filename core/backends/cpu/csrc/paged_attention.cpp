@@ -101,7 +101,7 @@ static inline void softcap_range(float* __restrict__ s, int64_t lo, int64_t n, f
 // float; s must have room for n rounded up to 16. Lane i of the max and the sum holds the keys that are i
 // mod 16, so a vector's weights depend on its own keys only.
 static inline void softmax_range(float* __restrict__ s, const Span& r, int64_t end, float softcap) {
-  const int64_t lo = r.lim > r.lo ? r.lo : r.lim, n = r.lim;
+  const int64_t lo = r.lo, n = r.lim;
   if (softcap > 0.f) softcap_range(s, lo, n, 1.f, softcap);
   const int64_t first = lo / 16 * 16, padded = (n + 15) / 16 * 16;
   for (int64_t j = n; j < padded; ++j) s[j] = -INFINITY;
