@@ -82,11 +82,14 @@ def _kill_resume_and_compare(tmp_path, rng_seed: int, options: list[str], probe_
         def ready(committed: int, prefix: int, min_committed=min_committed, needs_gap=needs_gap) -> bool:
             return committed >= min_committed and (committed > prefix or not needs_gap)
 
-        done, prefix = _freeze_when(child, run_dir, ready, delay, what=f"kill {k} ({when})")
+        seen, _ = _freeze_when(child, run_dir, ready, delay, what=f"kill {k} ({when})")
         killed = child.kill9()
         assert killed.code == -signal.SIGKILL, f"the run ended ({killed.code}) before kill {k}: {killed.err[-2000:]}"
-        # Frozen, then killed: what it had committed when frozen is what the journal holds.
-        assert journal_state(run_dir) == (done, prefix)
+        # Frozen, then killed: the journal holds at least what a reader saw while it was frozen. It may
+        # hold one commit more: a writer stopped after its commit frame reached the WAL but before the
+        # shared index said so has committed (the next opener recovers the frame from the WAL).
+        done, prefix = journal_state(run_dir)
+        assert seen <= done <= seen + 1
         assert done >= done_before
         if not min_committed:
             assert done == 0, f"kill {k} was meant to land before any commit, but {done} rows were committed"
