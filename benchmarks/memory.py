@@ -63,7 +63,7 @@ def _env() -> dict[str, str]:
 
 
 def _committed(run_dir: Path) -> int:
-    from conveyor.io.journal import Journal
+    from conveyor.io.state.journal import Journal
 
     try:
         with Journal(run_dir / "journal.sqlite", read_only=True, verify=False) as journal:

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from conveyor.cli.exit_codes import UsageError
-from conveyor.io.prompt_template import PromptTemplate
+from conveyor.io.records.prompt_template import PromptTemplate
 
 AT_FILE_KEYS = ("system_prompt", "prompt_template")  # a value "@path" is the file's text (UTF-8)
 

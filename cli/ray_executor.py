@@ -1,7 +1,7 @@
 """`conveyor run ... --executor ray`: one dataset over N conveyor engines on a Ray cluster, exactly once,
 resumable.
 
-Each worker is a Ray actor that runs one shard of the run (`--shard I/N`, io/shards.py: the same code as
+Each worker is a Ray actor that runs one shard of the run (`--shard I/N`, io/state/shards.py: the same code as
 `conveyor run --shard`, with its own journal in the shared run directory); the driver waits for them and merges
 their rows into the output. One worker per GPU where the cluster has GPUs (`--num-workers` to use fewer),
 else `--num-workers` engines with the cluster's CPUs split between them (torch threads = CPUs per worker).

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from conveyor.io.status import ShardStatus, run_status
+from conveyor.io.state.status import ShardStatus, run_status
 
 
 def show_status(output: str, run_dir: str | None) -> int:

@@ -1,11 +1,11 @@
 """`run_records`: the one loop that takes records through a request builder and an engine into a sink.
 
     from conveyor.core import EngineConfig, SamplingParams, load_engine
-    from conveyor.io.journal import Journal
-    from conveyor.io.readers import open_reader
+    from conveyor.io.state.journal import Journal
+    from conveyor.io.records.readers import open_reader
     from conveyor.io.records_run import run_records
-    from conveyor.io.request_builder import BuildOptions, RequestBuilder
-    from conveyor.io.sink import JournalSink
+    from conveyor.io.records.request_builder import BuildOptions, RequestBuilder
+    from conveyor.io.rows.sink import JournalSink
 
     engine = load_engine("smollm2-135m-instruct", EngineConfig())
     builder = RequestBuilder(engine.tokenizer, BuildOptions(), SamplingParams(max_tokens=64), engine.limits)
@@ -24,8 +24,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Iterator
 
-from conveyor.io.readers import RawRecord
-from conveyor.io.sink import RecordSink
+from conveyor.io.records.readers import RawRecord
+from conveyor.io.rows.sink import RecordSink
 
 
 def run_records(records: Iterable[RawRecord], builder, engine, sink: RecordSink,

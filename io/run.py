@@ -41,21 +41,21 @@ from conveyor.core import (
     resolve_reasoning,
 )
 from conveyor.io.errors import SpecError
-from conveyor.io.figures import run_figures
-from conveyor.io.journal import Journal
-from conveyor.io.paths import check_output_path, check_run_paths
-from conveyor.io.pending import PendingRecords
-from conveyor.io.readers import fingerprint, fingerprints_content, open_reader
+from conveyor.io.records.pending import PendingRecords
+from conveyor.io.records.readers import fingerprint, fingerprints_content, open_reader
+from conveyor.io.records.request_builder import RequestBuilder, has_chat_template
 from conveyor.io.records_run import run_records
-from conveyor.io.request_builder import RequestBuilder, has_chat_template
-from conveyor.io.rows import SAMPLE_INDEX, without_errors
-from conveyor.io.run_dir import STATE_FILES, Manifest, RunDir
-from conveyor.io.run_info import read_run_info, write_run_info
+from conveyor.io.rows.figures import run_figures
+from conveyor.io.rows.rows import SAMPLE_INDEX, without_errors
+from conveyor.io.rows.sink import BadRecordStop, CommitPolicy, JournalSink, RunTotals
+from conveyor.io.rows.writers import STDOUT, check_keep_fields, infer_output_format, write_output
 from conveyor.io.run_spec import RunSpec
-from conveyor.io.shards import MergeResult, Shard, ShardError, ShardSet, clear_done, mark_done, merge, shard_dir
-from conveyor.io.sink import BadRecordStop, CommitPolicy, JournalSink, RunTotals
+from conveyor.io.state.journal import Journal
+from conveyor.io.state.paths import check_output_path, check_run_paths
+from conveyor.io.state.run_dir import STATE_FILES, Manifest, RunDir
+from conveyor.io.state.run_info import read_run_info, write_run_info
+from conveyor.io.state.shards import MergeResult, Shard, ShardError, ShardSet, clear_done, mark_done, merge, shard_dir
 from conveyor.io.validation import ValidationSink
-from conveyor.io.writers import STDOUT, check_keep_fields, infer_output_format, write_output
 
 try:
     TOOL_VERSION = version("conveyor")

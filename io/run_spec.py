@@ -11,12 +11,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from conveyor.core import DEFAULT_MODEL, EngineConfig, SamplingParams
-from conveyor.io.readers.record import DEFAULT_MAX_RECORD_BYTES
-from conveyor.io.readers.record import FORMATS as INPUT_FORMATS
-from conveyor.io.request_builder import TEMPLATE_AS, BuildOptions
-from conveyor.io.request_options import run_grammar
-from conveyor.io.sink import ON_ERROR, CommitPolicy
-from conveyor.io.writers import OUTPUT_FORMATS
+from conveyor.io.records.readers.record import DEFAULT_MAX_RECORD_BYTES
+from conveyor.io.records.readers.record import FORMATS as INPUT_FORMATS
+from conveyor.io.records.request_builder import TEMPLATE_AS, BuildOptions
+from conveyor.io.records.request_options import run_grammar
+from conveyor.io.rows.sink import ON_ERROR, CommitPolicy
+from conveyor.io.rows.writers import OUTPUT_FORMATS
 
 # What building a spec takes besides the dataclasses below: the choices of its options and the run's grammar.
 __all__ = ["INPUT_FORMATS", "ON_ERROR", "OUTPUT_FORMATS", "TEMPLATE_AS", "BuildOptions", "InputOptions",
@@ -45,7 +45,7 @@ class StateOptions:
 
     run_dir: str | None = None  # None: <output>.conveyor beside the output
     restart: bool = False  # discard the run directory's state and start over
-    shard: str | None = None  # "I/N": answer the records whose index is I mod N (io/shards.py)
+    shard: str | None = None  # "I/N": answer the records whose index is I mod N (io/state/shards.py)
     checkpoint_every: int | None = CommitPolicy.every_rows  # commit every N finished rows (None: by time only)
     checkpoint_seconds: float = CommitPolicy.every_seconds  # and at least this often
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 from collections import Counter
 
 from conveyor.core import EngineConfig, Grammars
-from conveyor.io.journal import Journal
-from conveyor.io.request_builder import BuiltRequest
-from conveyor.io.rows import duplicate_id_message
-from conveyor.io.sink import RecordSink, record_location
+from conveyor.io.records.request_builder import BuiltRequest
+from conveyor.io.rows.rows import duplicate_id_message
+from conveyor.io.rows.sink import RecordSink, record_location
+from conveyor.io.state.journal import Journal
 
 
 class ValidationSink(RecordSink):

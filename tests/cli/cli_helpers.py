@@ -150,7 +150,7 @@ def journal_state(run_dir: Path, strict: bool = True) -> tuple[int, int]:
     """(committed rows, contiguous prefix) of a run directory's journal, read-only beside a live
     writer; (0, 0) if there is no journal. strict=False, for polling a run that is starting: a
     journal whose tables do not exist yet reads as (0, 0)."""
-    from conveyor.io.journal import Journal
+    from conveyor.io.state.journal import Journal
 
     path = Path(run_dir) / "journal.sqlite"
     if not path.exists():

@@ -307,7 +307,7 @@ def _assert_one_line_disk_full(result, *words) -> None:
 
 
 def test_disk_full_while_writing_the_output_exits_1_and_reruns_cleanly(tiny_model, tmp_path, monkeypatch):
-    from conveyor.io.writers import write_output
+    from conveyor.io.rows.writers import write_output
 
     command, expected = _enospc_setup(tiny_model, tmp_path)
     written = []
@@ -338,7 +338,7 @@ def test_disk_full_while_writing_the_output_exits_1_and_reruns_cleanly(tiny_mode
 
 
 def test_disk_full_in_the_journal_exits_1_and_resumes(tiny_model, tmp_path, monkeypatch):
-    from conveyor.io.journal import Journal
+    from conveyor.io.state.journal import Journal
 
     command, expected = _enospc_setup(tiny_model, tmp_path)
     real_advance = Journal._advance_prefix

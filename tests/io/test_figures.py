@@ -1,4 +1,4 @@
-"""The summary's percentiles (io/figures.py): exact (numpy's linear interpolation) up to EXACT_LIMIT values, within
+"""The summary's percentiles (io/rows/figures.py): exact (numpy's linear interpolation) up to EXACT_LIMIT values, within
 1% of the value at the percentile's rank past it, in bounded memory; merged across processes; tpot per row."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import statistics
 import numpy as np
 import pytest
 
-from conveyor.io.figures import EXACT_LIMIT, RELATIVE_ERROR, LatencyFigures, Quantiles, run_figures
+from conveyor.io.rows.figures import EXACT_LIMIT, RELATIVE_ERROR, LatencyFigures, Quantiles, run_figures
 
 
 def _filled(values) -> Quantiles:

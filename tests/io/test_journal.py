@@ -12,8 +12,8 @@ import textwrap
 
 import pytest
 
-from conveyor.io import journal as journal_mod
-from conveyor.io.journal import Journal, JournalCorrupt
+from conveyor.io.state import journal as journal_mod
+from conveyor.io.state.journal import Journal, JournalCorrupt
 
 
 def row(index: int, record_id: str | None = None, status: str = "ok", **extra) -> dict:
@@ -132,7 +132,7 @@ def test_duplicate_id_claims_survive_a_kill_and_resume(path):
 
 _CHILD = textwrap.dedent("""
     import sys
-    from conveyor.io.journal import Journal
+    from conveyor.io.state.journal import Journal
     j = Journal(sys.argv[1])
     start = j.contiguous_prefix()
     while True:
@@ -172,7 +172,7 @@ def test_kill_9_mid_stream_leaves_a_gap_free_set_of_whole_rows(path):
 
 _CHILD_DIES_INSIDE_COMMIT = textwrap.dedent("""
     import os, signal, sys
-    from conveyor.io.journal import Journal
+    from conveyor.io.state.journal import Journal
 
     class DieOnThirdMetaUpdate:  # the rows of commit 3 are written, its transaction is open
         def __init__(self, conn):

@@ -8,9 +8,9 @@ import json
 import pytest
 
 from conveyor.core import ModelLimits, SamplingParams
-from conveyor.io.prompt_template import PromptTemplate
-from conveyor.io.readers.record import RawRecord
-from conveyor.io.request_builder import BuildOptions, BuiltRequest, ErrorRow, RequestBuilder, served_names
+from conveyor.io.records.prompt_template import PromptTemplate
+from conveyor.io.records.readers.record import RawRecord
+from conveyor.io.records.request_builder import BuildOptions, BuiltRequest, ErrorRow, RequestBuilder, served_names
 
 DEFAULTS = SamplingParams(temperature=0.0, max_tokens=16)
 CHAT_URL = "/v1/chat/completions"

@@ -15,8 +15,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from conveyor.io.errors import InputError
-from conveyor.io.readers import fingerprint, json_array, jsonl, open_reader
-from conveyor.io.readers.record import StrictDecoder
+from conveyor.io.records.readers import fingerprint, json_array, jsonl, open_reader
+from conveyor.io.records.readers.record import StrictDecoder
 
 ROWS = [{"id": "a", "prompt": "one"}, {"id": "b", "prompt": "two", "n": 2}, {"id": "c", "prompt": "thé"}]
 
@@ -407,8 +407,8 @@ def test_json_array_bad_elements_become_error_rows_and_the_rest_is_read(tmp_path
 
 @pytest.mark.parametrize("fmt", ["jsonl", "json"])
 def test_a_record_over_the_size_limit_is_an_error_row_and_the_next_is_read(tmp_path, monkeypatch, fmt):
-    import conveyor.io.readers.json_array as json_array
-    import conveyor.io.readers.jsonl as jsonl
+    import conveyor.io.records.readers.json_array as json_array
+    import conveyor.io.records.readers.jsonl as jsonl
 
     monkeypatch.setattr(json_array, "CHUNK", 64)  # the big element spans many refills
     monkeypatch.setattr(jsonl, "CHUNK", 64)

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from conveyor.core import GenerationRequest, RequestOutput, SamplingParams
-from conveyor.io.readers import RawRecord
+from conveyor.io.records.readers import RawRecord
+from conveyor.io.records.request_builder import BuiltRequest, ErrorRow
 from conveyor.io.records_run import run_records
-from conveyor.io.request_builder import BuiltRequest, ErrorRow
-from conveyor.io.sink import RecordSink
+from conveyor.io.rows.sink import RecordSink
 
 
 class FakeEngine:

@@ -1,4 +1,4 @@
-"""The output row (io/rows.py) on its own: the declared columns and their Arrow types, and the rows of a completion,
+"""The output row (io/rows/rows.py) on its own: the declared columns and their Arrow types, and the rows of a completion,
 a bad record and a repeated id."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pyarrow as pa
 
 from conveyor.core import RequestOutput, SamplingParams
 from conveyor.core.schedule_types import TokenLogprobs
-from conveyor.io.request_builder import BuiltRequest, ErrorRow
-from conveyor.io.rows import (
+from conveyor.io.records.request_builder import BuiltRequest, ErrorRow
+from conveyor.io.rows.rows import (
     KIND_KEY,
     OPTIONAL_COLUMNS,
     OUTPUT_COLUMNS,

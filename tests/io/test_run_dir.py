@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from conveyor.io.journal import Journal
-from conveyor.io.run_dir import (
+from conveyor.io.state.journal import Journal
+from conveyor.io.state.run_dir import (
     DriftError,
     Manifest,
     RunDir,
@@ -24,7 +24,7 @@ from conveyor.io.run_dir import (
 
 _HOLD_LOCK = textwrap.dedent("""
     import sys
-    from conveyor.io.run_dir import RunDir
+    from conveyor.io.state.run_dir import RunDir
     RunDir(sys.argv[1]).acquire_lock()
     print("locked", flush=True)
     sys.stdin.read()  # hold until the parent closes our stdin (or kills us)

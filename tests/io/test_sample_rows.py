@@ -10,9 +10,8 @@ import json
 import pytest
 
 from conveyor.core import ConfigError, InFlight, ModelLimits, RequestOutput, SamplingParams
-from conveyor.io.journal import Journal
-from conveyor.io.readers import RawRecord
-from conveyor.io.request_builder import (
+from conveyor.io.records.readers import RawRecord
+from conveyor.io.records.request_builder import (
     BuildOptions,
     BuiltRequest,
     ErrorRow,
@@ -21,9 +20,10 @@ from conveyor.io.request_builder import (
     index_seed,
     sample_seed,
 )
-from conveyor.io.rows import SAMPLES_KEY, duplicate_id_row, without_errors
-from conveyor.io.sink import BadRecordStop, JournalSink
-from conveyor.io.writers import write_output
+from conveyor.io.rows.rows import SAMPLES_KEY, duplicate_id_row, without_errors
+from conveyor.io.rows.sink import BadRecordStop, JournalSink
+from conveyor.io.rows.writers import write_output
+from conveyor.io.state.journal import Journal
 
 DEFAULTS = SamplingParams(temperature=0.7, max_tokens=16)
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from conveyor.core import RequestOutput, SamplingParams
-from conveyor.io.journal import Journal
-from conveyor.io.readers import RawRecord
-from conveyor.io.request_builder import BuiltRequest, ErrorRow
-from conveyor.io.sink import BadRecordStop, CommitPolicy, JournalSink
+from conveyor.io.records.readers import RawRecord
+from conveyor.io.records.request_builder import BuiltRequest, ErrorRow
+from conveyor.io.rows.sink import BadRecordStop, CommitPolicy, JournalSink
+from conveyor.io.state.journal import Journal
 
 
 def raw(index: int) -> RawRecord:

@@ -10,8 +10,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conveyor.io import atomic, writers
-from conveyor.io.writers import KIND_KEY, OUTPUT_COLUMNS, base_schema, infer_output_format, write_output
+from conveyor.io.rows import writers
+from conveyor.io.rows.writers import KIND_KEY, OUTPUT_COLUMNS, base_schema, infer_output_format, write_output
+from conveyor.io.state import atomic
 
 
 def ok_row(index, **extra):

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from conveyor.io.errors import RunDirError
-from conveyor.io.run_dir import RunDir
-from conveyor.io.run_info import read_run_info
-from conveyor.io.shards import MARKER, SHARD_DIR, ShardSet, shard_dir
+from conveyor.io.state.run_dir import RunDir
+from conveyor.io.state.run_info import read_run_info
+from conveyor.io.state.shards import MARKER, SHARD_DIR, ShardSet, shard_dir
 
 
 @dataclass

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from conveyor.io.atomic import atomic_write_text
+from conveyor.io.state.atomic import atomic_write_text
 
 
 def write_run_info(run_dir: Path, total: int | None, command: str | None, arithmetic: str | None = None) -> None:

@@ -27,11 +27,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from conveyor.io.atomic import atomic_write_text
 from conveyor.io.errors import SpecError
-from conveyor.io.journal import Journal, JournalCorrupt
-from conveyor.io.rows import SAMPLE_INDEX, SAMPLES_KEY, duplicate_id_row, without_errors
-from conveyor.io.run_dir import Manifest, RunDir, RunDirError, _drift
+from conveyor.io.rows.rows import SAMPLE_INDEX, SAMPLES_KEY, duplicate_id_row, without_errors
+from conveyor.io.state.atomic import atomic_write_text
+from conveyor.io.state.journal import Journal, JournalCorrupt
+from conveyor.io.state.run_dir import Manifest, RunDir, RunDirError, _drift
 
 MARKER = "shard.json"
 MAX_SHARDS = 100_000  # a split into more is a typo, and each shard is a folder: refused before any is made
@@ -251,7 +251,7 @@ class MergeResult:
 def merge(run_dir: str | Path, output: str, output_format: str | None = None) -> MergeResult:
     """Write `output` from the finished shards under `run_dir`, in input order, as the shards' runs would have
     (their keep fields, model name, --on-error); ShardError while a shard is missing, unfinished or drifted."""
-    from conveyor.io.writers import write_output
+    from conveyor.io.rows.writers import write_output
 
     shards = ShardSet(run_dir)
     members = shards.check()

@@ -21,7 +21,7 @@ def check_run_paths(source: str, output: str, run_dir: str | os.PathLike, state_
     """Raise PathClash when the output or the run directory (or one of its `state_files`, or its manifest or
     lock) is the input, or when the output exists and is not a regular file (a folder, a device, a FIFO, a socket,
     a link into /dev or /proc: the final rename would replace it). The output's temporary file needs no
-    check: it is a fresh name made with O_EXCL beside the output (`conveyor.io.atomic`). "-" is stdout."""
+    check: it is a fresh name made with O_EXCL beside the output (`conveyor.io.state.atomic`). "-" is stdout."""
     check_output_path(output)
     out = Path(output)
     inputs = _input_files(source)

@@ -17,7 +17,7 @@ import sys
 from typing import Any, Iterator, TextIO
 
 from conveyor.io.errors import InputError
-from conveyor.io.readers.record import (
+from conveyor.io.records.readers.record import (
     DEFAULT_MAX_RECORD_BYTES,
     RawRecord,
     Reader,

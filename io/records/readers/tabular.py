@@ -10,7 +10,14 @@ import sys
 from typing import Iterator
 
 from conveyor.io.errors import InputError
-from conveyor.io.readers.record import DEFAULT_MAX_RECORD_BYTES, RawRecord, Reader, first_line, is_stream, table_row
+from conveyor.io.records.readers.record import (
+    DEFAULT_MAX_RECORD_BYTES,
+    RawRecord,
+    Reader,
+    first_line,
+    is_stream,
+    table_row,
+)
 
 BATCH_ROWS = 1024
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import string
 from typing import Any
 
-from conveyor.io.readers.record import describe
+from conveyor.io.records.readers.record import describe
 
 
 class PromptTemplate:

@@ -1,7 +1,7 @@
 """Output writers: Parquet, JSONL and OpenAI-batch files, streamed row by row in input order, with the columns
 of `rows.py`.
 
-The file appears by atomic rename after an fsync (`conveyor.io.atomic`); on any error the temp file is
+The file appears by atomic rename after an fsync (`conveyor.io.state.atomic`); on any error the temp file is
 removed and the error propagates unchanged (ENOSPC included). pyarrow is imported only when a schema is needed.
 """
 
@@ -14,9 +14,8 @@ import sys
 import time
 from typing import IO, Any, Iterable, Iterator
 
-from conveyor.io.atomic import atomic_file
 from conveyor.io.errors import SpecError
-from conveyor.io.rows import (
+from conveyor.io.rows.rows import (
     KIND_KEY,
     OPTIONAL_COLUMNS,
     OUTPUT_COLUMNS,
@@ -25,6 +24,7 @@ from conveyor.io.rows import (
     optional_schema,
     output_rows,
 )
+from conveyor.io.state.atomic import atomic_file
 
 OUTPUT_FORMATS = ("parquet", "jsonl", "openai-batch")
 STDOUT = "-"  # -o -: the finished output goes to stdout

@@ -9,7 +9,7 @@ import hashlib
 from pathlib import Path
 
 from conveyor.io.errors import InputError
-from conveyor.io.readers.hf_datasets import MARKER_FILES
+from conveyor.io.records.readers.hf_datasets import MARKER_FILES
 
 
 def fingerprint(source: str) -> str:
@@ -37,7 +37,7 @@ def fingerprints_content(digest: str) -> bool:
 def _file_digest(path: Path) -> str:
     """The whole content (about 1 s per GB): a copied or touched but identical file is no drift,
     and an edit anywhere, even one that keeps size and mtime, is."""
-    from conveyor.io.run_dir import fingerprint_input
+    from conveyor.io.state.run_dir import fingerprint_input
 
     return fingerprint_input(path)
 

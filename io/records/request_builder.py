@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from conveyor.core import ConfigError, GenerationRequest, ModelLimits, SamplingParams
-from conveyor.io import request_options
-from conveyor.io.prompt_template import PromptTemplate, field_text
-from conveyor.io.readers.record import RawRecord, describe, first_line
+from conveyor.io.records import request_options
+from conveyor.io.records.prompt_template import PromptTemplate, field_text
+from conveyor.io.records.readers.record import RawRecord, describe, first_line
 
 ROLES = ("assistant", "developer", "system", "tool", "user")
 OPENAI_URLS = ("/v1/chat/completions", "/v1/completions")

@@ -21,9 +21,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from conveyor.io.atomic import atomic_write_text, fsync_dir
 from conveyor.io.errors import JournalCorrupt, RunDirError
-from conveyor.io.journal import Journal
+from conveyor.io.state.atomic import atomic_write_text, fsync_dir
+from conveyor.io.state.journal import Journal
 
 _JOURNAL_FILES = ("journal.sqlite", "journal.sqlite-wal", "journal.sqlite-shm")
 # The files of a run's state besides the manifest and the lock (never deleted: see acquire_lock).

@@ -8,12 +8,12 @@ import os
 from pathlib import Path
 
 from conveyor.io.errors import InputError
-from conveyor.io.readers.fingerprint import fingerprint, fingerprints_content
-from conveyor.io.readers.hf_datasets import DatasetsFolderReader, HubDatasetReader, is_datasets_folder
-from conveyor.io.readers.json_array import JsonArrayReader
-from conveyor.io.readers.jsonl import JsonlReader
-from conveyor.io.readers.record import DEFAULT_MAX_RECORD_BYTES, FORMATS, RawRecord, Reader, is_stream
-from conveyor.io.readers.tabular import CsvReader, ParquetReader
+from conveyor.io.records.readers.fingerprint import fingerprint, fingerprints_content
+from conveyor.io.records.readers.hf_datasets import DatasetsFolderReader, HubDatasetReader, is_datasets_folder
+from conveyor.io.records.readers.json_array import JsonArrayReader
+from conveyor.io.records.readers.jsonl import JsonlReader
+from conveyor.io.records.readers.record import DEFAULT_MAX_RECORD_BYTES, FORMATS, RawRecord, Reader, is_stream
+from conveyor.io.records.readers.tabular import CsvReader, ParquetReader
 
 __all__ = ["DEFAULT_MAX_RECORD_BYTES", "FORMATS", "InputError", "RawRecord", "Reader", "fingerprint", "fingerprints_content",
            "open_reader"]

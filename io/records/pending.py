@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from conveyor.io.errors import InputError
-from conveyor.io.journal import Journal
-from conveyor.io.readers import RawRecord, Reader
-from conveyor.io.shards import Shard
+from conveyor.io.records.readers import RawRecord, Reader
+from conveyor.io.state.journal import Journal
+from conveyor.io.state.shards import Shard
 
 
 class PendingRecords:

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Iterator
 
 from conveyor.io.errors import InputError
-from conveyor.io.readers.record import DEFAULT_MAX_RECORD_BYTES, RawRecord, Reader, first_line, table_row
+from conveyor.io.records.readers.record import DEFAULT_MAX_RECORD_BYTES, RawRecord, Reader, first_line, table_row
 
 MARKER_FILES = ("dataset_info.json", "state.json", "dataset_dict.json")
 

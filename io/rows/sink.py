@@ -22,11 +22,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from conveyor.core import GenerationRequest, InFlight, TokenLogprobs
-from conveyor.io.figures import LatencyFigures
-from conveyor.io.journal import Journal
-from conveyor.io.readers import RawRecord
-from conveyor.io.request_builder import BuiltRequest, ErrorRow, sample_seed
-from conveyor.io.rows import SAMPLE_INDEX, duplicate_id_message, error_row, group_row, ok_row, output_rows
+from conveyor.io.records.readers import RawRecord
+from conveyor.io.records.request_builder import BuiltRequest, ErrorRow, sample_seed
+from conveyor.io.rows.figures import LatencyFigures
+from conveyor.io.rows.rows import SAMPLE_INDEX, duplicate_id_message, error_row, group_row, ok_row, output_rows
+from conveyor.io.state.journal import Journal
 
 ON_ERROR = ("record", "skip", "fail")
 

@@ -14,7 +14,7 @@ import zlib
 from typing import BinaryIO, Iterator
 
 from conveyor.io.errors import InputError
-from conveyor.io.readers.record import (
+from conveyor.io.records.readers.record import (
     BOM,
     DEFAULT_MAX_RECORD_BYTES,
     RawRecord,

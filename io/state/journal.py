@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from conveyor.io.errors import JournalCorrupt
-from conveyor.io.rows import SAMPLES_KEY
+from conveyor.io.rows.rows import SAMPLES_KEY
 
 _SCHEMA_VERSION = 3  # 2: rows.digest; 3: partials
 _PAGE = 4096  # rows fetched per query when streaming
