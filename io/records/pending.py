@@ -4,24 +4,41 @@ with one skipped, a shard's others left out, stopped at --limit.
 An input with a fingerprint of its content (a file) was checked whole when the run resumed (drift), so reading
 starts at the journal's contiguous prefix. An input without one (stdin, a pipe, a hub dataset) is read from its
 start, and every record the journal already answered must be the record it answered (by digest). Pure Python.
+The journal and the shard are described by what this module asks of them (io/state's Journal and Shard are
+such), so io/records does not import io/state.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Protocol
 
 from conveyor.io.errors import InputError
 from conveyor.io.records.readers import RawRecord, Reader
-from conveyor.io.state.journal import Journal
-from conveyor.io.state.shards import Shard
+
+
+class Answers(Protocol):
+    """The records a run has rows for, as its journal tells (io.state.journal.Journal)."""
+
+    def contiguous_prefix(self) -> int: ...
+
+    def committed_indices_from(self, start: int) -> Iterator[int]: ...
+
+    def committed_digests_from(self, start: int) -> Iterator[tuple[int, str | None]]: ...
+
+
+class Share(Protocol):
+    """The records one process of a split run answers (io.state.shards.Shard)."""
+
+    def owns(self, record_index: int) -> bool: ...
 
 
 class PendingRecords:
     """Iterates the records still to answer; `input_records` counts the input records read so far (every
     shard's, after --limit), which a finished shard records."""
 
-    def __init__(self, reader: Reader, journal: Journal, source: str, limit: int | None = None,
-                 shard: Shard | None = None) -> None:
+    def __init__(self, reader: Reader, journal: Answers, source: str, limit: int | None = None,
+                 shard: Share | None = None) -> None:
         self.reader = reader
         self.journal = journal
         self.source = source  # the input's name, for errors

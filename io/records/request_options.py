@@ -1,22 +1,30 @@
-"""A record's structured-output, logprob and logits-processor fields -> SamplingParams changes.
+"""What a record's own fields may set: its request's sampling settings, seed, n, priority and prompt truncation.
 
-OpenAI's names (`response_format`, `logprobs` + `top_logprobs`, `logit_bias`, `presence_penalty`,
-`frequency_penalty`) and vLLM's (`guided_json`, `guided_regex`, `guided_choice`, `prompt_logprobs`,
-`repetition_penalty`, `bad_words`), in a plain record or an OpenAI batch line's body. A bad value raises
-ValueError naming the field (the caller makes it the record's error row). The run's own options
-(`--json-schema`, `--choice`, `--regex`, `--logprobs`, `--prompt-logprobs`) are the defaults a record's
-fields replace. Imports only conveyor.core's public names; the tokenizer is passed in.
+A record's fields replace the run's defaults (its options: --temperature, --json-schema, --logprobs, --n, ...).
+OpenAI's names (`max_completion_tokens`, `response_format`, `logprobs` + `top_logprobs`, `logit_bias`, the
+penalties) and vLLM's (`max_new_tokens`, `guided_json`, `prompt_logprobs`, `repetition_penalty`, `bad_words`, ...)
+are read in a plain record and in an OpenAI batch line's body alike (`prefix` "body." names a body's fields in
+messages). A known option conveyor does not do is refused naming it, never ignored. A bad value raises Reject
+naming the field (the builder makes it the record's error row). Imports only conveyor.core's public names; the
+tokenizer is passed in.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
-from typing import Any
+from typing import Any, Callable
 
-from conveyor.core import MAX_LOGPROBS, Grammar, schema_error
+from conveyor.core import MAX_LOGPROBS, SamplingParams
+from conveyor.io.records.build_options import MAX_SAMPLES
+from conveyor.io.records.readers.record import describe
+from conveyor.io.records.reject import Reject
+from conveyor.io.records.seeds import derive_seed, index_seed
+from conveyor.io.records.structured_output import GRAMMAR_FIELDS, asks_for_grammar, record_grammar
+from conveyor.io.records.structured_output import run_grammar as run_grammar  # (io/run_spec.py imports it here)
 
-GRAMMAR_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice")
+MAX_TOKENS_ALIASES = ("max_tokens", "max_completion_tokens", "max_new_tokens")
 FIELDS = (*GRAMMAR_FIELDS, "logprobs", "top_logprobs", "prompt_logprobs", "logit_bias", "presence_penalty",
           "frequency_penalty", "repetition_penalty", "bad_words")
 # vLLM request fields conveyor does not implement: an error that names them, never silently ignored.
@@ -26,7 +34,7 @@ UNSUPPORTED = ("guided_grammar", "guided_decoding_backend", "guided_whitespace_p
                "spaces_between_special_tokens")
 # The sampling options a plain record may name: vLLM's SamplingParams fields and OpenAI's chat-completions body
 # fields. Each one conveyor applies, or refuses (an error naming it unless at a value AT_DEFAULT accepts): a
-# plain record's field of one of these names is never taken for data (request_builder checks them).
+# plain record's field of one of these names is never taken for data (check_plain_record).
 VLLM_SAMPLING_FIELDS = (
     "n", "best_of", "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "top_k",
     "min_p", "seed", "stop", "stop_token_ids", "bad_words", "include_stop_str_in_output", "ignore_eos", "max_tokens",
@@ -58,8 +66,72 @@ AT_DEFAULT = {
 }
 
 
+def _as_float(field: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise Reject(f"{field} must be a number, got {describe(value)} ({value!r})")
+    if not math.isfinite(value):
+        raise Reject(f"{field} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _as_int(field: str, value: Any) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        return int(value)  # 64.0 from a float column
+    raise Reject(f"{field} must be an integer, got {describe(value)} ({value!r})")
+
+
+def _as_stop(field: str, value: Any) -> tuple[str, ...]:
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, list) and all(isinstance(s, str) for s in value):
+        return tuple(value)
+    raise Reject(f"{field} must be a string or a list of strings, got {describe(value)}")
+
+
+def _as_token_ids(field: str, value: Any) -> tuple[int, ...]:
+    if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        return tuple(value)
+    raise Reject(f"{field} must be a list of integers, got {describe(value)}")
+
+
+def _as_bool(field: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    raise Reject(f"{field} must be true or false, got {describe(value)} ({value!r})")
+
+
+# record key -> (SamplingParams field, converter); "seed" is handled apart (it has a derived default).
+_OVERRIDES: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
+    "max_tokens": ("max_tokens", _as_int),
+    "max_completion_tokens": ("max_tokens", _as_int),
+    "max_new_tokens": ("max_tokens", _as_int),
+    "temperature": ("temperature", _as_float),
+    "top_p": ("top_p", _as_float),
+    "top_k": ("top_k", _as_int),
+    "min_p": ("min_p", _as_float),
+    "min_tokens": ("min_tokens", _as_int),
+    "stop": ("stop", _as_stop),
+    "stop_token_ids": ("stop_token_ids", _as_token_ids),
+    "ignore_eos": ("ignore_eos", _as_bool),
+}
+# The fields this module applies (a batch body may hold them; a plain record's are never read as data).
+APPLIED = frozenset({"seed", "n", "truncate_prompt_tokens", *_OVERRIDES, *FIELDS})
+# The sampling options a plain record's fields may name (vLLM's and OpenAI's) that conveyor does not apply: each is
+# an error row naming it unless at a value that asks for nothing (AT_DEFAULT).
+_PLAIN_SAMPLING_NAMES = tuple(sorted(
+    {*VLLM_SAMPLING_FIELDS, *OPENAI_CHAT_FIELDS, *UNSUPPORTED} - APPLIED - set(REQUEST_METADATA)))
+
+
+def refused_names(data_fields: set) -> tuple[str, ...]:
+    """The refused sampling names a plain record is checked for: all but the fields a request is built from
+    (its prompt, messages, id, --chat-field, the template's), which are data whatever their names."""
+    return tuple(name for name in _PLAIN_SAMPLING_NAMES if name not in data_fields)
+
+
 def check_at_default(fields: dict, prefix: str, names) -> None:
-    """ValueError naming the first of `names` that `fields` sets to a value AT_DEFAULT does not allow."""
+    """Reject naming the first of `names` that `fields` sets to a value AT_DEFAULT does not allow."""
     for name in names:
         if name not in fields:
             continue
@@ -68,17 +140,111 @@ def check_at_default(fields: dict, prefix: str, names) -> None:
             takes = " or ".join(json.dumps(a) for a in allowed if a is not None)
             shown = json.dumps(value, ensure_ascii=False, default=str)
             shown = shown if len(shown) <= 60 else shown[:57] + "..."  # (a list of tools can be long)
-            raise ValueError(f"{prefix}{name} is not supported by conveyor" + (
+            raise Reject(f"{prefix}{name} is not supported by conveyor" + (
                 f" except at its default (got {shown}; it can only be {takes})" if takes else "") + "; remove it")
 
 
-def changes(fields: dict, prefix: str, tokenizer: Any) -> dict[str, Any]:
-    """The SamplingParams fields a record sets, from its own fields; {} where it sets none."""
+def check_plain_record(record: dict, names: tuple[str, ...]) -> None:
+    """A plain record (not a batch line) sets none of `names` (refused_names) but at its default."""
+    try:
+        check_at_default(record, "", names)
+    except Reject as e:  # vLLM's or OpenAI's name for an option conveyor does not do
+        raise Reject(f"{e} (it names a vLLM/OpenAI sampling option; if it is data, rename the field)") from None
+
+
+def record_seed(fields: dict, prefix: str, run_seed: int, record_id: str | None, index: int) -> int:
+    """The record's `seed`, else derived from the run seed and its id (without an id: its index)."""
+    value = fields.get("seed")
+    if value is None:
+        return derive_seed(run_seed, record_id) if record_id is not None else index_seed(run_seed, index)
+    seed = _as_int(prefix + "seed", value)
+    if not -2**63 <= seed < 2**63:
+        raise Reject(f"{prefix}seed must fit in 64 bits (-2**63 <= seed < 2**63), got {seed}")
+    return seed
+
+
+def samples(fields: dict, prefix: str, run_n: int) -> int:
+    """The record's n (completions to generate), or the run's --n where it gives none."""
+    value = fields.get("n")
+    if value is None:
+        return run_n
+    n = _as_int(prefix + "n", value)
+    if not 1 <= n <= MAX_SAMPLES:
+        raise Reject(f"{prefix}n must be from 1 to {MAX_SAMPLES} (completions per record), got {n}; give a count "
+                     f"in that range (for more, repeat the record under other ids)")
+    return n
+
+
+def priority(fields: dict, prefix: str) -> int:
+    """The record's priority under --schedule priority (lower runs first; 0 where it gives none)."""
+    value = fields.get("priority")
+    if value is None:
+        return 0
+    number = _as_int(prefix + "priority", value)
+    if not -2**63 <= number < 2**63:
+        raise Reject(f"{prefix}priority must fit in 64 bits, got {number}; lower numbers run first")
+    return number
+
+
+def record_sampling(fields: dict, prefix: str, defaults: SamplingParams, seed: int, tokenizer: Any,
+                    vocab_size: int) -> SamplingParams:
+    """The run's sampling `defaults` with the record's fields applied and its effective `seed`; every token id it
+    gives must be below `vocab_size`."""
+    present = [key for key in MAX_TOKENS_ALIASES if fields.get(key) is not None]
+    if len(present) > 1:
+        raise Reject(f"set only one of {', '.join(prefix + key for key in present)}")
+    changes: dict[str, Any] = {"seed": seed}
+    for key, (name, convert) in _OVERRIDES.items():
+        value = fields.get(key)
+        if value is not None:  # null means "use the default"
+            changes[name] = convert(prefix + key, value)
+    changes.update(_field_changes(fields, prefix, tokenizer))
+    try:
+        sampling = dataclasses.replace(defaults, **changes)
+    except ValueError as e:
+        raise Reject(f"{prefix}{e}; fix the value or drop the field to use the default") from None
+    _check_token_ids(sampling, prefix, vocab_size)
+    return sampling
+
+
+def truncation(fields: dict, prefix: str, run_default: int | str | None, max_tokens: int,
+               max_model_len: int) -> int | None:
+    """How many of the prompt's last tokens to keep: the record's truncate_prompt_tokens, else the run's
+    --truncate-prompt-tokens (`run_default`; "auto", in either: what the context leaves after the record's
+    max_tokens); None: all."""
+    value, name = fields.get("truncate_prompt_tokens"), prefix + "truncate_prompt_tokens"
+    if value is None:
+        value, name = run_default, "--truncate-prompt-tokens"
+    if value is None:
+        return None
+    if value == "auto":
+        if max_tokens >= max_model_len:
+            raise Reject(f"{name} auto: max_tokens ({max_tokens}) leaves no room for a prompt in the model's "
+                         f"context of {max_model_len}; lower max_tokens")
+        return max_model_len - max_tokens
+    keep = _as_int(name, value)
+    if keep < 1:
+        raise Reject(f"{name} must be at least 1 (the prompt tokens to keep), got {keep}")
+    return keep
+
+
+def _check_token_ids(sampling: SamplingParams, prefix: str, vocab: int) -> None:
+    """Every token id the request carries is one of the model's (an id past the vocabulary would index the
+    logits out of bounds while the request runs)."""
+    given = (("stop_token_ids", sampling.stop_token_ids), ("logit_bias", [t for t, _ in sampling.logit_bias]),
+             ("bad_words", [t for word in sampling.bad_words for t in word]))
+    for name, ids in given:
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise Reject(f"{prefix}{name}: {bad} is not a token id of this model (its ids are 0 to {vocab - 1})")
+
+
+def _field_changes(fields: dict, prefix: str, tokenizer: Any) -> dict[str, Any]:
+    """The structured-output, logprob and logits-processor settings a record sets; {} where it sets none."""
     check_at_default(fields, prefix, UNSUPPORTED)
     out: dict[str, Any] = {}
-    grammar = _grammar(fields, prefix)
-    if grammar is not _UNSET:
-        out["grammar"] = grammar
+    if asks_for_grammar(fields):
+        out["grammar"] = record_grammar(fields, prefix)
     logprobs = _logprobs(fields, prefix)
     if logprobs is not _UNSET:
         out["logprobs"] = logprobs
@@ -98,93 +264,7 @@ def changes(fields: dict, prefix: str, tokenizer: Any) -> dict[str, Any]:
     return out
 
 
-def run_grammar(json_schema_text: str | None, choice: tuple[str, ...], regex: str | None) -> Grammar | None:
-    """The run's grammar from --json-schema (the file's text), --choice or --regex; ValueError naming the
-    option where it is invalid or more than one is given."""
-    given = [name for name, v in (("--json-schema", json_schema_text), ("--choice", choice), ("--regex", regex)) if v]
-    if len(given) > 1:
-        raise ValueError(f"{' and '.join(given)} both constrain the output; give one")
-    if json_schema_text is not None:
-        try:
-            schema = json.loads(json_schema_text)
-        except ValueError as e:
-            raise ValueError(f"the file is not valid JSON ({e})") from None
-        if not isinstance(schema, dict):
-            raise ValueError("the file must hold a JSON schema object")
-        problem = schema_error(schema)
-        if problem is not None:
-            raise ValueError(f"not a valid JSON schema ({problem}); fix the schema")
-        return Grammar("json_schema", json.dumps(schema, sort_keys=True))
-    if choice:
-        return Grammar("choice", json.dumps(list(choice), ensure_ascii=False))
-    if regex:
-        return Grammar("regex", regex)
-    return None
-
-
 _UNSET = object()
-
-
-def _grammar(fields: dict, prefix: str) -> Grammar | None | object:
-    given = [name for name in GRAMMAR_FIELDS if fields.get(name) is not None]
-    if not given:
-        return _UNSET
-    if len(given) > 1:
-        raise ValueError(f"set only one of {', '.join(prefix + g for g in given)}: each constrains the whole output")
-    name = given[0]
-    value = fields[name]
-    field = prefix + name
-    if name == "response_format":
-        return _response_format(field, value)
-    if name == "guided_json":
-        return Grammar("json_schema", _schema_text(field, value))
-    if name == "guided_regex":
-        if not isinstance(value, str) or not value:
-            raise ValueError(f"{field} must be a non-empty regular expression string, got {value!r}")
-        return Grammar("regex", value)
-    if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
-        raise ValueError(f"{field} must be a non-empty list of non-empty strings, got {value!r}")
-    return Grammar("choice", json.dumps(value, ensure_ascii=False))
-
-
-def _response_format(field: str, value: Any) -> Grammar | None:
-    if not isinstance(value, dict):
-        raise ValueError(f"{field} must be an object such as {{\"type\": \"json_object\"}}, got {value!r}")
-    kind = value.get("type")
-    extra = sorted(set(value) - {"type", "json_schema"})
-    if extra:
-        raise ValueError(f"{field}.{extra[0]} is not supported; {field} takes type and json_schema")
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return Grammar("json_object")
-    if kind != "json_schema":
-        raise ValueError(f"{field}.type must be text, json_object or json_schema, got {kind!r}")
-    spec = value.get("json_schema")
-    if not isinstance(spec, dict):
-        raise ValueError(f"{field}.json_schema must be an object with name and schema, got {spec!r}")
-    unknown = sorted(set(spec) - {"name", "schema", "strict", "description"})
-    if unknown:
-        raise ValueError(f"{field}.json_schema.{unknown[0]} is not supported; it takes name, description, schema "
-                         "and strict")
-    if "schema" not in spec:
-        raise ValueError(f"{field}.json_schema.schema is missing; give the JSON schema the output must match")
-    strict = spec.get("strict")
-    if strict is not None and not isinstance(strict, bool):
-        raise ValueError(f"{field}.json_schema.strict must be true or false, got {strict!r}")
-    return Grammar("json_schema", _schema_text(f"{field}.json_schema.schema", spec["schema"]))
-
-
-def _schema_text(field: str, value: Any) -> str:
-    """A schema object, or its JSON text, as canonical JSON text (equal schemas compile once)."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError as e:
-            raise ValueError(f"{field} is a string but not JSON ({e})") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{field} must be a JSON schema object, got {value!r}")
-    return json.dumps(value, sort_keys=True, ensure_ascii=False)
 
 
 def _logprobs(fields: dict, prefix: str) -> int | None | object:
@@ -195,14 +275,14 @@ def _logprobs(fields: dict, prefix: str) -> int | None | object:
     if top is not None:
         top = _count(prefix + "top_logprobs", top)
         if flag is False:
-            raise ValueError(f"{prefix}top_logprobs needs {prefix}logprobs to be true")
+            raise Reject(f"{prefix}top_logprobs needs {prefix}logprobs to be true")
     if flag is None or flag is True:
         return top or 0
     if flag is False:
         return None
     n = _count(prefix + "logprobs", flag)
     if top is not None and top != n:
-        raise ValueError(f"{prefix}logprobs ({n}) and {prefix}top_logprobs ({top}) disagree; give one")
+        raise Reject(f"{prefix}logprobs ({n}) and {prefix}top_logprobs ({top}) disagree; give one")
     return n
 
 
@@ -210,29 +290,29 @@ def _count(field: str, value: Any, allow_bool: bool = False) -> int:
     if isinstance(value, bool):
         if allow_bool:
             return 0 if value else None  # type: ignore[return-value]
-        raise ValueError(f"{field} must be a number of alternatives (0 to {MAX_LOGPROBS}), got {value!r}")
+        raise Reject(f"{field} must be a number of alternatives (0 to {MAX_LOGPROBS}), got {value!r}")
     if not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS:
-        raise ValueError(f"{field} must be a number of alternatives from 0 to {MAX_LOGPROBS}, got {value!r}")
+        raise Reject(f"{field} must be a number of alternatives from 0 to {MAX_LOGPROBS}, got {value!r}")
     return value
 
 
 def _number(field: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{field} must be a finite number, got {value!r}")
+        raise Reject(f"{field} must be a finite number, got {value!r}")
     return float(value)
 
 
 def _logit_bias(field: str, value: Any) -> dict[int, float]:
     if not isinstance(value, dict):
-        raise ValueError(f"{field} must map token ids to biases, such as {{\"50256\": -100}}, got {value!r}")
+        raise Reject(f"{field} must map token ids to biases, such as {{\"50256\": -100}}, got {value!r}")
     out = {}
     for key, bias in value.items():
         try:
             token = int(key)
         except (TypeError, ValueError):
-            raise ValueError(f"{field}: {key!r} is not a token id") from None
+            raise Reject(f"{field}: {key!r} is not a token id") from None
         if token < 0:
-            raise ValueError(f"{field}: {key!r} is not a token id")
+            raise Reject(f"{field}: {key!r} is not a token id")
         out[token] = _number(f"{field}[{key}]", bias)
     return out
 
@@ -240,7 +320,7 @@ def _logit_bias(field: str, value: Any) -> dict[int, float]:
 def _bad_words(field: str, value: Any, tokenizer: Any) -> tuple[tuple[int, ...], ...]:
     """vLLM's bad_words: each string's tokens, as written and after a space (how it appears mid-text)."""
     if not isinstance(value, list) or not all(isinstance(w, str) and w.strip() for w in value):
-        raise ValueError(f"{field} must be a list of non-empty strings, got {value!r}")
+        raise Reject(f"{field} must be a list of non-empty strings, got {value!r}")
     sequences: list[tuple[int, ...]] = []
     for word in value:
         for text in (word, " " + word.lstrip()):

@@ -11,9 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
-import errno
 import fcntl
-import hashlib
 import json
 import os
 import socket
@@ -285,27 +283,6 @@ class RunDir:
                 out["journal_error"] = str(exc)
         out["lock_holder"] = self.lock_holder() if self.path.exists() else None
         return out
-
-
-def fingerprint_input(path: str | Path) -> str:
-    """Return "sha256:<hex>" over a file's bytes, or a directory's relative names and file bytes.
-
-    The full content is hashed (about 1 s per GB, read once at start): a sampled hash would miss
-    an edit in the middle, and mtime changes when the same file is copied again.
-    """
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(errno.ENOENT, "no such input file or directory", str(path))
-    digest = hashlib.sha256()
-    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
-    for file in files:
-        if file is not path:
-            digest.update(file.relative_to(path).as_posix().encode() + b"\0")
-        with open(file, "rb") as f:
-            while chunk := f.read(1 << 20):
-                digest.update(chunk)
-        digest.update(b"\0")
-    return "sha256:" + digest.hexdigest()
 
 
 def _drift(old: Manifest, new: Manifest) -> tuple[tuple[str, ...], str]:

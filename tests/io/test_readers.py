@@ -16,7 +16,7 @@ import pytest
 
 from conveyor.io.errors import InputError
 from conveyor.io.records.readers import fingerprint, json_array, jsonl, open_reader
-from conveyor.io.records.readers.record import StrictDecoder
+from conveyor.io.records.readers.record import StrictDecoder, location
 
 ROWS = [{"id": "a", "prompt": "one"}, {"id": "b", "prompt": "two", "n": 2}, {"id": "c", "prompt": "thé"}]
 
@@ -467,3 +467,9 @@ def test_digests_name_a_record_by_its_content(tmp_path, fmt):
     assert da[0] == db[0] and da[1] != db[1] and da[2] == db[2]
     reader = open_reader(str(tmp_path / f"a.{fmt}"))
     assert all(r.digest is None for r in reader)  # only where asked for
+
+
+def test_a_location_is_a_line_an_array_element_or_an_index():
+    assert location(4, 5) == "line 5"
+    assert location(4, element_line=9) == "record 4 (line 9)"
+    assert location(4) == "record 4"

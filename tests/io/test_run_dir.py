@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from conveyor.io.records.readers.fingerprint import fingerprint_input
 from conveyor.io.state.journal import Journal
 from conveyor.io.state.run_dir import (
     DriftError,
@@ -19,7 +20,6 @@ from conveyor.io.state.run_dir import (
     RunDir,
     RunDirError,
     RunLocked,
-    fingerprint_input,
 )
 
 _HOLD_LOCK = textwrap.dedent("""

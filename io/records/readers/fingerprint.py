@@ -1,10 +1,12 @@
 """A fingerprint of an input, so a resumed run can tell that its input changed.
 
-Files are hashed whole (content only, not mtime); a datasets folder by its metadata and file sizes.
+Files are hashed whole (content only, not mtime); a datasets folder by its metadata and file sizes. The run
+directory keeps it in its manifest (io/state may import this module; io/records never imports io/state).
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 from pathlib import Path
 
@@ -23,7 +25,7 @@ def fingerprint(source: str) -> str:
     if not path.is_dir() and not path.is_file():
         return f"stream:{source}"
     try:
-        return _folder_digest(path) if path.is_dir() else _file_digest(path)
+        return _folder_digest(path) if path.is_dir() else fingerprint_input(path)
     except OSError as e:
         raise InputError(source, None, f"cannot be read ({e.strerror or e}); check its permissions") from e
 
@@ -34,12 +36,26 @@ def fingerprints_content(digest: str) -> bool:
     return digest.startswith("sha256:") or (len(digest) == 64 and all(c in "0123456789abcdef" for c in digest))
 
 
-def _file_digest(path: Path) -> str:
-    """The whole content (about 1 s per GB): a copied or touched but identical file is no drift,
-    and an edit anywhere, even one that keeps size and mtime, is."""
-    from conveyor.io.state.run_dir import fingerprint_input
+def fingerprint_input(path: str | Path) -> str:
+    """Return "sha256:<hex>" over a file's bytes, or a directory's relative names and file bytes.
 
-    return fingerprint_input(path)
+    The full content is hashed (about 1 s per GB, read once at start): a copied or touched but identical
+    file is no drift, and an edit anywhere, even one that keeps size and mtime, is (a sampled hash would
+    miss an edit in the middle, and mtime changes when the same file is copied again).
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(errno.ENOENT, "no such input file or directory", str(path))
+    digest = hashlib.sha256()
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    for file in files:
+        if file is not path:
+            digest.update(file.relative_to(path).as_posix().encode() + b"\0")
+        with open(file, "rb") as f:
+            while chunk := f.read(1 << 20):
+                digest.update(chunk)
+        digest.update(b"\0")
+    return "sha256:" + digest.hexdigest()
 
 
 def _folder_digest(path: Path) -> str:

@@ -24,6 +24,7 @@ from conveyor.io.records.readers.record import (
     StrictDecoder,
     digest_of,
     is_stream,
+    location,
     oversized,
     to_record,
 )
@@ -75,7 +76,7 @@ class JsonArrayReader(Reader):
             for index, element in enumerate(parser.values()):
                 if index < start_index:
                     continue
-                where = f"record {index} (line {element.line})"
+                where = location(index, element_line=element.line)
                 raw = element.text or element.problem or ""  # an oversized element keeps no text, only its size
                 digest = digest_of(raw.encode("utf-8", "surrogatepass")) if self.with_digests else None
                 if element.problem is not None:

@@ -22,6 +22,7 @@ from conveyor.io.records.readers.record import (
     StrictDecoder,
     digest_of,
     is_stream,
+    location,
     oversized,
 )
 
@@ -68,7 +69,7 @@ class JsonlReader(Reader):
                     line += 1
                     if raw is None:  # over the size limit: an error row, never parsed
                         if index >= start_index:
-                            yield RawRecord(index, line, None, oversized(f"line {line}", size, self.max_record_bytes),
+                            yield RawRecord(index, line, None, oversized(location(index, line), size, self.max_record_bytes),
                                             big_digest if self.with_digests else None)
                         index += 1
                         continue

@@ -1,4 +1,5 @@
-"""RawRecord, the Reader base class, and the strict JSON decoding the text readers share.
+"""RawRecord, the Reader base class, a record's location as messages give it, and the strict JSON decoding the text
+readers share.
 
 Pure Python: no conveyor.core, no torch.
 """
@@ -60,6 +61,16 @@ def is_stream(source: str) -> bool:
     return source == "-" or not os.path.isfile(source)
 
 
+def location(index: int, line: int | None = None, element_line: int | None = None) -> str:
+    """Where a record is, as its error messages begin: "line 7" (a JSONL or CSV line, 1-based), "record 3 (line 12)"
+    (a JSON array's element and the line it starts on), "record 3" (a 0-based index: Parquet, datasets)."""
+    if line is not None:
+        return f"line {line}"
+    if element_line is not None:
+        return f"record {index} (line {element_line})"
+    return f"record {index}"
+
+
 def describe(value: Any) -> str:
     """A JSON value's kind, for messages: 'a list', 'a string', 'null', ..."""
     if value is None:
@@ -96,7 +107,7 @@ def to_record(value: Any, index: int, line: int | None, where: str, digest: str 
 def table_row(reader: Reader, row: dict, index: int, line: int | None) -> RawRecord:
     """A row of a table-like input (Parquet, CSV, datasets): an error row when it is bigger than the reader's
     max_record_bytes (counting its strings' characters), with its digest where the reader wants them."""
-    where = f"line {line}" if line is not None else f"record {index}"
+    where = location(index, line)
     digest = None
     if reader.with_digests:
         digest = digest_of(json.dumps(row, sort_keys=True, default=str, ensure_ascii=False)
@@ -188,7 +199,7 @@ class StrictDecoder:
 
     def line_record(self, raw: bytes, index: int, line: int, digest: str | None = None) -> RawRecord:
         """One JSONL line (BOM already removed) -> a record, or an error naming the line."""
-        where = f"line {line}"
+        where = location(index, line)
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as e:

@@ -16,6 +16,7 @@ from conveyor.io.records.readers.record import (
     Reader,
     first_line,
     is_stream,
+    location,
     table_row,
 )
 
@@ -121,9 +122,9 @@ class CsvReader(Reader):
 
     def _record(self, index: int, line: int, header: list[str], cells: list[str]) -> RawRecord:
         if not _is_utf8(cells):
-            return RawRecord(index, line, None, f"line {line}: not valid UTF-8; save the file as UTF-8")
+            return RawRecord(index, line, None, f"{location(index, line)}: not valid UTF-8; save the file as UTF-8")
         if len(cells) > len(header):
-            return RawRecord(index, line, None, f"line {line}: the row has {len(cells)} fields but the header "
+            return RawRecord(index, line, None, f"{location(index, line)}: the row has {len(cells)} fields but the header "
                                                 f"has {len(header)}; quote cells that contain commas")
         record = dict(zip(header, cells))
         for name in header[len(cells):]:
