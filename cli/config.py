@@ -1,11 +1,15 @@
 """Options -> RunSpec: a YAML config file merged with command-line flags, checked, and built into io's RunSpec and
 the settings only the CLI reads (`CliSettings`).
 
-Precedence: a flag given on the command line > the value in the `--config` file > the default. The default is the
-field default of the dataclass the option fills (`OPTIONS`: core's SamplingParams and EngineConfig, io's
-BuildOptions and the RunSpec's own options, CliSettings), so it is written once: `--help` shows it from there too
-(`default_text`). Config keys are option names (`max_tokens` or `max-tokens`); an unknown key is an error that
-names the key and the file. A value core refuses is a usage error naming its option (`ConfigError.named`).
+An option is a field of one of the options dataclasses (core's SamplingParams and EngineConfig, io's BuildOptions,
+InputOptions, OutputOptions, StateOptions and the RunSpec's own, CliSettings) declared with `core.fields.option`: its
+type annotation, choices and limits are read from there, to type a config file's values (`_checked`), to list the
+choices and the default in `--help` (`choices_text`, `default_text`) and to find which field an option fills
+(`OPTIONS`). Adding an option is its alias (cli/options.py), its command parameter (cli/run.py) and its field.
+
+Precedence: a flag given on the command line > the value in the `--config` file > the field's default. Config keys
+are option names (`max_tokens` or `max-tokens`); unknown keys are one error naming each, with the nearest option
+name. A value a dataclass refuses is a usage error naming its option (`ConfigError.named`).
 """
 
 from __future__ import annotations
@@ -17,23 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from conveyor.cli.exit_codes import UsageError
+from conveyor.cli.option_names import option_name
 from conveyor.cli.prompt_options import check_prompt_options
-from conveyor.core import (
-    BACKENDS,
-    DTYPES,
-    REASONING_PARSERS,
-    SCHEDULES,
-    SPECULATIVE_METHODS,
-    ConfigError,
-    EngineConfig,
-    SamplingParams,
-    parse_memory,
-)
+from conveyor.core import ConfigError, EngineConfig, SamplingParams, parse_memory
+from conveyor.core.fields import OptionMeta, check_fields, check_value, field_kinds, option, option_fields, option_meta
 from conveyor.io.run_spec import (
-    INPUT_FORMATS,
-    ON_ERROR,
-    OUTPUT_FORMATS,
-    TEMPLATE_AS,
     BuildOptions,
     InputOptions,
     OutputOptions,
@@ -49,12 +41,15 @@ EXECUTORS = ("local", "ray")  # this process, or one engine per worker on a Ray 
 class CliSettings:
     """What only the command line reads: how the run is shown, stopped and spread."""
 
-    quiet: bool = False  # warnings and errors only: no progress display, no summary
-    summary_json: str | None = None  # write the run summary as JSON here
-    max_runtime: float | None = None  # seconds; then stop cleanly (exit 75)
-    executor: str = EXECUTORS[0]
-    num_workers: int | None = None  # --executor ray: engines (None: the cluster's GPUs, else 1)
-    log_every: float = 10.0  # seconds between plain progress lines without a TTY
+    quiet: bool = option(False)  # warnings and errors only: no progress display, no summary
+    summary_json: str | None = option(None)  # write the run summary as JSON here
+    max_runtime: float | None = option(None, positive=True)  # seconds; then stop cleanly (exit 75)
+    executor: str = option(EXECUTORS[0], choices=EXECUTORS)
+    num_workers: int | None = option(None, positive=True)  # --executor ray: engines (None: the cluster's GPUs, else 1)
+    log_every: float = option(10.0, positive=True, flag=False)  # seconds between plain progress lines without a TTY
+
+    def __post_init__(self) -> None:
+        check_fields(self)
 
 
 @dataclass(frozen=True)
@@ -63,47 +58,33 @@ class Invocation:
     cli: CliSettings
 
 
-# option key -> (the dataclass it fills, its field there). "spec" fields are RunSpec's own.
-OPTIONS: dict[str, tuple[type, str]] = {
-    "model": (RunSpec, "model"), "profile": (RunSpec, "profile"), "reasoning_parser": (RunSpec, "reasoning_parser"),
-    **{k: (SamplingParams, k) for k in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "ignore_eos",
-                                         "min_tokens", "logprobs", "prompt_logprobs")},
-    **{k: (BuildOptions, k) for k in ("seed", "system_prompt", "prompt_field", "messages_field", "id_field",
-                                       "keep_fields", "chat_field", "prompt_template", "prompt_template_as",
-                                       "truncate_prompt_tokens", "n", "chat_template")},
-    "served_model_name": (BuildOptions, "served_model_names"),  # vLLM's option name
-    **{k: (EngineConfig, k) for k in ("dtype", "device", "backend", "max_num_seqs", "max_num_batched_tokens",
-                                       "num_kv_blocks", "kv_cache_memory", "gpu_memory_utilization", "block_size",
-                                       "max_grammar_compile_s", "max_grammar_bytes", "schedule", "lookahead",
-                                       "speculative", "num_speculative_tokens")},
-    "input_format": (InputOptions, "format"), "split": (InputOptions, "split"), "limit": (InputOptions, "limit"),
-    "max_record_bytes": (InputOptions, "max_record_bytes"),
-    "output_format": (OutputOptions, "format"), "on_error": (OutputOptions, "on_error"),
-    **{k: (StateOptions, k) for k in ("run_dir", "restart", "shard", "checkpoint_every", "checkpoint_seconds")},
-    **{k: (CliSettings, k) for k in ("quiet", "summary_json", "max_runtime", "executor", "num_workers",
-                                      "log_every")},
-    # The run's grammar: each becomes SamplingParams.grammar (run_grammar).
-    "json_schema": (SamplingParams, "grammar"), "choice": (SamplingParams, "grammar"),
-    "regex": (SamplingParams, "grammar"),
-}
-_FILE_KEYS = set(OPTIONS)  # (input, output and --restart are not config-file keys)
-_FILE_KEYS.discard("restart")
-_CHOICES = {
-    "dtype": DTYPES,
-    "backend": BACKENDS,
-    "executor": EXECUTORS,
-    "on_error": ON_ERROR,
-    "prompt_template_as": TEMPLATE_AS,
-    "reasoning_parser": (None, *REASONING_PARSERS),
-    "input_format": (None, *INPUT_FORMATS),
-    "output_format": (None, *OUTPUT_FORMATS),
-    "schedule": SCHEDULES,
-    "speculative": (None, *SPECULATIVE_METHODS),
-}
+GRAMMAR_KEYS = ("json_schema", "choice", "regex")  # the run's grammar: each becomes SamplingParams.grammar
+# The dataclasses whose option fields are the options (core.fields.option), and so the config file's keys.
+_OWNERS = (RunSpec, SamplingParams, BuildOptions, EngineConfig, InputOptions, OutputOptions, StateOptions, CliSettings)
 
 
-def option_name(key: str) -> str:
-    return "--" + key.replace("_", "-")
+def _option_table() -> dict[str, tuple[type, str]]:
+    table: dict[str, tuple[type, str]] = {}
+    for owner in _OWNERS:
+        for f in option_fields(owner):
+            key = option_meta(f).name or f.name
+            if key in table:
+                raise AssertionError(f"option {key} is the field of both {table[key][0].__name__} and {owner.__name__}")
+            table[key] = (owner, f.name)
+    return {**table, **{key: (SamplingParams, "grammar") for key in GRAMMAR_KEYS}}
+
+
+# option key -> (the dataclass it fills, its field there), read from the fields' metadata
+OPTIONS: dict[str, tuple[type, str]] = _option_table()
+
+
+def _meta(key: str) -> OptionMeta:
+    owner, name = OPTIONS[key]
+    f = next(f for f in dataclasses.fields(owner) if f.name == name)
+    return option_meta(f) or OptionMeta()
+
+
+_FILE_KEYS = {key for key in OPTIONS if _meta(key).config_file}  # (input, output and --restart are not)
 
 
 def default_of(key: str) -> Any:
@@ -119,6 +100,12 @@ def default_text(key: str, shown: str | None = None) -> str:
     if isinstance(value, bool):
         value = str(value).lower()
     return f"\\[default: {value}]"
+
+
+def choices_text(key: str) -> str:
+    """Option `key`'s choices as --help lists them: "a, b or c", read from its field."""
+    choices = [str(c) for c in _meta(key).choices if c is not None]
+    return ", ".join(choices[:-1]) + f" or {choices[-1]}" if len(choices) > 1 else "".join(choices)
 
 
 def size_text(size: int) -> str:
@@ -143,13 +130,27 @@ def load_config_file(path: str) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise UsageError(f"--config {path}: expected a mapping of option: value, got {type(data).__name__}")
-    out = {}
+    out, unknown = {}, []
     for key, value in data.items():
         name = str(key).replace("-", "_")
-        if name not in _FILE_KEYS:
-            raise UsageError(f"--config {path}: unknown key {key!r}; keys are option names such as max_tokens")
-        out[name] = value
+        if name in _FILE_KEYS:
+            out[name] = value
+        else:
+            unknown.append(_unknown_key(key, name))
+    if unknown:
+        raise UsageError(f"--config {path}: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; keys "
+                         "are option names such as max_tokens")
     return out
+
+
+def _unknown_key(key: Any, name: str) -> str:
+    """'max_token' (did you mean max_tokens?), or the key alone where no option name is close."""
+    import difflib
+
+    close = difflib.get_close_matches(name, sorted(_FILE_KEYS), n=1, cutoff=0.75)
+    if name == "restart":
+        return f"{key!r} (give --restart on the command line: a config file does not discard a run's state)"
+    return f"{key!r} (did you mean {close[0]}?)" if close else repr(key)
 
 
 def parse_duration(text: str | float | int, option: str = "--max-runtime") -> float:
@@ -172,22 +173,13 @@ def build_config(flags: dict[str, Any], config_path: str | None) -> Invocation:
     """Merge file and flags (flags that are None were not given) into a checked RunSpec and CliSettings."""
     values: dict[str, Any] = load_config_file(config_path) if config_path else {}
     values.update({k: v for k, v in flags.items() if v is not None and not (isinstance(v, (list, tuple)) and not v)})
-    for key in ("stop", "keep_fields", "choice"):
+    for key in ("stop", "keep_fields", "choice", "served_model_name"):
         if key in values:
             values[key] = _as_str_tuple(key, values[key])
     if values.get("max_runtime") is not None:
         values["max_runtime"] = parse_duration(values["max_runtime"])
-    _check_strings(values)
-    for key in ("kv_cache_memory", "max_record_bytes", "max_grammar_bytes"):
-        if key in values:
-            values[key] = _checked_size(key, values[key])
-    if "device" in values:
-        _check_device(values["device"])
-    for key, choices in _CHOICES.items():
-        if key in values and values[key] not in choices:
-            allowed = ", ".join(c for c in choices if c)
-            raise UsageError(f"{option_name(key)}: {values[key]!r} is not one of {allowed}")
-    _check_types(values)
+    for key in [k for k in values if k in OPTIONS and k not in GRAMMAR_KEYS]:
+        values[key] = _checked(key, values[key])
     check_prompt_options(values)
     try:
         return _invocation(values)
@@ -195,26 +187,49 @@ def build_config(flags: dict[str, Any], config_path: str | None) -> Invocation:
         raise UsageError(e.named(option_name(e.field))) from None
 
 
+def _checked(key: str, value: Any) -> Any:
+    """Option `key`'s value checked as its field declares (type, choices, limits; a size read), as the field holds
+    it; a usage error naming the option. (What the dataclass checks beyond that, it checks when it is built.)"""
+    owner, name = OPTIONS[key]
+    meta = _meta(key)
+    if meta.switch:
+        if not isinstance(value, bool):
+            raise UsageError(f"{option_name(key)}: expected true or false, got {value!r}")
+        return value
+    if meta.size:
+        value = _checked_size(key, value, keep_text=str in field_kinds(owner, name))
+    try:
+        return check_value(owner, name, value)
+    except ConfigError as e:
+        raise UsageError(e.named(option_name(key))) from None
+
+
 def _invocation(values: dict[str, Any]) -> Invocation:
-    """The dataclasses filled from `values` (option key -> value); ConfigError where core refuses one."""
+    """The dataclasses filled from `values` (option key -> value); ConfigError where one refuses a value."""
     fields: dict[type, dict[str, Any]] = {}
     for key, value in values.items():
         owner, name = OPTIONS.get(key, (None, None))
         if owner is not None and name != "grammar":
-            fields.setdefault(owner, {})[name] = value
-    sampling = fields.get(SamplingParams, {})
-    if sampling.get("prompt_logprobs") is not None:  # the option is a switch; the field a number of alternatives
-        sampling["prompt_logprobs"] = 0 if sampling["prompt_logprobs"] else None
-    sampling["grammar"] = _grammar(values)
-    spec = RunSpec(
-        input=InputOptions(path=values["input"], **fields.get(InputOptions, {})),
-        output=OutputOptions(path=values["output"], **fields.get(OutputOptions, {})),
-        sampling=SamplingParams(**sampling),
-        build=BuildOptions(**fields.get(BuildOptions, {})),
-        engine=EngineConfig(**fields.get(EngineConfig, {})),
-        state=StateOptions(**fields.get(StateOptions, {})),
-        **fields.get(RunSpec, {}))
-    return Invocation(spec, CliSettings(**fields.get(CliSettings, {})))
+            fields.setdefault(owner, {})[name] = 0 if _meta(key).switch and value else None if _meta(key).switch \
+                else value
+    fields.setdefault(SamplingParams, {})["grammar"] = _grammar(values)
+    built = {owner: _built(owner, fields.get(owner, {}))
+             for owner in (SamplingParams, BuildOptions, EngineConfig, StateOptions, CliSettings)}
+    spec = _built(RunSpec, {
+        "input": _built(InputOptions, {"path": values["input"], **fields.get(InputOptions, {})}),
+        "output": _built(OutputOptions, {"path": values["output"], **fields.get(OutputOptions, {})}),
+        "sampling": built[SamplingParams], "build": built[BuildOptions], "engine": built[EngineConfig],
+        "state": built[StateOptions], **fields.get(RunSpec, {})})
+    return Invocation(spec, built[CliSettings])
+
+
+def _built(owner: type, values: dict[str, Any]) -> Any:
+    """owner(**values); a ConfigError names the option that fills the field at fault."""
+    try:
+        return owner(**values)
+    except ConfigError as e:
+        key = next((k for k, (o, name) in OPTIONS.items() if o is owner and name == e.field), e.field)
+        raise UsageError(e.named(option_name(key))) from None
 
 
 def _grammar(values: dict[str, Any]):
@@ -235,7 +250,8 @@ def _grammar(values: dict[str, Any]):
 
 def _as_str_tuple(key: str, value: Any) -> tuple[str, ...]:
     """--stop: each string whole; --choice: split on commas, every space kept (" yes, no" offers " yes" and " no"), a
-    config file's list taken item by item (a choice may hold a comma); --keep-fields: names, split and stripped."""
+    config file's list taken item by item (a choice may hold a comma); --keep-fields, --served-model-name: names,
+    split and stripped."""
     if isinstance(value, str):
         if key == "stop":
             items = [value]
@@ -254,22 +270,9 @@ def _as_str_tuple(key: str, value: Any) -> tuple[str, ...]:
     return tuple(items)
 
 
-_STR_KEYS = {"input", "output", "model", "dtype", "device", "backend", "system_prompt", "prompt_field",
-             "messages_field", "id_field", "input_format", "output_format", "split", "on_error", "summary_json",
-             "run_dir", "json_schema", "regex", "shard", "executor", "chat_field", "prompt_template",
-             "prompt_template_as", "reasoning_parser", "schedule", "speculative", "chat_template"}
-
-
-def _check_strings(values: dict[str, Any]) -> None:
-    for key in _STR_KEYS:
-        value = values.get(key)
-        if value is not None and not isinstance(value, str):
-            raise UsageError(f"{option_name(key)}: expected a string, got {value!r}")
-
-
-def _checked_size(key: str, value: Any) -> Any:
-    """--kv-cache-memory / --max-record-bytes / --max-grammar-bytes: a size like 2GiB, 512MiB or a number of
-    bytes (the KV budget stays as written: the engine reads it)."""
+def _checked_size(key: str, value: Any, keep_text: bool) -> Any:
+    """A size option (--kv-cache-memory, --max-record-bytes, ...): a size like 2GiB, 512MiB or a number of bytes;
+    as written where the field takes text (the engine reads the KV budget), else the number of bytes."""
     if isinstance(value, bool) or not isinstance(value, (str, int)):
         raise UsageError(f"{option_name(key)}: expected a size such as 2GiB or 512MiB, got {value!r}")
     try:
@@ -279,38 +282,4 @@ def _checked_size(key: str, value: Any) -> Any:
     if size <= 0:
         raise UsageError(f"{option_name(key)}: cannot read {value!r}; write a positive size like 2GiB, 512MiB or a "
                          "number of bytes")
-    return value if key == "kv_cache_memory" else size
-
-
-def _check_device(device: str) -> None:
-    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
-        raise UsageError(f"--device: {device!r} is not one of auto, cpu, cuda or cuda:N")
-
-
-# Types a config file may get wrong (flags arrive typed); the values themselves are checked by the dataclasses.
-_INT_KEYS = {"max_tokens", "top_k", "seed", "n", "min_tokens", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks",
-             "block_size", "limit", "checkpoint_every", "logprobs", "num_workers", "lookahead",
-             "num_speculative_tokens"}
-_FLOAT_KEYS = {"temperature", "top_p", "min_p", "checkpoint_seconds", "log_every", "gpu_memory_utilization",
-               "max_grammar_compile_s"}
-_BOOL_KEYS = {"ignore_eos", "quiet", "restart", "profile", "prompt_logprobs"}
-_POSITIVE = {"num_workers", "checkpoint_every", "checkpoint_seconds", "log_every"}  # not checked downstream
-
-
-def _check_types(values: dict[str, Any]) -> None:
-    for key, value in values.items():
-        if value is None:
-            continue
-        opt = option_name(key)
-        if key in _INT_KEYS and (isinstance(value, bool) or not isinstance(value, int)):
-            raise UsageError(f"{opt}: expected an integer, got {value!r}")
-        if key in _FLOAT_KEYS:
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise UsageError(f"{opt}: expected a number, got {value!r}")
-            values[key] = float(value)
-        if key in _BOOL_KEYS and not isinstance(value, bool):
-            raise UsageError(f"{opt}: expected true or false, got {value!r}")
-        if key in _POSITIVE and values[key] <= 0:
-            raise UsageError(f"{opt}: must be positive, got {value!r}")
-        if key == "limit" and value < 0:
-            raise UsageError(f"{opt}: must be >= 0, got {value!r}")
+    return value if keep_text else size

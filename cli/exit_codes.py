@@ -42,8 +42,9 @@ def code_for(exc: BaseException) -> ExitCode:
 
 def message_for(exc: BaseException) -> str:
     """What the user reads of `exc`: a ConfigError names the option of its field; others say themselves."""
+    from conveyor.cli.option_names import option_name
     from conveyor.core import ConfigError
 
     if isinstance(exc, ConfigError):
-        return exc.named("--" + exc.field.replace("_", "-"))
+        return exc.named(option_name(exc.field))
     return str(exc)

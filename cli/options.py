@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from conveyor.cli.config import default_of, default_text, size_text
+from conveyor.cli.config import choices_text, default_of, default_text, size_text
 from conveyor.core import DEFAULT_KV_CACHE_MEMORY, DEFAULT_SPECULATIVE_TOKENS, DEVICE_DEFAULTS, MIN_WAITING
 
 _CPU, _GPU = DEVICE_DEFAULTS["cpu"], DEVICE_DEFAULTS["cuda"]
@@ -42,7 +42,7 @@ ConfigOpt = Annotated[Optional[str], typer.Option("--config", "-c", help="YAML f
 
 ModelOpt = Annotated[Optional[str], typer.Option(help="Embedded model name, local HF folder, .gguf file or hub id. "
                                                       f"{_d('model')}", rich_help_panel=ENG)]
-DtypeOpt = Annotated[Optional[str], typer.Option(help=f"auto, float32, bfloat16 or float16. {_d('dtype')}",
+DtypeOpt = Annotated[Optional[str], typer.Option(help=f"{choices_text('dtype')}. {_d('dtype')}",
                                                  rich_help_panel=ENG)]
 DeviceOpt = Annotated[Optional[str], typer.Option(help=f"auto, cpu, cuda or cuda:N. {_d('device')}",
                                                   rich_help_panel=ENG)]
@@ -119,10 +119,10 @@ IdFieldOpt = Annotated[Optional[str], typer.Option(help=f"Field holding the reco
                                                    rich_help_panel=DATA)]
 KeepFieldsOpt = Annotated[Optional[str], typer.Option(help="Input fields to copy to the output, e.g. a,b.",
                                                       rich_help_panel=DATA)]
-InputFormatOpt = Annotated[Optional[str], typer.Option(help="jsonl, json, parquet, csv or datasets "
-                                                            "(default: from the extension).", rich_help_panel=DATA)]
-OutputFormatOpt = Annotated[Optional[str], typer.Option(help="parquet, jsonl or openai-batch "
-                                                             "(default: from the extension).", rich_help_panel=DATA)]
+InputFormatOpt = Annotated[Optional[str], typer.Option(help=f"{choices_text('input_format')} (default: from the "
+                                                            "extension).", rich_help_panel=DATA)]
+OutputFormatOpt = Annotated[Optional[str], typer.Option(help=f"{choices_text('output_format')} (default: from the "
+                                                             "extension).", rich_help_panel=DATA)]
 SplitOpt = Annotated[Optional[str], typer.Option(help="Split of a hub dataset.", rich_help_panel=DATA)]
 LimitOpt = Annotated[Optional[int], typer.Option(help="Only the first N records.", rich_help_panel=DATA)]
 MaxRecordBytesOpt = Annotated[Optional[str], typer.Option(help="A record bigger than this (e.g. 4MiB) is an error "
@@ -200,12 +200,13 @@ def negatives(flags: dict) -> dict:
     """`flags` with each hidden --no-NAME folded into NAME (False); where both are given, the later one on the
     command line wins (as a flag appended to a command overrides the same flag before it)."""
     from conveyor.cli.command_line import given_last
+    from conveyor.cli.option_names import option_name
 
     out = dict(flags)
     for key in [k for k in flags if k.startswith("no_")]:
         name = key.removeprefix("no_")
         if out.pop(key):
-            option = "--" + name.replace("_", "-")
+            option = option_name(name)
             positive = (option, *_SHORT.get(option, ()))
             if not out.get(name) or given_last(*positive, "--no-" + option[2:]) not in positive:
                 out[name] = False

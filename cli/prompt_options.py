@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from conveyor.cli.exit_codes import UsageError
+from conveyor.cli.option_names import option_name
 from conveyor.io.records.prompt_template import PromptTemplate
 
 AT_FILE_KEYS = ("system_prompt", "prompt_template")  # a value "@path" is the file's text (UTF-8)
@@ -54,7 +55,7 @@ def check_prompt_options(values: dict[str, Any]) -> None:
 
 
 def _file_text(key: str, path: str) -> str:
-    option = "--" + key.replace("_", "-")
+    option = option_name(key)
     try:
         return Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:

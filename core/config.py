@@ -5,9 +5,11 @@ on the device. Every engine default is written here once. Pure Python.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 
 from conveyor.core.errors import ConfigError
+from conveyor.core.fields import check_fields, option
 from conveyor.core.schedule_policy import SCHEDULES
 from conveyor.core.speculative import DEFAULT_SPECULATIVE_TOKENS, SPECULATIVE_METHODS
 
@@ -47,35 +49,35 @@ class EngineConfig:
     """Scheduling and memory settings. None means "the device's default" (DEVICE_DEFAULTS), filled in by
     `for_device`. A value learned at run time (blocks that fit) is returned, not stored."""
 
-    block_size: int = 16  # tokens per KV block
-    max_num_seqs: int | None = None  # requests running in one step
-    max_num_batched_tokens: int | None = None  # tokens fed to one forward pass
-    num_kv_blocks: int | None = None  # pool size; None = derive from kv_cache_memory
+    block_size: int = option(16)  # tokens per KV block
+    max_num_seqs: int | None = option(None)  # requests running in one step
+    max_num_batched_tokens: int | None = option(None)  # tokens fed to one forward pass
+    num_kv_blocks: int | None = option(None)  # pool size; None = derive from kv_cache_memory
     # budget for the KV pool when num_kv_blocks is None; None = the backend's default: DEFAULT_KV_CACHE_MEMORY on
     # the CPU, on a GPU what gpu_memory_utilization of its memory leaves after the weights and activations
-    kv_cache_memory: str | int | None = None
-    gpu_memory_utilization: float | None = None  # on a GPU, the fraction of its memory the engine may take
+    kv_cache_memory: str | int | None = option(None, size=True)
+    gpu_memory_utilization: float | None = option(None)  # on a GPU, the fraction of its memory the engine may take
     enable_prefix_caching: bool = True
     max_waiting: int | None = None  # backpressure: requests held in WAITING; None = lookahead, else its default
     # The order waiting requests run in (core/schedule_policy.py): fcfs, priority, sjf or lpm. The outputs are the
     # same under each; only speed and latency move.
-    schedule: str = SCHEDULES[0]
+    schedule: str = option(SCHEDULES[0], choices=SCHEDULES)
     # The waiting requests a schedule other than fcfs chooses among (the reader's look-ahead): None = max(2 x
     # max_num_seqs, 64).
-    lookahead: int | None = None
+    lookahead: int | None = option(None)
     # Speculative decoding (core/speculative.py): "ngram" drafts a request's next tokens from its own prompt and
     # output, up to num_speculative_tokens per step (None: DEFAULT_SPECULATIVE_TOKENS). The outputs are the same with
     # it and without; only speed moves.
-    speculative: str | None = None
-    num_speculative_tokens: int | None = None
-    device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
-    dtype: str = "auto"  # one of DTYPES
-    backend: str = "auto"  # one of BACKENDS (core/backends)
+    speculative: str | None = option(None, choices=SPECULATIVE_METHODS)
+    num_speculative_tokens: int | None = option(None)
+    device: str = option("auto")  # "auto" | "cpu" | "cuda" | "cuda:N"
+    dtype: str = option(DTYPES[0], choices=DTYPES)
+    backend: str = option(BACKENDS[0], choices=BACKENDS)  # core/backends
     fused_forward: bool = True  # the cpu backend, the decoder families: the fused forward instead of transformers'
     # A request's grammar: compiled off the step loop within this many seconds, and refused above this many bytes
     # of schema, regex or choices (a record past either is an error row; the run goes on).
-    max_grammar_compile_s: float = 20.0
-    max_grammar_bytes: int = 256 << 10
+    max_grammar_compile_s: float = option(20.0)
+    max_grammar_bytes: int = option(256 << 10, size=True)
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting", "num_kv_blocks",
@@ -105,8 +107,11 @@ class EngineConfig:
             raise ConfigError("backend", f"backend must be one of {', '.join(BACKENDS)}; got {self.backend!r}")
         if self.dtype not in DTYPES:
             raise ConfigError("dtype", f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
+        if not isinstance(self.device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ConfigError("device", f"device: {self.device!r} is not one of auto, cpu, cuda or cuda:N", self.device)
         self._check_schedule()
         self._check_speculative()
+        check_fields(self)
 
     def _check_speculative(self) -> None:
         if self.speculative is not None and self.speculative not in SPECULATIVE_METHODS:

@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, field
 
 from conveyor.core.errors import ConfigError
+from conveyor.core.fields import option
 from conveyor.core.reasoning import Reasoning
 
 GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "choice")
@@ -39,16 +40,16 @@ class SamplingParams:
     temperature 0 means greedy; top_k 0 or -1 and top_p 1 and min_p 0 mean "off".
     """
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    max_tokens: int = 256
-    min_tokens: int = 0
-    seed: int | None = None
-    stop: tuple[str, ...] = field(default_factory=tuple)
+    temperature: float = option(1.0)
+    top_p: float = option(1.0)
+    top_k: int = option(0)
+    min_p: float = option(0.0)
+    max_tokens: int = option(256)
+    min_tokens: int = option(0)
+    seed: int | None = None  # a request's own (the run's seed is BuildOptions.seed, and a record's derives from it)
+    stop: tuple[str, ...] = option(default_factory=tuple)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
-    ignore_eos: bool = False
+    ignore_eos: bool = option(False)
     # Logits processors (conveyor.core.logits_processors), in the order they apply:
     bad_words: tuple[tuple[int, ...], ...] = field(default_factory=tuple)  # token sequences never to complete
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)  # (token id, added to its logit)
@@ -59,8 +60,8 @@ class SamplingParams:
     # The output's reasoning section (core/reasoning.py): its grammar and stop strings apply after it, to the answer
     reasoning: Reasoning | None = None
     # Log-probabilities, from the model's own distribution (before any processor, temperature or truncation):
-    logprobs: int | None = None  # per generated token: its logprob and this many top alternatives
-    prompt_logprobs: int | None = None  # per prompt token likewise (the first has none)
+    logprobs: int | None = option(None)  # per generated token: its logprob and this many top alternatives
+    prompt_logprobs: int | None = option(None, switch=True)  # per prompt token likewise (the first has none)
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and frozen into tuples.

@@ -1,91 +1,145 @@
 """RunSpec: everything a run is asked to do. It nests core's own configuration (`SamplingParams`: the run's sampling
 defaults; `EngineConfig`) with io's (`BuildOptions`: records to requests; where the input, the output and the run's
-state are); every default is a field default of one of these dataclasses, written once. Pure Python.
+state are); every default is a field default of one of these dataclasses, written once, and each checks itself
+(`core.fields.check_fields`). `generation_config` derives the settings that decide the rows (drift) from the fields.
+Pure Python.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from conveyor.core import DEFAULT_MODEL, EngineConfig, SamplingParams
+from conveyor.core import DEFAULT_MODEL, REASONING_PARSERS, EngineConfig, SamplingParams
+from conveyor.core.fields import check_fields, option, option_meta
+from conveyor.io.records.build_options import BuildOptions
 from conveyor.io.records.readers.record import DEFAULT_MAX_RECORD_BYTES
 from conveyor.io.records.readers.record import FORMATS as INPUT_FORMATS
-from conveyor.io.records.request_builder import TEMPLATE_AS, BuildOptions
-from conveyor.io.records.request_options import run_grammar
+from conveyor.io.records.structured_output import run_grammar
 from conveyor.io.rows.sink import ON_ERROR, CommitPolicy
 from conveyor.io.rows.writers import OUTPUT_FORMATS
 
-# What building a spec takes besides the dataclasses below: the choices of its options and the run's grammar.
-__all__ = ["INPUT_FORMATS", "ON_ERROR", "OUTPUT_FORMATS", "TEMPLATE_AS", "BuildOptions", "InputOptions",
-           "OutputOptions", "RunSpec", "StateOptions", "run_grammar"]
+# What building a spec takes besides the dataclasses below: the request options and the run's grammar.
+__all__ = ["BuildOptions", "InputOptions", "OutputOptions", "RunSpec", "StateOptions", "run_grammar"]
 
 
 @dataclass(frozen=True)
 class InputOptions:
     path: str  # a file, a datasets folder, a hub dataset name, or "-" (stdin)
-    format: str | None = None  # readers.FORMATS; None: from the extension
-    split: str | None = None  # a datasets split
-    limit: int | None = None  # only the first N records
-    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES  # a bigger record is an error row, never parsed
+    format: str | None = option(None, name="input_format", choices=INPUT_FORMATS)  # None: from the extension
+    split: str | None = option(None)  # a datasets split
+    limit: int | None = option(None, minimum=0)  # only the first N records
+    max_record_bytes: int = option(DEFAULT_MAX_RECORD_BYTES, size=True, positive=True)  # bigger: an error row
+
+    def __post_init__(self) -> None:
+        check_fields(self)
 
 
 @dataclass(frozen=True)
 class OutputOptions:
     path: str  # the output file
-    format: str | None = None  # writers.OUTPUT_FORMATS; None: from the extension
-    on_error: str = ON_ERROR[0]  # bad records: "record" (an error row), "skip" (no row) or "fail" (stop)
+    format: str | None = option(None, name="output_format", choices=OUTPUT_FORMATS)  # None: from the extension
+    on_error: str = option(ON_ERROR[0], choices=ON_ERROR)  # bad records: an error row, no row, or stop
+
+    def __post_init__(self) -> None:
+        check_fields(self)
 
 
 @dataclass(frozen=True)
 class StateOptions:
     """The run directory and when it commits."""
 
-    run_dir: str | None = None  # None: <output>.conveyor beside the output
-    restart: bool = False  # discard the run directory's state and start over
-    shard: str | None = None  # "I/N": answer the records whose index is I mod N (io/state/shards.py)
-    checkpoint_every: int | None = CommitPolicy.every_rows  # commit every N finished rows (None: by time only)
-    checkpoint_seconds: float = CommitPolicy.every_seconds  # and at least this often
+    run_dir: str | None = option(None)  # None: <output>.conveyor beside the output
+    restart: bool = option(False, config_file=False)  # discard the run directory's state and start over
+    shard: str | None = option(None)  # "I/N": answer the records whose index is I mod N (io/state/shards.py)
+    # commit every N finished rows (None: by time only), and at least every so many seconds
+    checkpoint_every: int | None = option(CommitPolicy.every_rows, positive=True)
+    checkpoint_seconds: float = option(CommitPolicy.every_seconds, positive=True, flag=False)
+
+    def __post_init__(self) -> None:
+        check_fields(self)
 
 
 @dataclass(frozen=True)
 class RunSpec:
     input: InputOptions
     output: OutputOptions
-    model: str = DEFAULT_MODEL  # an embedded name, a model folder, a .gguf file or a hub id
+    model: str = option(DEFAULT_MODEL)  # an embedded name, a model folder, a .gguf file or a hub id
     sampling: SamplingParams = field(default_factory=SamplingParams)  # the run's defaults; records override them
     build: BuildOptions = field(default_factory=BuildOptions)
     engine: EngineConfig = field(default_factory=EngineConfig)
     state: StateOptions = field(default_factory=StateOptions)
-    profile: bool = False  # split the engine's step time into its phases
-    reasoning_parser: str | None = None  # core.reasoning.REASONING_PARSERS: the output's reasoning in its own column
+    profile: bool = option(False)  # split the engine's step time into its phases
+    # core.reasoning.REASONING_PARSERS: the output's reasoning in its own column
+    reasoning_parser: str | None = option(None, choices=REASONING_PARSERS)
+
+    def __post_init__(self) -> None:
+        check_fields(self)
 
     def generation_config(self) -> dict[str, Any]:
-        """What decides the output rows: a change of any of these under a run directory is drift. (The engine's
+        """What decides the output rows: a change of any of these under a run directory is drift. Every field of
+        the spec is in it but the row-neutral ones (ROW_NEUTRAL) and the model (the manifest's own); a field added
+        later is left out while it has its default, so a run started before it existed is no drift. (The engine's
         dtype as it runs: `Run` resolves "auto" before it records this.)"""
-        s, b = self.sampling, self.build
-        grammar = s.grammar
-        out: dict[str, Any] = {
-            "dtype": self.engine.dtype, "max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p,
-            "top_k": s.top_k, "min_p": s.min_p, "seed": b.seed, "stop": list(s.stop), "ignore_eos": s.ignore_eos,
-            "min_tokens": s.min_tokens, "system_prompt": b.system_prompt, "prompt_field": b.prompt_field,
-            "messages_field": b.messages_field, "id_field": b.id_field, "keep_fields": list(b.keep_fields)}
-        # The settings added later are left out while unset: a run started before they existed is no drift.
-        later = {"regex": grammar.spec if grammar is not None and grammar.kind == "regex" else None,
-                 "logprobs": s.logprobs, "prompt_logprobs": s.prompt_logprobs is not None,
-                 "choice": json.loads(grammar.spec) if grammar is not None and grammar.kind == "choice" else [],
-                 "json_schema": grammar.spec if grammar is not None and grammar.kind == "json_schema" else None,
-                 "reasoning_parser": self.reasoning_parser, "chat_field": b.chat_field,
-                 "prompt_template": b.prompt_template,
-                 "prompt_template_as": b.prompt_template_as if b.prompt_template is not None else None,
-                 "truncate_prompt_tokens": b.truncate_prompt_tokens,
-                 "served_model_names": list(b.served_model_names),
-                 "n": b.n if b.n != 1 else None,
-                 "chat_template": hashlib.sha256(b.chat_template.encode()).hexdigest()[:16]
-                 if b.chat_template is not None else None,
-                 # (the other schedules give the same rows; this one reads a record's priority field)
-                 "schedule": self.engine.schedule if self.engine.schedule == "priority" else None}
-        out.update({k: v for k, v in later.items() if not (v is None or v is False or v == [])})
-        return out
+        out: dict[str, Any] = {}
+        for where, key, value, default in self._fields():
+            if where in ROW_NEUTRAL:
+                continue
+            for name, recorded in _recorded(key, value).items():
+                if name in RECORDED_SINCE_FIRST or recorded != _recorded(key, default).get(name):
+                    out[name] = recorded
+        return {**{k: out.pop(k) for k in RECORDED_SINCE_FIRST}, **out}
+
+    def _fields(self):
+        """("part.name", key, value, default) of every field of the spec and its parts (but the input's and output's
+        paths and the parts themselves; the run directory's options are no part of it). The key is the field's name,
+        or "part.name" for a field that is no option (SamplingParams' own seed is not the run's)."""
+        parts = {"input", "output", "sampling", "build", "engine", "state"}
+        for group, part in (("engine", self.engine), ("sampling", self.sampling), ("build", self.build),
+                            ("input", self.input), ("output", self.output), ("spec", self)):
+            for f in dataclasses.fields(part):
+                if f.name == "path" or (group == "spec" and f.name in parts):
+                    continue
+                where = f"{group}.{f.name}"
+                default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+                yield where, f.name if option_meta(f) is not None else where, getattr(part, f.name), default
+
+
+# The fields that never change a row (the exactness contract: a row is the same in any batch, on any schedule,
+# with or without speculation), and the model (compared on its own). Every other field of the spec's parts is part of
+# the generation config, so a new field that changes rows cannot be left out of drift. (The run directory's options,
+# StateOptions, are not walked: where and how often a run commits changes no row.)
+ROW_NEUTRAL = frozenset({
+    # how the engine sizes and orders its work (the schedule is neutral but priority: see _recorded)
+    *(f"engine.{name}" for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks",
+                                    "kv_cache_memory", "gpu_memory_utilization", "enable_prefix_caching",
+                                    "max_waiting", "lookahead", "speculative", "num_speculative_tokens")),
+    # where it runs: a resume on other kernels or another device is said (the manifest's arithmetic), not refused
+    "engine.device", "engine.backend", "engine.fused_forward",
+    # the input's identity is its fingerprint; the output is written from the journal, in any format
+    "input.format", "input.split", "input.limit", "output.format",
+    "spec.profile",
+    "spec.model",  # the manifest's own field
+})
+# Recorded by every run directory since the first, even at their defaults (and first, in this order).
+RECORDED_SINCE_FIRST = ("dtype", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "ignore_eos",
+                        "min_tokens", "system_prompt", "prompt_field", "messages_field", "id_field", "keep_fields")
+
+
+def _recorded(key: str, value: Any) -> dict[str, Any]:
+    """How field `key`'s value is recorded: {name: JSON value} (the grammar under its option's name, a switch as
+    true or false, a chat template by its digest, tuples as lists)."""
+    if key == "sampling.grammar":
+        if value is None:
+            return {}
+        return {value.kind: json.loads(value.spec) if value.kind == "choice" else value.spec}
+    if key == "prompt_logprobs":  # the option is a switch; the field a number of alternatives
+        return {key: value is not None}
+    if key == "schedule":  # the other schedules give the same rows; this one reads a record's priority field
+        return {key: value} if value == "priority" else {}
+    if key == "chat_template" and value is not None:
+        return {key: hashlib.sha256(value.encode()).hexdigest()[:16]}
+    return {key: list(value) if isinstance(value, tuple) else value}

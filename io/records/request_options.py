@@ -22,7 +22,6 @@ from conveyor.io.records.readers.record import describe
 from conveyor.io.records.reject import Reject
 from conveyor.io.records.seeds import derive_seed, index_seed
 from conveyor.io.records.structured_output import GRAMMAR_FIELDS, asks_for_grammar, record_grammar
-from conveyor.io.records.structured_output import run_grammar as run_grammar  # (io/run_spec.py imports it here)
 
 MAX_TOKENS_ALIASES = ("max_tokens", "max_completion_tokens", "max_new_tokens")
 FIELDS = (*GRAMMAR_FIELDS, "logprobs", "top_logprobs", "prompt_logprobs", "logit_bias", "presence_penalty",
