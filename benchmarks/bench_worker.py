@@ -108,8 +108,9 @@ def run_conveyor(spec: dict):
              "prefix_cache_hit_rate": round(st.prefix_cache_hit_rate, 4), "steps": st.num_steps,
              "full_batch_steps": full.as_dict(), "grammar_masks": dict(grammar_s),
              "graph_replays": getattr(backend, "graph_replays", None)}
-    if engine._grammars is not None:
-        extra["grammar_compile_s"] = dict(engine._grammars.compile_s)
+    grammars = engine.grammar_admission.grammars
+    if grammars is not None:
+        extra["grammar_compile_s"] = dict(grammars.compile_s)
     if spec.get("return_texts"):
         extra["texts"] = {o.req_id: o.text for o in outs}
         extra["produced"] = produced

@@ -1,20 +1,22 @@
 """(torch) Engine: owns the scheduler, block manager, KV pool and model runner; one step at a time.
 
+    ended = grammar_admission.admit_compiled()      # grammar_admission.py: compiled ones join the scheduler
     plan = scheduler.schedule()                     # pure Python
     result = runner.execute(plan)                   # one forward pass, one sampler call
-    finished = scheduler.update_from_output(plan, result, outputs.check_stop)   # stop strings too
-    [outputs.output(r) for r in finished]           # output_processor.py: text, logprobs, timings
+    ended += scheduler.update_from_output(plan, result, outputs.check_stop, outputs.check_output)
+    [outputs.output(r) for r in ended]              # output_processor.py: text, logprobs, timings
 
-`stream` is the loop every caller runs (the records loop of io/records_run.py, `generate`): requests pulled
-lazily under the backpressure bound, one step at a time.
+Every request ends through `Scheduler.finish_request` and comes out as a RequestOutput: those that stop or fail
+while they run, those whose grammar did not compile, and those refused at admission (`stream`). `stream` is the
+loop every caller runs (the records loop of io/records_run.py, `generate`): requests pulled lazily under the
+backpressure bound, one step at a time.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +24,7 @@ import torch
 from conveyor.core.backends import select_backend
 from conveyor.core.block_manager import BlockManager
 from conveyor.core.config import EngineConfig, parse_memory
-from conveyor.core.grammar import Grammars
+from conveyor.core.grammar_admission import GrammarAdmission
 from conveyor.core.kv_cache import KVCache
 from conveyor.core.logits_state import LogitsState
 from conveyor.core.model_runner import ModelRunner
@@ -51,6 +53,18 @@ class EngineStats:
     num_scheduled_rows: int = 0  # requests scheduled, summed over those steps: / num_forward_steps = mean running
     num_draft_tokens: int = 0  # speculative decoding: draft tokens fed ...
     num_accepted_draft_tokens: int = 0  # ... and accepted (equal to the token sampled there)
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What an engine runs (`Engine.info`): its model, dtype and backend, and the limits it runs under."""
+
+    model_path: str | None  # where the weights loaded from (the model config's name_or_path: a folder, a hub id)
+    dtype: str  # the weights' dtype, as the engine's config resolved it
+    backend: str
+    max_num_seqs: int  # requests a step runs at most
+    max_num_batched_tokens: int  # tokens a step's forward pass holds at most
+    max_model_len: int  # tokens a request may hold, prompt and output
 
 
 @dataclass(frozen=True)
@@ -113,9 +127,8 @@ class Engine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.eos_token_ids, schedule=config.schedule, speculator=speculator)
         self.outputs = OutputProcessor(tokenizer, speculative=speculator is not None)
-        self._grammars: Grammars | None = None  # made on the first request with a grammar
-        # requests whose grammar compiles, in arrival order (with the logprobs a continued one carries)
-        self._compiling: list[tuple[Request, Future, tuple | None]] = []
+        self.grammar_admission = GrammarAdmission(tokenizer, self.limits.vocab_size, config.max_grammar_compile_s,
+                                                  config.max_grammar_bytes, self.scheduler, self._admit)
         self.num_generated_tokens = 0
         self.num_scheduled_rows = 0  # requests scheduled, summed over the steps that ran
         # Seconds per phase of step(); perf_counter is cheap enough to keep always on.
@@ -156,7 +169,8 @@ class Engine:
         return self.block_manager.num_blocks
 
     def add_request(self, request: GenerationRequest) -> None:
-        """Queue a request; raises ValueError (naming the request) if it can never run."""
+        """Queue a request; raises ValueError (naming the request) if it can never run (`stream` ends such a request
+        as an error output instead)."""
         total = len(request.prompt_token_ids) + request.sampling.max_tokens
         if total > self.max_model_len:
             raise ValueError(
@@ -172,13 +186,8 @@ class Engine:
         self.scheduler.check(req)
         if request.sampling.grammar is None:
             self._admit(req, None, request.output_logprobs)
-            return
-        if self._grammars is None:
-            c = self.config
-            self._grammars = Grammars(self.tokenizer, vocab, c.max_grammar_compile_s, c.max_grammar_bytes)
-        # Compiled off the step loop: the request waits here, its grammar compiling, while the others run.
-        future = self._grammars.submit(request.sampling.grammar)  # ValueError: too big
-        self._compiling.append((req, future, request.output_logprobs))
+        else:  # compiled off the step loop: the request waits for it there while the others run
+            self.grammar_admission.submit(req, request.sampling.grammar, request.output_logprobs)  # ValueError: too big
 
     def _check_continued(self, request: GenerationRequest) -> None:
         """What a continued request carries must be something this engine could have generated for it."""
@@ -194,11 +203,10 @@ class Engine:
                 (request.output_logprobs is not None and len(request.output_logprobs) != len(done)):
             raise ValueError(f"{name}: the logprobs it carries do not match the tokens it generated")
 
-    def _admit(self, req: Request, compiled, output_logprobs) -> None:
+    def _admit(self, req: Request, matcher, output_logprobs) -> None:
         """Into the scheduler, with its logits processors' state (its grammar's matcher, where it has one), and,
         for a continued request, that state and its output's replayed over the tokens it generated before."""
         if LogitsState.needed(req.sampling):
-            matcher = None if compiled is None else self._grammars.matcher_of(compiled)
             req.logits_state = LogitsState(req.sampling, req.prompt_token_ids, matcher)
             for token in req.output_token_ids:
                 req.logits_state.accept(token)
@@ -209,63 +217,51 @@ class Engine:
         """Every unfinished request that has generated tokens (running, waiting after a preemption, or continued
         and waiting for its grammar): what to continue it from in another process."""
         out: dict[str, InFlight] = {}
-        waiting = [req for req, _, _ in self._compiling]
-        for req in [*self.scheduler.requests.values(), *waiting]:
+        for req in [*self.scheduler.requests.values(), *self.grammar_admission.requests()]:
             if req.num_output_tokens:
                 out[req.req_id] = InFlight(tuple(req.output_token_ids), self.outputs.logprobs_so_far(req))
         return out
 
-    def _admit_compiled(self) -> list[RequestOutput]:
-        """The requests whose grammar has compiled go to the scheduler; those whose grammar failed to (an invalid
-        one, or past its budget) finish as errors, returned."""
-        if not self._compiling:
-            return []
-        self._grammars.poll()
-        failed, still = [], []
-        for req, future, logprobs in self._compiling:
-            if not future.done():
-                still.append((req, future, logprobs))
-            elif future.exception() is None:
-                self._admit(req, future.result(), logprobs)
-            else:
-                req.error = str(future.exception())
-                req.finish(FinishReason.ERROR)
-                req.finish_time = time.monotonic()
-                failed.append(self.outputs.output(req))
-        self._compiling = still
-        return failed
-
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._compiling)
+        return self.scheduler.has_unfinished() or bool(self.grammar_admission)
 
     @property
     def num_waiting(self) -> int:
         """Requests waiting to run, their grammars compiling included (the backpressure bound counts them)."""
-        return len(self.scheduler.waiting) + len(self._compiling)
+        return len(self.scheduler.waiting) + len(self.grammar_admission)
 
     def step(self) -> list[RequestOutput]:
-        """Run one iteration; return the requests that finished in it (their grammar failing included)."""
+        """Run one iteration; return the requests that ended in it (those whose grammar failed to compile included)."""
         t0 = time.perf_counter()
-        failed = self._admit_compiled()
+        ended = self.grammar_admission.admit_compiled()
         plan = self.scheduler.schedule()
         if plan.is_empty:
-            if self._compiling:  # nothing to run until a grammar compiles: wait for one, a little
-                Grammars.wait([future for _, future, _ in self._compiling], timeout=0.05)
-            return failed
+            self.grammar_admission.wait()  # nothing to run until a grammar compiles
+            return [self.outputs.output(r) for r in ended]
         t1 = time.perf_counter()
-        requests = self.scheduler.requests
-        states = {e.req_id: s for e in plan.scheduled if (s := requests[e.req_id].logits_state) is not None}
-        result = self.runner.execute(plan, states)
+        result = self.runner.execute(plan, self._logits_states(plan))
         t2 = time.perf_counter()
-        self.num_scheduled_rows += len(plan.scheduled)
-        self.outputs.record(result, requests)
         before = self.scheduler.stats.num_output_tokens
-        finished = self.scheduler.update_from_output(plan, result, self.outputs.check_stop)
+        self.outputs.record(result, self.scheduler.requests)  # (logprobs, before their tokens are accepted)
+        ended += self.scheduler.update_from_output(plan, result, self.outputs.check_stop, self.outputs.check_output)
         sampled = self.scheduler.stats.num_output_tokens - before
-        self.num_generated_tokens += sampled
         t3 = time.perf_counter()
-        outputs = failed + [self.outputs.output(r) for r in finished]
+        outputs = [self.outputs.output(r) for r in ended]
         t4 = time.perf_counter()
+        self._account(plan, sampled, (t0, t1, t2, t3, t4))
+        return outputs
+
+    def _logits_states(self, plan) -> dict:
+        """The logits processors' state of the plan's requests that keep one, by request id."""
+        requests = self.scheduler.requests
+        return {e.req_id: s for e in plan.scheduled if (s := requests[e.req_id].logits_state) is not None}
+
+    def _account(self, plan, sampled: int, times: tuple[float, float, float, float, float]) -> None:
+        """The step's counts and its phases' seconds (`times`: its start, then the end of schedule, execute, update
+        and output)."""
+        t0, t1, t2, t3, t4 = times
+        self.num_scheduled_rows += len(plan.scheduled)
+        self.num_generated_tokens += sampled
         t = self._timings
         t["schedule_s"] += t1 - t0
         t["update_s"] += t3 - t2
@@ -273,7 +269,6 @@ class Engine:
         t["step_s"] += t4 - t0
         t["steps"] += 1
         self._last_step = (plan, sampled, t4 - t0)
-        return outputs
 
     @property
     def last_step(self) -> StepInfo | None:
@@ -286,19 +281,20 @@ class Engine:
                         num_decode_rows=len(decodes), decode_keys=sum(e.start_pos + 1 for e in decodes),
                         num_sampled=sampled)
 
-    def stream(self, requests: Iterable[GenerationRequest],
-               on_rejected: Callable[[GenerationRequest, ValueError], None] | None = None
-               ) -> Iterator[list[RequestOutput]]:
+    def stream(self, requests: Iterable[GenerationRequest]) -> Iterator[list[RequestOutput]]:
         """The requests through the engine: pulled lazily (never more than `max_waiting` waiting: backpressure,
         so an endless source is fine), one step at a time; yields each step's finished outputs (often none).
 
-        A request the engine can never run (ValueError from `add_request`) goes to `on_rejected`, or propagates
-        where there is none. Ends when `requests` is exhausted and every request has finished; a caller that
-        stops iterating stops the engine after the step it last saw."""
+        A request the engine can never run (ValueError from `add_request`) ends as it is pulled, through the
+        scheduler, as an output with finish_reason "error" and the ValueError's message; it comes out first in the
+        next step's outputs (on its own where nothing is left to step), and counts in the backpressure bound until
+        then. Ends when `requests` is exhausted and every request has finished; a caller that stops iterating stops
+        the engine after the step it last saw."""
         source = iter(requests)
         exhausted = False
         while True:
-            while not exhausted and self.num_waiting < self.config.max_waiting:
+            refused: list[RequestOutput] = []
+            while not exhausted and self.num_waiting + len(refused) < self.config.max_waiting:
                 request = next(source, None)
                 if request is None:
                     exhausted = True
@@ -306,15 +302,23 @@ class Engine:
                 try:
                     self.add_request(request)
                 except ValueError as e:
-                    if on_rejected is None:
-                        raise
-                    on_rejected(request, e)
-            if not self.has_unfinished():
+                    refused.append(self._refused(request, e))
+            if self.has_unfinished():
+                yield refused + self.step()
+            elif refused:
+                yield refused
+            else:
                 return
-            yield self.step()
+
+    def _refused(self, request: GenerationRequest, error: ValueError) -> RequestOutput:
+        """The output of a request refused at admission: ended as an error through the scheduler, never run."""
+        req = Request.refused(request.req_id, request.prompt_token_ids, request.sampling, request.priority,
+                              arrival_time=time.monotonic())
+        self.scheduler.finish_request(req, FinishReason.ERROR, str(error))
+        return self.outputs.output(req)
 
     def generate(self, requests: Iterable[GenerationRequest]) -> Iterator[RequestOutput]:
-        """`stream`'s outputs one at a time, as they finish."""
+        """`stream`'s outputs one at a time, as they finish (those of requests refused at admission included)."""
         for outputs in self.stream(requests):
             yield from outputs
 
@@ -336,3 +340,12 @@ class Engine:
             num_draft_tokens=spec.num_draft_tokens if spec else 0,
             num_accepted_draft_tokens=spec.num_accepted_tokens if spec else 0,
         )
+
+    def info(self) -> EngineInfo:
+        """The model, dtype and backend this engine runs, and its limits."""
+        dtype = self.config.dtype
+        if dtype == "auto":  # (an engine built without resolving its config: the weights say)
+            dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
+        return EngineInfo(model_path=getattr(getattr(self.model, "config", None), "name_or_path", None) or None,
+                          dtype=dtype, backend=self.backend.name, max_num_seqs=self.config.max_num_seqs,
+                          max_num_batched_tokens=self.config.max_num_batched_tokens, max_model_len=self.max_model_len)

@@ -2,12 +2,15 @@
 arrive, logprobs gathered, a reasoning section split from the answer, a JSON schema's output validated, the output
 built. Pure Python.
 
-A request's state lives on the request (`Request.output_state`), made when the engine adds it and only where it
-needs one (stop strings, logprobs). Where the output has a reasoning section, stop strings are looked for in the
-answer only (from its first character on), and the schema validates the answer. The scheduler asks `check_stop`
-after appending each sampled token, inside `update_from_output`, so a stop string finishes a request exactly where
-an EOS would; the engine hands the runner's logprobs over with `record` before that, and takes each finished
-request's `output`.
+A request's state lives on the request (`Request.output_state`), made when the engine adds it where it needs one
+(stop strings, logprobs), and when its text is decoded. Where the output has a reasoning section, stop strings are
+looked for in the answer only (from its first character on), and the schema validates the answer. The scheduler
+asks `check_stop` after appending each sampled token, inside `update_from_output`, so a stop string finishes a
+request exactly where an EOS would, and `check_output` before it finishes a request that stopped, so an output that
+cannot be decoded or that its schema refuses ends as an error there, like any other; the engine hands the runner's
+logprobs over with `record` before that, and takes each finished request's `output`. Nothing here writes a
+request's status (an output the scheduler finished without asking `check_output`, an abort's, is judged in
+`output` alone).
 """
 
 from __future__ import annotations
@@ -22,9 +25,10 @@ from conveyor.core.stopping import find_stop_string
 
 
 class OutputState:
-    """What a request's output gathers while it runs."""
+    """What a request's output gathers while it runs (`Request.output_state`, written by the output processor
+    only)."""
 
-    __slots__ = ("detokenizer", "logprobs", "prompt_logprobs", "answer_char")
+    __slots__ = ("detokenizer", "logprobs", "prompt_logprobs", "answer_char", "decoded")
 
     def __init__(self, detokenizer: IncrementalDetokenizer | None, logprobs: list[TokenLogprobs] | None,
                  prompt_logprobs: list[TokenLogprobs | None] | None, answer_char: int | None = 0) -> None:
@@ -32,6 +36,7 @@ class OutputState:
         self.logprobs = logprobs  # one per output token so far, where asked for
         self.prompt_logprobs = prompt_logprobs  # one per prompt token (the first: None), where asked for
         self.answer_char = answer_char  # where the answer begins in the detokenizer's text (None: still reasoning)
+        self.decoded: tuple[str, str | None] | None = None  # (answer, reasoning), once `check_output` decoded them
 
 
 class OutputProcessor:
@@ -93,29 +98,41 @@ class OutputProcessor:
         found = find_stop_string(detok.text, request.sampling.stop, len(delta), state.answer_char)
         return FinishReason.STOP if found is not None else None
 
+    def check_output(self, request: Request) -> str | None:
+        """What is wrong with the output of a request that stopped (None: nothing): its text cannot be decoded, or
+        it completed its JSON schema's grammar but the schema refuses it (a keyword the grammar engine does not
+        enforce while generating). The scheduler asks before it finishes the request; the text is kept for
+        `output`."""
+        try:
+            text, reasoning = self._text(request)
+        except Exception as e:  # noqa: BLE001 - one request's tokens, never the run's
+            return failed_while_running(failure("decoding its output", e))
+        if request.output_state is None:
+            request.output_state = OutputState(None, None, None)
+        request.output_state.decoded = (text, reasoning)
+        if _completed_schema(request):
+            mismatch = self.schemas.mismatch(text, request.sampling.grammar.spec)
+            if mismatch is not None:
+                return f"the output does not match its JSON schema: {mismatch}"
+        return None
+
     def output(self, request: Request) -> RequestOutput:
         """The finished request's output: its text (cut at the first stop string), logprobs and timings; for one
-        that failed (its own data broke a step, or its text cannot be decoded), what failed instead of text."""
-        text, reasoning = "", None
-        if request.error is None:
-            try:
-                text, reasoning = self._text(request)
-            except Exception as e:  # noqa: BLE001 - one request's tokens, never the run's
-                request.error = failed_while_running(failure("decoding its output", e))
-                request.finish(FinishReason.ERROR)
-        if request.error is None and _completed_schema(request):
-            mismatch = self.schemas.mismatch(text, request.sampling.grammar.spec)
-            if mismatch is not None:  # a keyword the grammar engine does not enforce while generating
-                request.error = f"the output does not match its JSON schema: {mismatch}"
-                request.finish(FinishReason.ERROR)
+        that ended in error, what failed (with its text where it had one: an output its schema refused)."""
         state = request.output_state
+        error = request.error
+        if state is None or state.decoded is None:
+            if error is None:  # finished without `check_output` (an abort): judged here
+                error = self.check_output(request)
+                state = request.output_state
+        text, reasoning = ("", None) if state is None or state.decoded is None else state.decoded
         first_scheduled = request.first_scheduled_time or request.arrival_time
         return RequestOutput(
             req_id=request.req_id,
             output_token_ids=request.output_token_ids,
             text=text,
             reasoning=reasoning,
-            finish_reason=request.finish_reason.value,
+            finish_reason=FinishReason.ERROR.value if error is not None else request.finish_reason.value,
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens,
             num_preemptions=request.num_preemptions,
@@ -126,10 +143,10 @@ class OutputProcessor:
             # (a step that sampled past a stop, after draft tokens, recorded logprobs its output does not keep)
             logprobs=self.logprobs_so_far(request),
             prompt_logprobs=None if state is None or state.prompt_logprobs is None else tuple(state.prompt_logprobs),
-            note=None if request.error is not None else _grammar_note(request),
+            note=None if error is not None else _grammar_note(request),
             num_draft_tokens=_drafts(request, self.speculative)[0],
             num_accepted_draft_tokens=_drafts(request, self.speculative)[1],
-            error=request.error,
+            error=error,
         )
 
     def _text(self, request: Request) -> tuple[str, str | None]:

@@ -41,7 +41,9 @@ class InFlight:
 
 @dataclass(frozen=True, slots=True)
 class RequestOutput:
-    """A finished request. Times are `time.monotonic()` seconds; derived durations are properties."""
+    """A finished request, however it ended (`Scheduler.finish_request`: a stop, max_tokens, an error while it ran,
+    its grammar not compiling, a refusal at admission). Times are `time.monotonic()` seconds; derived durations are
+    properties; a request that never ran has every time at the moment it ended."""
 
     req_id: str
     output_token_ids: list[int]
@@ -58,7 +60,7 @@ class RequestOutput:
     prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None  # one per prompt token (the first: None)
     reasoning: str | None = None  # the output's reasoning section, where its sampling has a parser and it had one
     note: str | None = None  # what a user should know about an ok output (a grammar that did not complete)
-    error: str | None = None  # finish_reason "error": what failed while a step processed this request's data
+    error: str | None = None  # finish_reason "error": why it could not run, or what failed while it ran
     # Speculative decoding (None where it is off): draft tokens fed for it in this process, and of those, the
     # accepted ones (tokens of its output that took no step of their own)
     num_draft_tokens: int | None = None

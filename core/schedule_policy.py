@@ -20,11 +20,21 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from conveyor.core.block_manager import BlockManager
 from conveyor.core.request import Request, RequestStatus
 
 SCHEDULES = ("fcfs", "priority", "sjf", "lpm")  # EngineConfig.schedule; the first is the default
+
+
+@dataclass(slots=True)
+class ScheduleState:
+    """A request's place in the policies' orders (`Request.schedule_state`): made by the scheduler when it takes
+    the request, its aging counted by sjf."""
+
+    arrival_seq: int  # its place in the order requests reached the scheduler
+    num_overtaken: int = 0  # requests that arrived after it admitted before it (sjf's aging)
 
 
 class Policy:
@@ -62,16 +72,18 @@ class ShortestJobPolicy(Policy):
         def key(r: Request) -> tuple:
             if r.status is RequestStatus.PREEMPTED:
                 return (0, 0, 0)  # stable: preempted ones keep their order at the front
-            if r.num_overtaken >= limit:
-                return (1, 0, r.arrival_seq)
-            return (2, r.num_prompt_tokens + r.sampling.max_tokens, r.arrival_seq)
+            state = r.schedule_state
+            if state.num_overtaken >= limit:
+                return (1, 0, state.arrival_seq)
+            return (2, r.num_prompt_tokens + r.sampling.max_tokens, state.arrival_seq)
 
         _sort_deque(waiting, key)
 
     def admitted(self, request: Request, waiting: deque[Request]) -> None:
+        seq = request.schedule_state.arrival_seq
         for r in waiting:
-            if r.arrival_seq < request.arrival_seq:
-                r.num_overtaken += 1
+            if r.schedule_state.arrival_seq < seq:
+                r.schedule_state.num_overtaken += 1
 
 
 class LongestPrefixPolicy(Policy):
@@ -91,13 +103,14 @@ class LongestPrefixPolicy(Policy):
                 hits += 1
             match[r.req_id] = hits
             group = r.block_hashes[0] if r.block_hashes else r.req_id
-            oldest[group] = min(oldest.get(group, r.arrival_seq), r.arrival_seq)
+            seq = r.schedule_state.arrival_seq
+            oldest[group] = min(oldest.get(group, seq), seq)
 
         def key(r: Request) -> tuple:
             if r.status is RequestStatus.PREEMPTED:
                 return (0, 0, 0, 0)
             group = r.block_hashes[0] if r.block_hashes else r.req_id
-            return (1, -match[r.req_id], oldest[group], r.arrival_seq)
+            return (1, -match[r.req_id], oldest[group], r.schedule_state.arrival_seq)
 
         _sort_deque(waiting, key)
 
@@ -116,7 +129,7 @@ def make_policy(schedule: str, block_manager: BlockManager, max_num_seqs: int) -
 
 
 def _priority_key(r: Request) -> tuple[int, int]:
-    return (r.priority, r.arrival_seq)
+    return (r.priority, r.schedule_state.arrival_seq)
 
 
 def _sort_deque(queue: deque[Request], key: Callable[[Request], tuple]) -> None:

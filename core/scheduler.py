@@ -1,8 +1,10 @@
 """Iteration-level scheduler: which requests run this step, with how many tokens. Pure Python.
 
 Decides; the block manager answers and commits. Apart from preemption and admission (which sets
-the prefix-cache hit), only `update_from_output` advances `num_computed_tokens`, appends tokens and
-finishes requests.
+the prefix-cache hit), only `update_from_output` advances `num_computed_tokens` and appends tokens. Every
+request ends in `finish_request`, the one place its status becomes finished: those that stop or fail while they
+run (`update_from_output`), and those the engine ends before they ever run (a grammar that did not compile, a
+refusal at admission).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from dataclasses import dataclass
 from conveyor.core.block_manager import BlockManager
 from conveyor.core.errors import failed_while_running, failure
 from conveyor.core.request import FinishReason, Request, RequestStatus
-from conveyor.core.schedule_policy import SCHEDULES, make_policy
+from conveyor.core.schedule_policy import SCHEDULES, ScheduleState, make_policy
 from conveyor.core.schedule_types import RunnerOutput, ScheduledRequest, SchedulerOutput
 from conveyor.core.speculative import Speculator
 from conveyor.core.stopping import check_token_stop
@@ -77,7 +79,7 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         self.check(request)
         self.requests[request.req_id] = request
-        request.arrival_seq = self._num_arrived
+        request.schedule_state = ScheduleState(self._num_arrived)
         self._num_arrived += 1
         if not self.waiting or request.priority >= self.waiting[-1].priority:
             self.waiting.append(request)
@@ -274,14 +276,17 @@ class Scheduler:
     # -- after the forward pass ----------------------------------------------------------------
 
     def update_from_output(self, plan: SchedulerOutput, result: RunnerOutput,
-                           check_stop: Callable[[Request], FinishReason | None] | None = None) -> list[Request]:
+                           check_stop: Callable[[Request], FinishReason | None] | None = None,
+                           check_output: Callable[[Request], str | None] | None = None) -> list[Request]:
         """Advance every scheduled request; append sampled tokens; return those that finished.
 
         A request stops at its grammar's end, at a token stop (EOS, a stop token id, max_tokens), or where
         `check_stop` (the engine's output processor: stop strings) says so after its token was appended; the tokens
         sampled after that one are dropped. One whose own data broke the step (`result.failed`, or its grammar or
-        text raising here) ends with ERROR and `request.error`; the others go on. A request that carried drafts
-        keeps the K/V of those accepted, and gives back the blocks that only its rejected ones needed."""
+        text raising here) ends with ERROR and `request.error`; the others go on. Before a request that stopped is
+        finished, `check_output` (the output processor's verdict on its text: it cannot be decoded, or its JSON
+        schema refuses it) may say what is wrong with it: it then ends with ERROR instead. A request that carried
+        drafts keeps the K/V of those accepted, and gives back the blocks that only its rejected ones needed."""
         finished: list[Request] = []
         now = self.clock()
         bm = self.block_manager
@@ -314,11 +319,13 @@ class Scheduler:
                 bm.trim(request, request.num_tokens)
             bm.release_out_of_window(request)
             self.stats.num_output_tokens += appended
-            if why is not None:
-                request.error = failed_while_running(why)
-            if request.error is not None:
-                reason = FinishReason.ERROR
-            if reason is not None:
+            error = None if why is None else failed_while_running(why)
+            if error is None and reason is not None and check_output is not None:
+                error = check_output(request)
+            if error is not None:
+                self.finish_request(request, FinishReason.ERROR, error)
+                finished.append(request)
+            elif reason is not None:
                 self.finish_request(request, reason)
                 finished.append(request)
         return finished
@@ -338,16 +345,19 @@ class Scheduler:
             reason = check_stop(request)
         return reason
 
-    def finish_request(self, request: Request, reason: FinishReason) -> None:
-        """Finish (or abort) a request wherever it is, freeing its blocks at once."""
-        if request.status is RequestStatus.RUNNING:
-            self.running.remove(request)
-        elif request in self.waiting:
-            self.waiting.remove(request)
-        self.block_manager.free(request)
-        request.finish(reason)
+    def finish_request(self, request: Request, reason: FinishReason, error: str | None = None) -> None:
+        """End a request (`error`: what failed, with FinishReason.ERROR): the one place a request's status becomes
+        finished. One the scheduler holds leaves its queue and frees its blocks at once, wherever it is; one it
+        never took (refused at admission, or its grammar did not compile) only ends."""
+        if self.requests.get(request.req_id) is request:
+            if request.status is RequestStatus.RUNNING:
+                self.running.remove(request)
+            elif request in self.waiting:
+                self.waiting.remove(request)
+            self.block_manager.free(request)
+            del self.requests[request.req_id]
+        request.finish(reason, error)
         request.finish_time = self.clock()
-        del self.requests[request.req_id]
 
     # -- checks --------------------------------------------------------------------------------
 

@@ -72,7 +72,8 @@ class NgramIndex:
 
 
 class DraftState:
-    """One request's drafting: its index, what its drafts did, and its pause."""
+    """One request's drafting (`Request.draft_state`, written by the speculator only): its index, what its drafts
+    did, and its pause."""
 
     __slots__ = ("index", "tried", "hits", "drafted", "accepted", "resume_at", "pause")
 

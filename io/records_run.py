@@ -46,7 +46,7 @@ def run_records(records: Iterable[RawRecord], builder, engine, sink: RecordSink,
                 pass
         else:
             last_progress = time.monotonic()
-            for outputs in engine.stream(requests, lambda request, error: sink.rejected(request.req_id, str(error))):
+            for outputs in engine.stream(requests):
                 for out in outputs:
                     sink.finished(out)
                 now = time.monotonic()

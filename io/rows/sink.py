@@ -1,7 +1,8 @@
 """Where a run's records become rows: the sink `run_records` feeds (see `records_run.py`).
 
 `RecordSink` is the interface: `admit` (a built record: the request to submit, or None when it became a row),
-`rejected` (the engine refused a request), `finished` (a completion), `tick` (time passes) and `close`.
+`finished` (the engine's output of a request: a completion, or its error, a refusal at admission included), `tick`
+(time passes) and `close`.
 `JournalSink` is the one every run uses: it owns the in-flight join (request id -> the record it answers),
 claims ids through the journal (a repeated id is an error row), turns completions and bad records into rows
 (`rows.py`), keeps the run's totals and commits by its `CommitPolicy`: each commit also keeps the tokens of the
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -60,6 +62,11 @@ class RunTotals:
     in_flight_saved: int = 0  # records still generating whose tokens the last commit kept (a stop's)
     keep_fields_seen: set[str] = dataclasses.field(default_factory=set)  # --keep-fields some record read here had
     latency: LatencyFigures = dataclasses.field(default_factory=LatencyFigures)  # this process's ok rows' timings
+    # this process's ok output rows by finish reason; those whose request had a grammar, and of those the ones
+    # max_tokens cut before their grammar was complete (ok rows whose output may not parse)
+    finish_reasons: Counter[str] = dataclasses.field(default_factory=Counter)
+    structured_outputs: int = 0
+    structured_outputs_cut: int = 0
 
     @property
     def elapsed_s(self) -> float:
@@ -86,12 +93,9 @@ class RecordSink:
         it became a row here."""
         raise NotImplementedError
 
-    def rejected(self, req_id: str, error: str) -> None:
-        """The engine refused the request `admit` returned with this id (`error` says why)."""
-        raise NotImplementedError
-
     def finished(self, out) -> None:
-        """A completion (the engine's RequestOutput) of a request `admit` returned."""
+        """The engine's RequestOutput of a request `admit` returned: a completion, or (`out.error`) what kept it from
+        one."""
         raise NotImplementedError
 
     def tick(self, now: float) -> None:
@@ -174,13 +178,9 @@ class JournalSink(RecordSink):
         return dataclasses.replace(request, output_token_ids=state.output_token_ids,
                                    output_logprobs=state.output_logprobs)
 
-    def rejected(self, req_id: str, error: str) -> None:
-        built, where, k = self.in_flight.pop(req_id)
-        self._failed(built, where, k, ErrorRow(index=built.index, id=built.id, kept=built.kept, seed=built.sampling.seed,
-                                                error=f"{where}: {error}", digest=built.digest))
-
     def _failed(self, built: BuiltRequest, where: str, sample: int, e: ErrorRow) -> None:
-        """A request that could not run or broke a step: the record's error row, or its sample's."""
+        """A request that could not run (refused, or its grammar) or broke a step: the record's error row, or its
+        sample's."""
         if built.n == 1:
             self._bad(e)
             return
@@ -198,7 +198,8 @@ class JournalSink(RecordSink):
             done[sample] = row
         if len(done) == built.n:
             del self.samples[built.index]
-            self._add(group_row([done[k] for k in range(built.n)], where if built.id_given else None), built.digest)
+            self._add(group_row([done[k] for k in range(built.n)], where if built.id_given else None), built.digest,
+                      built.sampling.grammar is not None)
 
     def _bad(self, e: ErrorRow) -> None:
         if self.on_error == "fail":
@@ -208,19 +209,20 @@ class JournalSink(RecordSink):
 
     def finished(self, out) -> None:
         built, where, k = self.in_flight.pop(out.req_id)
-        if out.error is not None:  # it could not run (its grammar), or its own data broke a step: an error row
+        if out.error is not None:  # it could not run (refused, or its grammar), or its own data broke a step
             self._failed(built, where, k, ErrorRow(
                 index=built.index, id=built.id, kept=built.kept, seed=built.sampling.seed,
                 error=f"{where}: {out.error}", prompt_tokens=out.num_prompt_tokens, digest=built.digest))
             return
         row = ok_row(built, out, self.token_text, where)
         if built.n == 1:
-            self._add(row, built.digest)
+            self._add(row, built.digest, built.sampling.grammar is not None)
         else:
             self._sample_done(built, where, k, row)
         self.totals.last_active = time.monotonic()
 
-    def _add(self, row: dict[str, Any], digest: str | None) -> None:
+    def _add(self, row: dict[str, Any], digest: str | None, structured: bool = False) -> None:
+        """`row` into the journal and the totals (`structured`: its request had a grammar)."""
         self.journal.add(row, digest)
         t = self.totals
         t.done += 1
@@ -234,6 +236,11 @@ class JournalSink(RecordSink):
                 t.prompt_tokens += sample["prompt_tokens"]
                 t.completion_tokens += sample["completion_tokens"]
                 t.latency.add_row(sample)
+                t.finish_reasons[sample["finish_reason"]] += 1
+                if structured:
+                    t.structured_outputs += 1
+                    # an ok row's error column holds its note: here, that its grammar did not complete
+                    t.structured_outputs_cut += sample["finish_reason"] == "length" and sample["error"] is not None
 
     def tick(self, now: float) -> None:
         """Between steps: commit by the policy (rows, and partials, every `every_seconds` whatever finished)."""

@@ -262,6 +262,47 @@ def test_check_invariants_catches_a_corrupted_ref_count():
         sched.check_invariants()
 
 
+def test_a_request_the_scheduler_never_took_ends_there_and_leaves_the_one_it_holds_under_its_id_alone():
+    sched = make_scheduler(num_blocks=8)
+    runner = FakeRunner(sched)
+    held = make_request("a", 6, max_tokens=4)
+    runner.add(held)
+    step(sched, runner)
+    blocks = list(held.block_ids)
+    refused = Request.refused("a", [], SamplingParams(), priority=0, arrival_time=0.0)  # (its prompt may be empty)
+    sched.finish_request(refused, FinishReason.ERROR, "request id 'a' is already in the engine")
+    assert refused.status is RequestStatus.FINISHED_ERROR and refused.error == "request id 'a' is already in the engine"
+    assert refused.finish_time == 0.0 and refused.num_prompt_tokens == 0
+    assert sched.requests["a"] is held and held.block_ids == blocks and held.status is RequestStatus.RUNNING
+    [done] = run_to_completion(sched, runner)
+    assert done is held and done.finish_reason is FinishReason.LENGTH and done.error is None
+    check_finished(held, runner)
+    assert_no_leaks(sched)
+
+
+def test_a_stopped_request_whose_output_is_refused_ends_as_an_error_before_its_blocks_go_back():
+    sched = make_scheduler(num_blocks=8)
+    runner = FakeRunner(sched)
+    runner.add(make_request("a", 6, max_tokens=2))
+    runner.add(make_request("b", 6, max_tokens=2))
+    seen = []
+
+    def check_output(request):
+        seen.append((request.req_id, request.status, bool(request.block_ids)))
+        return "the output does not match its JSON schema: 7 is not allowed" if request.req_id == "b" else None
+
+    finished = []
+    while sched.has_unfinished():
+        plan = sched.schedule()
+        finished += sched.update_from_output(plan, runner.execute(plan), check_output=check_output)
+    assert seen == [("a", RequestStatus.RUNNING, True), ("b", RequestStatus.RUNNING, True)]
+    a, b = finished
+    assert (a.finish_reason, a.error) == (FinishReason.LENGTH, None)
+    assert (b.finish_reason, b.status) == (FinishReason.ERROR, RequestStatus.FINISHED_ERROR)
+    assert b.error == "the output does not match its JSON schema: 7 is not allowed" and b.num_output_tokens == 2
+    assert_no_leaks(sched)
+
+
 def test_empty_prompt_is_rejected():
     with pytest.raises(ValueError, match="no tokens"):
         Request("e", [], SamplingParams())

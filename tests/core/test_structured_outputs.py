@@ -116,7 +116,8 @@ def test_every_ok_row_matches_its_grammar(smollm, config):
     assert schemas_checked >= 24
     assert outs["r5"].finish_reason == "length" and outs["r5"].note  # 4 tokens: no schema completes
     if config["num_kv_blocks"] == 600:
-        assert engine._grammars is not None and len(engine._grammars.compile_s) == 8 + 2  # once per distinct grammar
+        grammars = engine.grammar_admission.grammars
+        assert grammars is not None and len(grammars.compile_s) == 8 + 2  # once per distinct grammar
 
 
 def test_logprobs_agree_with_transformers_log_softmax(smollm):

@@ -13,8 +13,9 @@ from conveyor.io.rows.sink import RecordSink
 
 
 class FakeEngine:
-    """Finishes each request `steps` steps after it was added; refuses prompts longer than 3 tokens. Pulls its
-    requests lazily like the real engine's `stream`, at most `max_waiting` at a time."""
+    """Finishes each request `steps` steps after it was added; refuses prompts longer than 3 tokens (an error
+    output, with the next step's, as the real engine's). Pulls its requests lazily like the real engine's `stream`,
+    at most `max_waiting` at a time."""
 
     def __init__(self, steps: int = 2, max_waiting: int = 2) -> None:
         self.steps = steps
@@ -22,23 +23,27 @@ class FakeEngine:
         self.left: dict[str, int] = {}
         self.num_steps = 0
 
-    def stream(self, requests, on_rejected):
+    def stream(self, requests):
         source = iter(requests)
         exhausted = False
         while True:
-            while not exhausted and len(self.left) < self.max_waiting:
+            done = []
+            while not exhausted and len(self.left) + len(done) < self.max_waiting:
                 request = next(source, None)
                 if request is None:
                     exhausted = True
                     break
                 if len(request.prompt_token_ids) > 3:
-                    on_rejected(request, ValueError(f"request {request.req_id!r} is too long"))
+                    done.append(RequestOutput(request.req_id, [], "", "error", len(request.prompt_token_ids), 0, 0,
+                                              0.0, 0.0, 0.0, 0.0, error=f"request {request.req_id!r} is too long"))
                 else:
                     self.left[request.req_id] = self.steps
             if not self.left:
+                if done:
+                    yield done
+                    continue
                 return
             self.num_steps += 1
-            done = []
             for req_id in list(self.left):
                 self.left[req_id] -= 1
                 if self.left[req_id] == 0:
@@ -69,12 +74,12 @@ class Sink(RecordSink):
             return None
         return GenerationRequest(str(built.index), built.prompt_token_ids, built.sampling)
 
-    def rejected(self, req_id, error):
-        assert "too long" in error
-        self._once(int(req_id), "rejected")
-
     def finished(self, out):
-        self._once(int(out.req_id), "ok")
+        if out.error is not None:
+            assert "too long" in out.error
+            self._once(int(out.req_id), "rejected")
+        else:
+            self._once(int(out.req_id), "ok")
 
     def _once(self, index: int, outcome: str) -> None:
         assert index not in self.outcomes, f"record {index} reached the sink twice"
@@ -136,8 +141,8 @@ def test_a_stop_is_seen_between_records_while_only_bad_ones_are_read():
 
 def test_an_engine_error_propagates_after_the_sink_is_closed():
     class Broken(FakeEngine):
-        def stream(self, requests, on_rejected):
-            yield from super().stream(requests, on_rejected)
+        def stream(self, requests):
+            yield from super().stream(requests)
             raise RuntimeError("the device went away")
 
     sink = Sink()

@@ -136,7 +136,7 @@ def test_a_samples_error_is_that_samples_error_row(journal):
     sink = JournalSink(journal)
     sink.admit(raw(0), built(0, 2))
     sink.finished(output("0/1", error="its grammar failed"))
-    sink.rejected("0", "too long for the KV cache")
+    sink.finished(output("0", (), error="too long for the KV cache"))
     sink.close(True)
     (group,) = journal.iter_rows()
     assert group["status"] == "error" and [s["status"] for s in group[SAMPLES_KEY]] == ["error", "error"]

@@ -67,7 +67,10 @@ def test_a_bad_record_and_a_repeated_id_become_error_rows_without_a_request(jour
 def test_a_request_the_engine_refuses_is_an_error_row_naming_where_it_was_read(journal):
     sink = JournalSink(journal)
     sink.admit(raw(5), built(5))
-    sink.rejected("5", "request '5': prompt + max_tokens exceeds the model's context")
+    refused = RequestOutput("5", [], "", "error", num_prompt_tokens=3, num_cached_tokens=0, num_preemptions=0,
+                            arrival_time=1.0, first_scheduled_time=1.0, first_token_time=1.0, finish_time=1.0,
+                            error="request '5': prompt + max_tokens exceeds the model's context")
+    sink.finished(refused)
     sink.close(False)
     [row] = list(journal.iter_rows())
     assert row["status"] == "error" and row["error"] == "line 6: request '5': prompt + max_tokens exceeds the " \
