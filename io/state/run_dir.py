@@ -67,6 +67,24 @@ class Manifest:
     output_format: str
     state_files: tuple[str, ...] = STATE_FILES  # what `reset` may delete beside the manifest
 
+    def changes_since(self, old: Manifest) -> tuple[tuple[str, ...], str]:
+        """(what changed from `old` to this manifest: a subset of ("input", "model", "generation_config"), a
+        message saying how)."""
+        changed: list[str] = []
+        parts: list[str] = []
+        if old.input_fingerprint != self.input_fingerprint:
+            changed.append("input")
+            parts.append(f"the input file changed since this run started (fingerprint "
+                         f"{_short(old.input_fingerprint)} -> {_short(self.input_fingerprint)})")
+        if old.model != self.model:
+            changed.append("model")
+            parts.append(f"the model changed since this run started ({old.model} -> {self.model})")
+        config_diff = _diff_config(old.generation_config, self.generation_config)
+        if config_diff:
+            changed.append("generation_config")
+            parts.append(f"the generation config changed since this run started ({', '.join(config_diff)})")
+        return tuple(changed), "; ".join(parts)
+
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
 
@@ -238,7 +256,7 @@ class RunDir:
         """
         old = stored if stored is not None else self.load_manifest()
         if old is not None:
-            changed, message = _drift(old, new)
+            changed, message = new.changes_since(old)
             if changed:
                 raise DriftError(self.path, changed, message)
 
@@ -283,24 +301,6 @@ class RunDir:
                 out["journal_error"] = str(exc)
         out["lock_holder"] = self.lock_holder() if self.path.exists() else None
         return out
-
-
-def _drift(old: Manifest, new: Manifest) -> tuple[tuple[str, ...], str]:
-    """(what changed: a subset of ("input", "model", "generation_config"), a message saying how)."""
-    changed: list[str] = []
-    parts: list[str] = []
-    if old.input_fingerprint != new.input_fingerprint:
-        changed.append("input")
-        parts.append(f"the input file changed since this run started (fingerprint "
-                     f"{_short(old.input_fingerprint)} -> {_short(new.input_fingerprint)})")
-    if old.model != new.model:
-        changed.append("model")
-        parts.append(f"the model changed since this run started ({old.model} -> {new.model})")
-    config_diff = _diff_config(old.generation_config, new.generation_config)
-    if config_diff:
-        changed.append("generation_config")
-        parts.append(f"the generation config changed since this run started ({', '.join(config_diff)})")
-    return tuple(changed), "; ".join(parts)
 
 
 def _diff_config(old: dict, new: dict) -> list[str]:

@@ -31,7 +31,7 @@ from conveyor.io.errors import SpecError
 from conveyor.io.rows.rows import SAMPLE_INDEX, SAMPLES_KEY, duplicate_id_row, without_errors
 from conveyor.io.state.atomic import atomic_write_text
 from conveyor.io.state.journal import Journal, JournalCorrupt
-from conveyor.io.state.run_dir import Manifest, RunDir, RunDirError, _drift
+from conveyor.io.state.run_dir import Manifest, RunDir, RunDirError
 
 MARKER = "shard.json"
 MAX_SHARDS = 100_000  # a split into more is a typo, and each shard is a folder: refused before any is made
@@ -153,7 +153,7 @@ class ShardSet:
                                  f"index, count and input records); delete it and run the shard again "
                                  f"(`conveyor run ... --shard {shard}`)")
             if members:
-                changed, message = _drift(members[0].manifest, manifest)
+                changed, message = manifest.changes_since(members[0].manifest)
                 if changed:
                     raise ShardError(f"shard {shard} ({path}) was run with other settings than shard "
                                      f"{members[0].shard}: {message.replace('since this run started', 'between them')}"
