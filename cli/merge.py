@@ -8,7 +8,7 @@ from conveyor.cli.exit_codes import ExitCode
 
 
 def merge_shards(output: str, run_dir: str | None, output_format: str | None) -> int:
-    from conveyor.io.run import merge_shards as merge
+    from conveyor.io.split_run import merge_shards as merge
 
     result = merge(output, run_dir, output_format)
     errors = f"{result.errors} error rows left out" if result.skipped_errors else f"{result.errors} error rows"

@@ -34,8 +34,10 @@ import uuid
 from pathlib import Path
 
 from conveyor.cli.config import Invocation
-from conveyor.cli.exit_codes import ExitCode, UsageError
+from conveyor.cli.exit_codes import UsageError
+from conveyor.cli.notes import quiet_libraries, say
 from conveyor.cli.stop_signals import StopController
+from conveyor.cli.summary import check_summary_path, exit_code, print_summary, print_warnings, write_summary_json
 from conveyor.io.run_spec import RunSpec
 
 MAX_RESTARTS = 4  # a worker that dies more often than this is a real failure, not bad luck
@@ -65,15 +67,15 @@ class ShardWorker:
 
     def run(self, shard: str, stop_path: str | None = None) -> dict:
         """Run shard `shard` ("I/N") to its end, or until it stops (--max-runtime, or `stop_path` exists: the
-        driver got a signal); its summary and exit code."""
+        driver got a signal): its summary (io's RunSummary: its outcome, and the latency sketches the driver's
+        figures are made of) and why it stopped, where it did."""
         if self.threads:
             import torch
 
             torch.set_num_threads(self.threads)
-        from conveyor.cli.run import _quiet_libraries
         from conveyor.io.run import Run
 
-        _quiet_libraries()
+        quiet_libraries()
         spec = dataclasses.replace(self.spec, state=dataclasses.replace(self.spec.state, shard=shard))
         run = Run(spec, command=self.command, merge_when_done=False)
         stopper = StopController(self.max_runtime)
@@ -85,8 +87,7 @@ class ShardWorker:
             result = run.execute(stopper.should_stop)
         finally:
             run.close()
-        return {"shard": shard, "exit_code": int(ExitCode[result.status.upper()]), "summary": result.summary(),
-                "figures": result.figures_state(),  # the driver's percentiles are over every worker's rows
+        return {"shard": shard, "summary": result.summary(),
                 "message": stopper.reason or result.message,  # (a stopped worker's: why)
                 "node": socket.gethostname()}
 
@@ -97,13 +98,13 @@ def run_on_ray(invocation: Invocation) -> int:
     except ImportError:
         raise UsageError("--executor ray needs Ray: pip install 'conveyor[ray]'") from None
     from conveyor.cli.command_line import command_line
-    from conveyor.cli.run import _print_summary, check_summary_path, say, write_summary_json
-    from conveyor.io.run import Run
+    from conveyor.io.run_report import Outcome, RunSummary
+    from conveyor.io.split_run import SplitRun
 
     spec, cli = invocation.spec, invocation.cli
     started = time.monotonic()
-    driver = Run(spec)
-    run_dir = driver.open_split()
+    driver = SplitRun(spec)
+    run_dir = driver.open()
     check_summary_path(cli.summary_json)
 
     address = os.environ.get("RAY_ADDRESS") or None
@@ -146,26 +147,31 @@ def run_on_ray(invocation: Invocation) -> int:
             stop_path.unlink(missing_ok=True)
         if owned:
             ray.shutdown()
-    totals = _add(results, time.monotonic() - started)
-    if any(r["exit_code"] == ExitCode.STOPPED for r in results):
-        reason = stopper.reason or next(r["message"] for r in results if r["exit_code"] == ExitCode.STOPPED)
-        if not cli.quiet:
-            _print_summary({**totals, "status": "stopped"}, f"stopped ({reason}); run the same command again to "
-                           "resume")
-        return int(ExitCode.STOPPED)
+    # the workers' summaries added; the wall time is the driver's, from its start to the workers' end
+    summary = dataclasses.replace(RunSummary.merge([r["summary"] for r in results]),
+                                  wall_s=round(time.monotonic() - started, 3))
+    if summary.outcome is Outcome.STOPPED:  # (a worker stopped)
+        reason = stopper.reason or next(r["message"] for r in results if r["summary"].outcome is Outcome.STOPPED)
+        if cli.quiet:
+            print_warnings(summary)
+        else:
+            print_summary(summary, f"stopped ({reason}); run the same command again to resume")
+        return exit_code(Outcome.STOPPED)
     merged = driver.merge()
     skip = spec.output.on_error == "skip"
-    totals.update(records=merged.rows + (merged.errors if skip else 0), errors=merged.errors,
-                  ok=merged.rows - (0 if skip else merged.errors), wall_s=round(time.monotonic() - started, 3))
-    code = ExitCode.SOME_ERRORS if merged.errors and not skip else ExitCode.OK
-    totals["status"] = code.name.lower()
-    if not cli.quiet:
-        _print_summary(totals, f"{workers_n} workers; merged {merged.shards} shards")
+    summary = dataclasses.replace(  # the counts of the rows merged (a worker counts its own process's)
+        summary, records=merged.rows + (merged.errors if skip else 0), errors=merged.errors,
+        ok=merged.rows - (0 if skip else merged.errors), wall_s=round(time.monotonic() - started, 3),
+        outcome=Outcome.SOME_ERRORS if merged.errors and not skip else Outcome.OK)
+    if cli.quiet:
+        print_warnings(summary)
+    else:
+        print_summary(summary, f"{workers_n} workers; merged {merged.shards} shards")
     if cli.summary_json:
-        write_summary_json(cli.summary_json, totals)
+        write_summary_json(cli.summary_json, summary)
     if not cli.quiet:
         say(f"wrote {spec.output.path}")
-    return int(code)
+    return exit_code(summary.outcome)
 
 
 def worker_name(token: str, shard: int, count: int) -> str:
@@ -213,24 +219,3 @@ def _wait(ray, pending: list, cli, stopper: StopController, stop_path: Path) -> 
             sys.stderr.write(f"conveyor: {len(results)} of {len(results) + len(pending)} shards done\n")
             last = time.monotonic()
     return results
-
-
-def _add(results: list[dict], wall_s: float) -> dict:
-    from conveyor.io.run import draft_acceptance_rate, run_figures
-
-    keys = ("records", "samples", "ok", "errors", "prompt_tokens", "completion_tokens", "preemptions", "resumed_from",
-            "draft_tokens", "accepted_draft_tokens")
-    out = {k: sum(r["summary"].get(k, 0) for r in results) for k in keys}
-    out["draft_acceptance_rate"] = draft_acceptance_rate(out["draft_tokens"], out["accepted_draft_tokens"])
-    out["load_s"] = max((r["summary"].get("load_s", 0) for r in results), default=0)
-    out["elapsed_s"] = max((r["summary"].get("elapsed_s", 0) for r in results), default=0)
-    out["prefix_cache_hit_rate"] = (sum(r["summary"].get("prefix_cache_hit_rate", 0) for r in results)
-                                    / max(len(results), 1))
-    # the workers' rates added: the cluster's while they all run
-    out["output_tokens_per_s"] = round(sum(r["summary"].get("output_tokens_per_s", 0) for r in results), 2)
-    out["wall_s"] = round(wall_s, 3)  # the driver's, from its start to the workers' end
-    first = results[0]["summary"] if results else {}
-    for key in ("model", "model_path", "dtype", "backend"):  # the same spec on every worker
-        out[key] = first.get(key)
-    out.update(run_figures([r["figures"] for r in results]))
-    return out

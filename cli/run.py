@@ -1,10 +1,8 @@
-"""`conveyor run`: options -> RunSpec -> io's Run (signals, progress) -> summary -> ExitCode."""
+"""`conveyor run`: options -> RunSpec -> io's Run (signals, progress) -> its summary (`summary.py`) -> ExitCode."""
 
 from __future__ import annotations
 
-import json
 import sys
-from pathlib import Path
 
 from conveyor.cli import options as opt
 from conveyor.cli.config import Invocation, build_config
@@ -106,9 +104,19 @@ def run_command(
 
 def execute(invocation: Invocation) -> int:
     from conveyor.cli.command_line import command_line
+    from conveyor.cli.notes import quiet_libraries, say
     from conveyor.cli.progress import make_progress
     from conveyor.cli.stop_signals import StopController
-    from conveyor.io.run import STOPPED, BadRecordStop, Run
+    from conveyor.cli.summary import (
+        check_summary_path,
+        exit_code,
+        print_profile,
+        print_summary,
+        print_warnings,
+        write_summary_json,
+    )
+    from conveyor.io.run import BadRecordStop, Run
+    from conveyor.io.run_report import Outcome
 
     spec, cli = invocation.spec, invocation.cli
     if cli.executor == "ray":
@@ -124,7 +132,7 @@ def execute(invocation: Invocation) -> int:
     stopper.install()
     run = None
     try:
-        _quiet_libraries()
+        quiet_libraries()
         progress = make_progress(cli.quiet, cli.log_every)
         run = Run(spec, command=command_line(), say=say)
         stopper.start_clock()
@@ -137,8 +145,8 @@ def execute(invocation: Invocation) -> int:
         run.load_engine()
         try:
             with progress:
-                result = run.execute(stopper.should_stop, lambda: progress.update(run))
-                progress.update(run, force=True)
+                result = run.execute(stopper.should_stop, lambda: progress.update(run.progress))
+                progress.update(run.progress, force=True)
         except BadRecordStop as e:
             sys.stderr.write(f"conveyor: {e}\nconveyor: stopped at the first bad record (--on-error fail); "
                              "fix the input, or use --on-error record, and run again\n")
@@ -148,44 +156,19 @@ def execute(invocation: Invocation) -> int:
         if run is not None:
             run.close()
     summary = result.summary()
-    message = f"stopped ({stopper.reason}); {result.message}" if result.status == STOPPED else result.message
+    message = f"stopped ({stopper.reason}); {result.message}" if result.status is Outcome.STOPPED else result.message
     to_stdout = spec.output.path == "-"  # stdout carries the output: everything else goes to stderr
     if cli.quiet:  # warnings and errors only
-        warn_missing_keep_fields(summary)
+        print_warnings(summary)
     else:
-        _print_summary(summary, message, sys.stderr if to_stdout else sys.stdout)
+        print_summary(summary, message, sys.stderr if to_stdout else sys.stdout)
     if result.profile:
-        _print_profile(result.profile, sys.stderr if to_stdout else sys.stdout)
+        print_profile(result.profile, sys.stderr if to_stdout else sys.stdout)
     if cli.summary_json:
         write_summary_json(cli.summary_json, summary)
     if result.output_written and not cli.quiet:
         say("wrote the output to stdout" if to_stdout else f"wrote {spec.output.path}")
-    return int(ExitCode[result.status.upper()])
-
-
-def say(note: str) -> None:
-    """A note for the user, on stderr."""
-    sys.stderr.write(f"conveyor: {note}\n")
-
-
-def check_summary_path(path: str | None) -> None:
-    """--summary-json must name a file in a folder that exists: checked before the run, not after it."""
-    if path is None:
-        return
-    target = Path(path)
-    if target.is_dir():
-        raise UsageError(f"--summary-json {path}: is a folder; name a file")
-    if not target.absolute().parent.is_dir():
-        raise UsageError(f"--summary-json {path}: the folder {target.absolute().parent} does not exist; create it "
-                         "or choose another path")
-
-
-def write_summary_json(path: str, summary: dict) -> None:
-    try:
-        Path(path).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
-    except OSError as e:  # the run's result stands; only its summary file is missing
-        sys.stderr.write(f"conveyor: warning: could not write --summary-json {path} ({e.strerror or e}); the run's "
-                         "exit code is unchanged\n")
+    return exit_code(result.status)
 
 
 def _note_loading(model: str) -> None:
@@ -194,94 +177,3 @@ def _note_loading(model: str) -> None:
     first_use = model in EMBEDDED_MODELS and not is_embedded_cached(model)
     extra = " (first use: fetching and converting it once, about a minute)" if first_use else ""
     sys.stderr.write(f"conveyor: loading {model}{extra}\n")
-
-
-def _quiet_libraries() -> None:
-    import os
-
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    try:
-        import transformers
-
-        transformers.utils.logging.set_verbosity_error()
-        transformers.utils.logging.disable_progress_bar()
-    except Exception:  # pragma: no cover - a broken transformers install shows itself at load time
-        pass
-
-
-def _print_summary(summary: dict, message: str, stream=None) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title="conveyor run summary", show_header=False, title_justify="left")
-    table.add_column("metric")
-    table.add_column("value", justify="right")
-    rows = [
-        ("records", summary["records"] if summary.get("samples", summary["records"]) == summary["records"]
-         else f"{summary['records']} ({summary['samples']} samples)"),
-        ("ok", summary["ok"]), ("errors", summary["errors"]),
-        ("prompt tokens", summary["prompt_tokens"]), ("completion tokens", summary["completion_tokens"]),
-        ("model load", f"{summary['load_s']:.1f} s"), ("generation", f"{summary['elapsed_s']:.1f} s"),
-        ("output tokens/s", f"{summary['output_tokens_per_s']:.1f}"), ("preemptions", summary["preemptions"]),
-        ("prefix-cache hit rate", f"{summary['prefix_cache_hit_rate']:.1%}"),
-        *_figure_rows(summary),
-    ]
-    if summary["resumed_from"]:
-        rows.append(("resumed from", summary["resumed_from"]))
-    if summary.get("continued"):
-        rows.append(("continued", f"{summary['continued']} records, {summary['tokens_carried_over']} tokens carried "
-                                  "over"))
-    if summary.get("in_flight_saved"):
-        rows.append(("in flight, saved", f"{summary['in_flight_saved']} records (continued when the run resumes)"))
-    for name, value in rows:
-        table.add_row(name, str(value))
-    stream = stream or sys.stdout
-    console = Console(file=stream, width=max(60, Console().width if stream.isatty() else 80))
-    console.print(table)
-    if message:
-        sys.stderr.write(f"conveyor: {message}\n")
-    warn_missing_keep_fields(summary)
-
-
-def _figure_rows(summary: dict) -> list[tuple[str, str]]:
-    """The summary table's rows of wall time, model and the latency and occupancy figures (where it has them)."""
-    rows = []
-    if "wall_s" in summary:
-        rows.append(("wall time", f"{summary['wall_s']:.1f} s"))
-    if summary.get("model"):
-        ran = ", ".join(str(summary[key]) for key in ("dtype", "backend") if summary.get(key))
-        rows.append(("model", f"{summary['model']} ({ran})" if ran else summary["model"]))
-    for key, name in (("ttft_s", "time to first token"), ("latency_s", "latency"), ("queue_s", "queue time"),
-                      ("tpot_s", "time per output token")):
-        figures = summary.get(key)
-        if figures and any(v is not None for v in figures.values()):
-            rows.append((f"{name} {'/'.join(figures)}", _seconds(list(figures.values()))))
-    if summary.get("draft_tokens"):
-        rows.append(("draft tokens accepted", f"{summary['accepted_draft_tokens']} of {summary['draft_tokens']} "
-                                              f"({summary['draft_acceptance_rate']:.0%})"))
-    if summary.get("steps"):
-        rows.append(("mean running (occupancy)", f"{summary['mean_running']:.1f} ({summary['occupancy']:.0%})"))
-        rows.append(("engine steps", summary["steps"]))
-    return rows
-
-
-def _seconds(values: list[float | None]) -> str:
-    """'12.3 / 20.1 ms', or in seconds where one is 1 s or more."""
-    scale, unit = (1, "s") if max(v or 0 for v in values) >= 1 else (1000, "ms")
-    return " / ".join("-" if v is None else f"{v * scale:.{3 if unit == 's' else 1}f}" for v in values) + f" {unit}"
-
-
-def warn_missing_keep_fields(summary: dict) -> None:
-    """A --keep-fields field no record had: its column is all null (a typo, most likely)."""
-    for name in summary.get("keep_fields_missing", ()):
-        sys.stderr.write(f"conveyor: warning: keep field {name!r} was in no record (its column is all null); check "
-                         "--keep-fields\n")
-
-
-def _print_profile(profile: dict, out) -> None:
-    total = profile.get("step_s", 0.0) or 1e-9
-    out.write("step time breakdown:\n")
-    for key, value in profile.items():
-        if key.endswith("_s") and key != "step_s":
-            out.write(f"  {key[:-2]:<12} {value:9.3f} s  {value / total:6.1%}\n")
-    out.write(f"  {'total':<12} {total:9.3f} s over {int(profile.get('steps', 0))} steps\n")

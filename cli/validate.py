@@ -10,12 +10,12 @@ from conveyor.cli.exit_codes import ExitCode
 
 
 def validate(flags: dict, config_path: str | None, show_errors: int) -> int:
-    from conveyor.cli.run import _quiet_libraries
+    from conveyor.cli.notes import quiet_libraries, say
     from conveyor.io.run import Run
 
     spec = build_config(flags, config_path).spec
-    _quiet_libraries()
-    report = Run(spec, say=lambda note: sys.stderr.write(f"conveyor: {note}\n")).validate(show_errors)
+    quiet_libraries()
+    report = Run(spec, say=say).validate(show_errors)
     sink = report.sink
     out = sys.stdout
     lengths = sink.lengths

@@ -127,3 +127,38 @@ def test_openai_batch_round_trip_with_response_format_and_logprobs(tiny_model, t
     completion = Completion.model_validate(got[1]["response"]["body"])
     assert len(completion.choices[0].logprobs.tokens) == completion.usage.completion_tokens
     assert got[2]["response"] is None and "body.tools is not supported" in got[2]["error"]["message"]
+
+
+def _cut_run(tmp_path, model_args, max_tokens: str, *extra):
+    """A --json-schema run whose max_tokens cuts the outputs: (its rows, its summary JSON, the result)."""
+    schema, summary = tmp_path / "schema.json", tmp_path / "summary.json"
+    schema.write_text(json.dumps(SCHEMA))
+    source = write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt": f"Label record {i} as JSON."}
+                                                 for i in range(5)] + [{"id": "plain", "prompt": "x", "max_tokens": 2,
+                                                                        "response_format": {"type": "text"}}])
+    result = run_in_process("run", source, "-o", tmp_path / "out.jsonl", *model_args, "--json-schema", schema,
+                            "--max-tokens", max_tokens, "--temperature", "0", "--summary-json", summary, *extra)
+    return read_rows(tmp_path / "out.jsonl"), json.loads(summary.read_text()), result
+
+
+def _assert_cut_said(rows, summary, result, structured: int) -> None:
+    cut = [r for r in rows if r["finish_reason"] == "length" and r["error"] is not None and r["id"] != "plain"]
+    assert result.code == 0 and all(r["status"] == "ok" for r in rows), result.err  # (ok rows all the same)
+    assert cut and (summary["structured_outputs"], summary["structured_outputs_cut"]) == (structured, len(cut))
+    assert f"warning: {len(cut)} of {structured} structured-output rows were cut by max_tokens" in result.err
+    assert "raise --max-tokens" in result.err
+    assert summary["finish_reasons"]["length"] >= len(cut)
+
+
+def test_structured_outputs_cut_by_max_tokens_are_counted_and_warned_of_even_when_quiet(tiny_model, tmp_path):
+    # no object of the schema fits in 3 tokens: every structured row is cut (the text record has no grammar)
+    rows, summary, result = _cut_run(tmp_path, tiny_args(tiny_model), "3", "--quiet")
+    _assert_cut_said(rows, summary, result, structured=5)
+    assert summary["structured_outputs_cut"] == 5 and result.out == ""
+
+
+@pytest.mark.slow
+def test_the_embedded_model_cut_by_a_tiny_max_tokens_is_warned_of(tmp_path):
+    rows, summary, result = _cut_run(tmp_path, [], "4")
+    _assert_cut_said(rows, summary, result, structured=5)
+    assert "finish reasons" in result.out and "length" in result.out

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from cli_helpers import read_rows, run_in_process, tiny_args, write_jsonl
 
-from conveyor.cli.progress import eta_seconds
+from conveyor.io.run_progress import eta_seconds
 
 RECORDS = [{"id": f"r{i}", "prompt": f"count to {i}", "max_tokens": 4 + i % 5} for i in range(10)]
 RECORDS.append({"id": "bad", "prompt": ""})  # an error row: not in the percentiles

@@ -1,0 +1,83 @@
+"""A run split into shards: the shard's finish (the last shard to finish writes the output), the driver of a run
+whose shards run elsewhere (`SplitRun`: `--executor ray`), and `conveyor merge` (`merge_shards`). The rows come
+from each shard's journal, merged in input order by `state/shards.py`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from conveyor.io.errors import SpecError
+from conveyor.io.rows.writers import STDOUT, infer_output_format
+from conveyor.io.run_checks import check_output
+from conveyor.io.run_report import Outcome
+from conveyor.io.run_spec import RunSpec
+from conveyor.io.state.paths import check_run_paths
+from conveyor.io.state.run_dir import STATE_FILES, RunDir
+from conveyor.io.state.shards import MergeResult, Shard, ShardError, ShardSet, mark_done, merge
+
+
+def base_run_dir(spec: RunSpec) -> Path:
+    """The run directory the user named (a shard's own is a folder inside it)."""
+    return Path(spec.state.run_dir or RunDir.default_for(spec.output.path))
+
+
+def finish_shard(spec: RunSpec, shard: Shard, shard_run_dir: Path, output_format: str, input_records: int,
+                 outcome: Outcome, merge_when_done: bool, say: Callable[[str], None]) -> tuple[Outcome, str, bool]:
+    """Say `shard` is done (its run directory `shard_run_dir` has a row for each of the `input_records` it read);
+    where `merge_when_done` and every shard is done, write the output. (The outcome, what to tell the user, whether
+    the output was written.)"""
+    mark_done(shard_run_dir, shard, input_records, spec.output.on_error)
+    if not merge_when_done:
+        return outcome, f"shard {shard} done", False
+    output = spec.output.path
+    waiting = [name for name, state in ShardSet(base_run_dir(spec), shard.count).status().items() if state != "done"]
+    if waiting:
+        return outcome, (f"shard {shard} done; waiting for shard{'s' if len(waiting) > 1 else ''} "
+                         f"{', '.join(waiting)}: the last to finish writes {output} (or run "
+                         f"`conveyor merge {output}` once all are done)"), False
+    try:
+        merged = merge(base_run_dir(spec), output, output_format)
+    except ShardError as e:  # another shard's problem: this one's rows stand (a warning: said even when quiet)
+        say(f"warning: shard {shard} done, but {output} cannot be written yet: {e}")
+        return outcome, "", False
+    return (Outcome.SOME_ERRORS if merged.has_error_rows else Outcome.OK,
+            f"all {shard.count} shards done: merged {merged.rows} rows", True)
+
+
+class SplitRun:
+    """The driver of a run of `spec` whose shards run elsewhere (`--executor ray`): `open` checks the spec and
+    makes the run directory the shards' go inside; `merge` writes the output from them once they are done."""
+
+    def __init__(self, spec: RunSpec) -> None:
+        self.spec = spec
+        self.output_format = ""
+
+    def open(self) -> Path:
+        """The run directory (made where it is not yet); SpecError where the spec cannot run split."""
+        spec = self.spec
+        if spec.state.shard is not None:
+            raise SpecError("--shard: not with --executor ray, which runs every shard itself")
+        if spec.input.path == "-":
+            raise SpecError("--executor ray: every worker reads the input, so it must be a file or dataset, not "
+                            "stdin")
+        if spec.output.path == STDOUT:
+            raise SpecError("-o -: not with --executor ray, which writes the output from its shards; name a file")
+        self.output_format = check_output(spec)
+        run_dir = base_run_dir(spec)
+        check_run_paths(spec.input.path, spec.output.path, run_dir, STATE_FILES)
+        if not Path(spec.input.path).exists():
+            raise SpecError(f"{spec.input.path}: no such input file or directory")
+        run_dir.mkdir(parents=True, exist_ok=True)
+        return run_dir
+
+    def merge(self) -> MergeResult:
+        """Write the output from this run's finished shards, in input order."""
+        return merge(base_run_dir(self.spec), self.spec.output.path, self.output_format)
+
+
+def merge_shards(output: str, run_dir: str | None = None, output_format: str | None = None) -> MergeResult:
+    """`conveyor merge`: `output` from the finished shards under `run_dir` (default: the output's)."""
+    if output_format is not None:
+        output_format = infer_output_format(output, output_format)
+    return merge(Path(run_dir) if run_dir else RunDir.default_for(output), output, output_format)

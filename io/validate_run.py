@@ -1,0 +1,43 @@
+"""`conveyor validate`'s run (`Run.validate`): every record parsed, templated, tokenized and checked as a run of
+the spec would, none generated; no run directory, no engine (the sink is `validation.py`'s)."""
+
+from __future__ import annotations
+
+import itertools
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from conveyor.core import check_model, load_tokenizer
+from conveyor.io.records.readers import open_reader
+from conveyor.io.records.request_builder import RequestBuilder
+from conveyor.io.records_run import run_records
+from conveyor.io.run_checks import check_chat_template, no_chat_template_note
+from conveyor.io.run_spec import RunSpec
+from conveyor.io.state.journal import Journal
+from conveyor.io.validation import ValidationSink
+
+
+@dataclass
+class ValidationReport:
+    sink: ValidationSink  # counts, the first errors and the prompt lengths
+    max_model_len: int  # the model's context, in tokens
+
+
+def validate_run(spec: RunSpec, show_errors: int, say: Callable[[str], None]) -> ValidationReport:
+    """The records of `spec` built and checked; the first `show_errors` error messages kept."""
+    reader = open_reader(spec.input.path, spec.input.format, spec.input.split, spec.input.max_record_bytes)
+    check_model(spec.model)  # a model conveyor refuses, or whose weight files are not whole: refused here too
+    tokenizer, limits = load_tokenizer(spec.model)
+    check_chat_template(spec, tokenizer)
+    no_chat_template_note(spec, tokenizer, say)
+    builder = RequestBuilder(tokenizer, spec.build, spec.sampling, limits, spec.model,
+                             priorities=spec.engine.schedule == "priority")
+    limit = spec.input.limit
+    records = itertools.takewhile(lambda raw: limit is None or raw.index < limit, reader)
+    with tempfile.TemporaryDirectory(prefix="conveyor-validate-") as scratch, \
+            Journal(Path(scratch) / "ids.sqlite") as ids:
+        sink = ValidationSink(tokenizer, show_errors, ids, spec.engine)
+        run_records(records, builder, None, sink)
+    return ValidationReport(sink, limits.max_model_len)
