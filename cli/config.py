@@ -23,8 +23,19 @@ from typing import Any
 from conveyor.cli.exit_codes import UsageError
 from conveyor.cli.option_names import option_name
 from conveyor.cli.prompt_options import check_prompt_options
-from conveyor.core import ConfigError, EngineConfig, SamplingParams, parse_memory
-from conveyor.core.fields import OptionMeta, check_fields, check_value, field_kinds, option, option_fields, option_meta
+from conveyor.core import (
+    ConfigError,
+    EngineConfig,
+    OptionMeta,
+    SamplingParams,
+    check_fields,
+    check_value,
+    field_kinds,
+    option,
+    option_fields,
+    option_meta,
+    parse_memory,
+)
 from conveyor.io.run_spec import (
     BuildOptions,
     InputOptions,

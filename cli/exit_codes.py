@@ -1,4 +1,4 @@
-"""Exit codes (the README's "Exit codes") and the one table that maps an exception type to a code and its
+"""Exit codes (docs/exit-codes.md) and the one table that maps an exception type to a code and its
 one-line message."""
 
 from __future__ import annotations

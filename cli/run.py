@@ -15,7 +15,7 @@ Examples:
 
   conveyor run prompts.jsonl -o answers.jsonl --temperature 0 --max-tokens 64
 
-  conveyor run qa.parquet -o out.parquet --prompt-field q --keep-fields topic
+  conveyor run qa.parquet -o out.parquet --chat-field q --keep-fields topic
 
   conveyor run batch.jsonl -o results.jsonl --output-format openai-batch
 

@@ -5,16 +5,20 @@ The public names `conveyor.io` and `conveyor.cli` use. Re-exports torch-free nam
 """
 
 from conveyor.core.config import (
-                                  BACKENDS,
-                                  DEFAULT_KV_CACHE_MEMORY,
-                                  DEFAULT_MODEL,
-                                  DEVICE_DEFAULTS,
-                                  DTYPES,
-                                  MIN_WAITING,
-                                  EngineConfig,
-                                  parse_memory,
+    BACKENDS,
+    DEFAULT_KV_CACHE_MEMORY,
+    DEFAULT_MODEL,
+    DEFAULT_SPECULATIVE_TOKENS,
+    DEVICE_DEFAULTS,
+    DTYPES,
+    MIN_WAITING,
+    SCHEDULES,
+    SPECULATIVE_METHODS,
+    EngineConfig,
+    parse_memory,
 )
 from conveyor.core.errors import ConfigError, ModelLoadError
+from conveyor.core.fields import OptionMeta, check_fields, check_value, field_kinds, option, option_fields, option_meta
 from conveyor.core.grammar import Grammars, compiling
 from conveyor.core.loading import (
     check_before_loading,
@@ -28,14 +32,13 @@ from conveyor.core.outputs import GenerationRequest, InFlight, ModelLimits, Requ
 from conveyor.core.reasoning import REASONING_PARSERS, resolve_reasoning
 from conveyor.core.request import FinishReason
 from conveyor.core.sampling_params import MAX_LOGPROBS, Grammar, SamplingParams
-from conveyor.core.schedule_policy import SCHEDULES
 from conveyor.core.schedule_types import TokenLogprobs
 from conveyor.core.schema_check import schema_error
-from conveyor.core.speculative import DEFAULT_SPECULATIVE_TOKENS, SPECULATIVE_METHODS
 
-__all__ = ["BACKENDS", "DEFAULT_KV_CACHE_MEMORY", "DEFAULT_MODEL", "DEVICE_DEFAULTS", "DTYPES", "EMBEDDED_MODELS",
-           "MAX_LOGPROBS", "REASONING_PARSERS", "SCHEDULES", "SPECULATIVE_METHODS", "DEFAULT_SPECULATIVE_TOKENS", "MIN_WAITING", "resolve_reasoning", "schema_error", "ConfigError", "EngineConfig", "FinishReason", "GenerationRequest", "Grammar", "Grammars", "InFlight",
-           "ModelLimits", "ModelLoadError", "RequestOutput", "SamplingParams", "check_before_loading", "check_model", "compiling",
-           "is_embedded_cached",
-           "load_engine", "load_tokenizer", "model_report",
-           "TokenLogprobs", "models_cache_dir", "parse_memory", "resolve_engine_config"]
+__all__ = ["BACKENDS", "DEFAULT_KV_CACHE_MEMORY", "DEFAULT_MODEL", "DEFAULT_SPECULATIVE_TOKENS", "DEVICE_DEFAULTS",
+           "DTYPES", "EMBEDDED_MODELS", "MAX_LOGPROBS", "MIN_WAITING", "REASONING_PARSERS", "SCHEDULES",
+           "SPECULATIVE_METHODS", "ConfigError", "EngineConfig", "FinishReason", "GenerationRequest", "Grammar",
+           "Grammars", "InFlight", "ModelLimits", "ModelLoadError", "OptionMeta", "RequestOutput", "SamplingParams", "TokenLogprobs",
+           "check_before_loading", "check_fields", "check_model", "check_value", "compiling", "field_kinds", "is_embedded_cached", "load_engine", "load_tokenizer",
+           "model_report", "models_cache_dir", "option", "option_fields", "option_meta", "parse_memory", "resolve_engine_config", "resolve_reasoning",
+           "schema_error"]

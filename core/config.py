@@ -10,11 +10,12 @@ from dataclasses import dataclass
 
 from conveyor.core.errors import ConfigError
 from conveyor.core.fields import check_fields, option
-from conveyor.core.schedule_policy import SCHEDULES
-from conveyor.core.speculative import DEFAULT_SPECULATIVE_TOKENS, SPECULATIVE_METHODS
 
 DEFAULT_MODEL = "smollm2-135m-instruct"  # the embedded model (core/model_loader.py), fetched on first use
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+SCHEDULES = ("fcfs", "priority", "sjf", "lpm")  # the policies of core/schedule_policy.py; the first is the default
+SPECULATIVE_METHODS = ("ngram",)  # the drafters of core/speculative.py
+DEFAULT_SPECULATIVE_TOKENS = 6  # draft tokens per request and step (benchmarks/NOTES.md: chosen by measurement)
 BACKENDS = ("auto", "cpu", "cuda", "torch")  # core/backends
 DEFAULT_KV_CACHE_MEMORY = "2GiB"  # the KV pool's budget on the CPU (a GPU's comes from gpu_memory_utilization)
 # Sizes whose default depends on the device: a GPU step has room for far more rows.

@@ -23,9 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from conveyor.core.block_manager import BlockManager
+from conveyor.core.config import SCHEDULES
 from conveyor.core.request import Request, RequestStatus
-
-SCHEDULES = ("fcfs", "priority", "sjf", "lpm")  # EngineConfig.schedule; the first is the default
 
 
 @dataclass(slots=True)

@@ -16,9 +16,10 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from conveyor.core.block_manager import BlockManager
+from conveyor.core.config import SCHEDULES
 from conveyor.core.errors import failed_while_running, failure
 from conveyor.core.request import FinishReason, Request, RequestStatus
-from conveyor.core.schedule_policy import SCHEDULES, ScheduleState, make_policy
+from conveyor.core.schedule_policy import ScheduleState, make_policy
 from conveyor.core.schedule_types import RunnerOutput, ScheduledRequest, SchedulerOutput
 from conveyor.core.speculative import Speculator
 from conveyor.core.stopping import check_token_stop

@@ -27,8 +27,6 @@ from dataclasses import dataclass
 
 from conveyor.core.request import Request
 
-SPECULATIVE_METHODS = ("ngram",)  # EngineConfig.speculative
-DEFAULT_SPECULATIVE_TOKENS = 6  # draft tokens per request and step (benchmarks/NOTES.md: chosen by measurement)
 MIN_ACCEPTANCE = 0.15  # below this chance of accepting a draft token, a request pauses drafting
 PRIOR_TRIES = 4  # weight of the engine-wide acceptance rate in a request's own (as this many tried tokens)
 PAUSE_TOKENS = 16  # a request's first pause, in its own generated tokens; doubled at each pause after

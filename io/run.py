@@ -43,7 +43,8 @@ from conveyor.io.records.readers import fingerprint, fingerprints_content, open_
 from conveyor.io.records.request_builder import RequestBuilder
 from conveyor.io.records_run import run_records
 from conveyor.io.rows.rows import SAMPLE_INDEX, without_errors
-from conveyor.io.rows.sink import BadRecordStop, CommitPolicy, JournalSink, RunTotals
+from conveyor.io.rows.sink import BadRecordStop, JournalSink, RunTotals
+from conveyor.io.rows.sink_options import CommitPolicy
 from conveyor.io.rows.writers import write_output
 from conveyor.io.run_checks import chat_option, check_chat_template, check_output, no_chat_template_note
 from conveyor.io.run_progress import RunProgress, run_progress

@@ -13,13 +13,20 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from conveyor.core import DEFAULT_MODEL, REASONING_PARSERS, EngineConfig, SamplingParams
-from conveyor.core.fields import check_fields, option, option_meta
+from conveyor.core import (
+    DEFAULT_MODEL,
+    REASONING_PARSERS,
+    EngineConfig,
+    SamplingParams,
+    check_fields,
+    option,
+    option_meta,
+)
 from conveyor.io.records.build_options import BuildOptions
 from conveyor.io.records.readers.record import DEFAULT_MAX_RECORD_BYTES
 from conveyor.io.records.readers.record import FORMATS as INPUT_FORMATS
 from conveyor.io.records.structured_output import run_grammar
-from conveyor.io.rows.sink import ON_ERROR, CommitPolicy
+from conveyor.io.rows.sink_options import ON_ERROR, CommitPolicy
 from conveyor.io.rows.writers import OUTPUT_FORMATS
 
 # What building a spec takes besides the dataclasses below: the request options and the run's grammar.

@@ -7,9 +7,10 @@ from __future__ import annotations
 from collections import Counter
 
 from conveyor.core import EngineConfig, Grammars
+from conveyor.io.records.readers.record import location
 from conveyor.io.records.request_builder import BuiltRequest
 from conveyor.io.rows.rows import duplicate_id_message
-from conveyor.io.rows.sink import RecordSink, record_location
+from conveyor.io.rows.sink import RecordSink
 from conveyor.io.state.journal import Journal
 
 
@@ -42,15 +43,15 @@ class ValidationSink(RecordSink):
             try:
                 self.grammars.compiled(built.sampling.grammar)
             except ValueError as e:
-                return self._error(f"{record_location(raw)}: {e}")
+                return self._error(f"{location(raw.index, raw.line)}: {e}")
         if built.id_given:
             if not self.ids.claim_id(built.id, built.index):
-                return self._error(duplicate_id_message(record_location(raw), built.id))
+                return self._error(duplicate_id_message(location(raw.index, raw.line), built.id))
             if self.records % self.COMMIT_EVERY == 0:
                 self.ids.commit()
         self.lengths[len(built.prompt_token_ids)] += 1
         if self.first_prompt is None:
-            self.first_prompt = (record_location(raw),
+            self.first_prompt = (location(raw.index, raw.line),
                                  self.tokenizer.decode(built.prompt_token_ids, skip_special_tokens=False))
         return None  # built and checked; nothing to generate
 

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from conveyor.core import ConfigError
-from conveyor.core.fields import check_fields, option
+from conveyor.core import ConfigError, check_fields, option
 
 MAX_SAMPLES = 128  # completions per record (n): more is a typo or a job for another input
 TEMPLATE_AS = ("prompt", "chat")  # --prompt-template-as: a raw prompt, or the user message of a chat

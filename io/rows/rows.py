@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from conveyor.io.records.readers.record import location
+
 # Rows may carry the request kind ("chat" or "completion") under this key, for openai-batch output, and where
 # the record was read ("line 12", "record 12") under the other, for a duplicate id found when shards merge.
 # Neither is an output column.
@@ -126,7 +128,7 @@ def duplicate_id_row(row: dict[str, Any]) -> dict[str, Any]:
     out = {k: v for k, v in row.items() if k not in OPTIONAL_COLUMNS and k != WHERE_KEY}
     out.update(status="error", output=None, finish_reason=None, prompt_tokens=None, completion_tokens=0,
                queue_s=None, ttft_s=None, latency_s=None, **{KIND_KEY: None},
-               error=duplicate_id_message(row.get(WHERE_KEY) or f"record {row['index']}", row["id"]))
+               error=duplicate_id_message(row.get(WHERE_KEY) or location(row["index"]), row["id"]))
     return out
 
 

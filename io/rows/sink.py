@@ -25,20 +25,16 @@ from typing import Any
 
 from conveyor.core import GenerationRequest, InFlight, TokenLogprobs
 from conveyor.io.records.readers import RawRecord
+from conveyor.io.records.readers.record import location
 from conveyor.io.records.request_builder import BuiltRequest, ErrorRow, sample_seed
 from conveyor.io.rows.figures import LatencyFigures
 from conveyor.io.rows.rows import SAMPLE_INDEX, duplicate_id_message, error_row, group_row, ok_row, output_rows
+from conveyor.io.rows.sink_options import ON_ERROR, CommitPolicy
 from conveyor.io.state.journal import Journal
-
-ON_ERROR = ("record", "skip", "fail")
 
 
 class BadRecordStop(Exception):
     """--on-error fail met a bad record."""
-
-
-def record_location(raw: RawRecord) -> str:
-    return f"line {raw.line}" if raw.line is not None else f"record {raw.index}"
 
 
 @dataclass
@@ -77,14 +73,6 @@ class RunTotals:
     @property
     def output_tokens_per_s(self) -> float:
         return self.generated_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
-
-
-@dataclass(frozen=True)
-class CommitPolicy:
-    """Commit the journal every `every_rows` finished rows (None: never by count) or `every_seconds`."""
-
-    every_rows: int | None = None
-    every_seconds: float = 30.0  # a kill -9 loses at most this long of finished rows
 
 
 class RecordSink:
@@ -129,15 +117,14 @@ class JournalSink(RecordSink):
 
     def admit(self, raw: RawRecord, built: BuiltRequest | ErrorRow):
         if isinstance(built, BuiltRequest) and built.id_given and not self.journal.claim_id(built.id, built.index):
-            built = ErrorRow(index=built.index, id=built.id, kept=built.kept, seed=built.sampling.seed,
-                             error=duplicate_id_message(record_location(raw), built.id), digest=built.digest)
+            built = built.error_row(duplicate_id_message(location(raw.index, raw.line), built.id))
         if isinstance(built, BuiltRequest):
             if self.totals.first_admit is None:
                 self.totals.first_admit = time.monotonic()
             partial = self.partials.pop(built.index, None)
             if built.n > 1:
-                return self._admit_samples(built, record_location(raw), partial)
-            self.in_flight[str(built.index)] = (built, record_location(raw), 0)
+                return self._admit_samples(built, location(raw.index, raw.line), partial)
+            self.in_flight[str(built.index)] = (built, location(raw.index, raw.line), 0)
             request = self._continued(built.to_generation_request(), partial)
             self.totals.continued += bool(request.output_token_ids)
             return request
@@ -210,9 +197,7 @@ class JournalSink(RecordSink):
     def finished(self, out) -> None:
         built, where, k = self.in_flight.pop(out.req_id)
         if out.error is not None:  # it could not run (refused, or its grammar), or its own data broke a step
-            self._failed(built, where, k, ErrorRow(
-                index=built.index, id=built.id, kept=built.kept, seed=built.sampling.seed,
-                error=f"{where}: {out.error}", prompt_tokens=out.num_prompt_tokens, digest=built.digest))
+            self._failed(built, where, k, built.error_row(f"{where}: {out.error}", out.num_prompt_tokens))
             return
         row = ok_row(built, out, self.token_text, where)
         if built.n == 1:
