@@ -69,6 +69,10 @@ StopOpt = Annotated[Optional[list[str]], typer.Option(help="Stop string (repeata
 IgnoreEosOpt = Annotated[Optional[bool], typer.Option("--ignore-eos", help="Keep generating past EOS.",
                                                       rich_help_panel=GEN)]
 NoIgnoreEosOpt = Annotated[bool, typer.Option("--no-ignore-eos", hidden=True)]
+RepetitionPenaltyOpt = Annotated[Optional[float], typer.Option(
+    help="Penalize tokens already in the prompt or the output: a positive logit is divided by it, a negative one "
+    f"multiplied (vLLM's and transformers' repetition_penalty; 1 is off). {_d('repetition_penalty')}",
+    rich_help_panel=GEN)]
 MinTokensOpt = Annotated[Optional[int], typer.Option(help=f"Generate at least this many tokens. {_d('min_tokens')}",
                                                      rich_help_panel=GEN)]
 JsonSchemaOpt = Annotated[Optional[str], typer.Option(help="A file with a JSON schema every output must match "

@@ -46,6 +46,7 @@ def run_command(
     ignore_eos: opt.IgnoreEosOpt = None,
     no_ignore_eos: opt.NoIgnoreEosOpt = False,
     min_tokens: opt.MinTokensOpt = None,
+    repetition_penalty: opt.RepetitionPenaltyOpt = None,
     json_schema: opt.JsonSchemaOpt = None,
     choice: opt.ChoiceOpt = None,
     regex: opt.RegexOpt = None,

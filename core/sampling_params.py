@@ -55,7 +55,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)  # (token id, added to its logit)
     presence_penalty: float = 0.0  # subtracted from the logit of every token already generated
     frequency_penalty: float = 0.0  # ... times how often it was generated
-    repetition_penalty: float = 1.0  # logits of prompt and generated tokens divided (> 0) or multiplied by it
+    repetition_penalty: float = option(1.0)  # logits of prompt and generated tokens divided (> 0) or multiplied by it
     grammar: Grammar | None = None  # the output must match it (structured outputs)
     # The output's reasoning section (core/reasoning.py): its grammar and stop strings apply after it, to the answer
     reasoning: Reasoning | None = None

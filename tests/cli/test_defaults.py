@@ -40,6 +40,7 @@ SOURCES = {
     "--top-k": SamplingParams().top_k,
     "--min-p": SamplingParams().min_p,
     "--min-tokens": SamplingParams().min_tokens,
+    "--repetition-penalty": SamplingParams().repetition_penalty,
     "--seed": BuildOptions().seed,
     "--n": BuildOptions().n,
     "--prompt-field": BuildOptions().prompt_field,

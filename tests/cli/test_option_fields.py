@@ -175,3 +175,24 @@ def test_the_limits_that_decide_error_rows_are_drift():
     assert _spec_with("output", "on_error", "skip").generation_config()["on_error"] == "skip"
     assert _spec_with("engine", "max_grammar_bytes", 10).generation_config()["max_grammar_bytes"] == 10
     assert _spec_with("engine", "max_grammar_compile_s", 1.0).generation_config()["max_grammar_compile_s"] == 1.0
+
+
+def test_repetition_penalty_applies_as_a_records_own_field_does(tiny_model, tmp_path):
+    from cli_helpers import read_rows, run_in_process, tiny_args, write_jsonl
+
+    prompts = [{"id": f"r{i}", "prompt": f"one two {i} one two"} for i in range(3)]
+    common = [*tiny_args(tiny_model), "--temperature", "0", "--max-tokens", "12", "--ignore-eos", "-q"]
+
+    def outputs(name, records, *options):
+        source = write_jsonl(tmp_path / f"{name}.jsonl", records)
+        result = run_in_process("run", source, "-o", tmp_path / f"{name}.out.jsonl", *common, *options)
+        assert result.code == 0, result.err
+        return [r["output"] for r in read_rows(tmp_path / f"{name}.out.jsonl")]
+
+    plain = outputs("plain", prompts)
+    by_flag = outputs("flag", prompts, "--repetition-penalty", "1.5")
+    config = tmp_path / "c.yaml"
+    config.write_text("repetition_penalty: 1.5\n")
+    assert outputs("config", prompts, "--config", config) == by_flag
+    assert outputs("field", [{**r, "repetition_penalty": 1.5} for r in prompts]) == by_flag
+    assert by_flag != plain
