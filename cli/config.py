@@ -184,9 +184,8 @@ def build_config(flags: dict[str, Any], config_path: str | None) -> Invocation:
     """Merge file and flags (flags that are None were not given) into a checked RunSpec and CliSettings."""
     values: dict[str, Any] = load_config_file(config_path) if config_path else {}
     values.update({k: v for k, v in flags.items() if v is not None and not (isinstance(v, (list, tuple)) and not v)})
-    for key in ("stop", "keep_fields", "choice", "served_model_name"):
-        if key in values:
-            values[key] = _as_str_tuple(key, values[key])
+    for key in [k for k in values if k == "choice" or (k in OPTIONS and tuple in field_kinds(*OPTIONS[k]))]:
+        values[key] = _as_str_tuple(key, values[key])  # the options that hold a list of strings
     if values.get("max_runtime") is not None:
         values["max_runtime"] = parse_duration(values["max_runtime"])
     for key in [k for k in values if k in OPTIONS and k not in GRAMMAR_KEYS]:
