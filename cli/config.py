@@ -145,7 +145,8 @@ def load_config_file(path: str) -> dict[str, Any]:
     for key, value in data.items():
         name = str(key).replace("-", "_")
         if name in _FILE_KEYS:
-            out[name] = value
+            if value is not None:  # (`key:` with no value: the option's default, as if not given)
+                out[name] = value
         else:
             unknown.append(_unknown_key(key, name))
     if unknown:
@@ -190,6 +191,9 @@ def build_config(flags: dict[str, Any], config_path: str | None) -> Invocation:
         values["max_runtime"] = parse_duration(values["max_runtime"])
     for key in [k for k in values if k in OPTIONS and k not in GRAMMAR_KEYS]:
         values[key] = _checked(key, values[key])
+    for key in ("json_schema", "regex"):  # (a path and a pattern: text; --choice's items are checked above)
+        if key in values and not isinstance(values[key], str):
+            raise UsageError(f"{option_name(key)}: expected a string, got {values[key]!r}")
     check_prompt_options(values)
     try:
         return _invocation(values)

@@ -286,9 +286,8 @@ class Engine:
         so an endless source is fine), one step at a time; yields each step's finished outputs (often none).
 
         A request the engine can never run (ValueError from `add_request`) ends as it is pulled, through the
-        scheduler, as an output with finish_reason "error" and the ValueError's message; it comes out first in the
-        next step's outputs (on its own where nothing is left to step), and counts in the backpressure bound until
-        then. Ends when `requests` is exhausted and every request has finished; a caller that stops iterating stops
+        scheduler, as an output with finish_reason "error" and the ValueError's message, yielded on its own before
+        the next step. Ends when `requests` is exhausted and every request has finished; a caller that stops iterating stops
         the engine after the step it last saw."""
         source = iter(requests)
         exhausted = False
@@ -303,11 +302,11 @@ class Engine:
                     self.add_request(request)
                 except ValueError as e:
                     refused.append(self._refused(request, e))
-            if self.has_unfinished():
-                yield refused + self.step()
-            elif refused:
+            if refused:  # (before the step: a caller that stops at one keeps every output it was given)
                 yield refused
-            else:
+            if self.has_unfinished():
+                yield self.step()
+            elif not refused:
                 return
 
     def _refused(self, request: GenerationRequest, error: ValueError) -> RequestOutput:

@@ -74,12 +74,12 @@ def check_value(cls: type, name: str, value: Any) -> Any:
     if meta.choices and value not in meta.choices:
         allowed = ", ".join(str(c) for c in meta.choices if c is not None)
         raise ConfigError(name, f"{name}: {value!r} is not one of {allowed}", value)
-    value = _typed(name, value, kinds)
-    if meta.positive and not value > 0:
+    typed = _typed(name, value, kinds)
+    if meta.positive and not typed > 0:
         raise ConfigError(name, f"{name}: must be positive, got {value!r}", value)
-    if meta.minimum is not None and value < meta.minimum:
+    if meta.minimum is not None and typed < meta.minimum:
         raise ConfigError(name, f"{name}: must be >= {meta.minimum:g}, got {value!r}", value)
-    return value
+    return typed
 
 
 def field_kinds(cls: type, name: str) -> tuple[type, ...]:

@@ -4,7 +4,8 @@
     from conveyor.io.state.journal import Journal
     from conveyor.io.records.readers import open_reader
     from conveyor.io.records_run import run_records
-    from conveyor.io.records.request_builder import BuildOptions, RequestBuilder
+    from conveyor.io.records.build_options import BuildOptions
+    from conveyor.io.records.request_builder import RequestBuilder
     from conveyor.io.rows.sink import JournalSink
 
     engine = load_engine("smollm2-135m-instruct", EngineConfig())

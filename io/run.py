@@ -49,7 +49,7 @@ from conveyor.io.rows.writers import write_output
 from conveyor.io.run_checks import chat_option, check_chat_template, check_output, no_chat_template_note
 from conveyor.io.run_progress import RunProgress, run_progress
 from conveyor.io.run_report import Outcome, RunResult, RunSetup
-from conveyor.io.run_spec import RunSpec
+from conveyor.io.run_spec import CONFIG_VERSION, RunSpec
 from conveyor.io.split_run import base_run_dir, finish_shard
 from conveyor.io.state.journal import Journal
 from conveyor.io.state.paths import check_run_paths
@@ -125,9 +125,9 @@ class Run:
         reader = open_reader(spec.input.path, spec.input.format, spec.input.split, spec.input.max_record_bytes)
         self.run_dir = RunDir(run_dir)
         self.run_dir.acquire_lock()
-        manifest = self._manifest()
         if spec.state.restart:
             self.run_dir.reset()
+        manifest = self._manifest(self.run_dir.load_manifest())
         self.journal, note = self.run_dir.open_journal(manifest)
         if note:
             self.say(note)
@@ -165,11 +165,15 @@ class Run:
                      "sizes the KV cache")
         return resolved
 
-    def _manifest(self) -> Manifest:
+    def _manifest(self, stored: Manifest | None) -> Manifest:
+        """This run's manifest; its generation config as the stored manifest's version recorded it (a run directory
+        started before a setting was recorded resumes: the setting is left out of the comparison)."""
         spec = dataclasses.replace(self.spec, engine=self.engine_config)
+        version = CONFIG_VERSION if stored is None else min(stored.config_version, CONFIG_VERSION)
         return Manifest(input_fingerprint=fingerprint(spec.input.path), input_path=spec.input.path, model=spec.model,
-                        generation_config=spec.generation_config(), tool_version=TOOL_VERSION,
-                        created_at=time.time(), output_path=spec.output.path, output_format=self.output_format)
+                        generation_config=spec.generation_config(version), tool_version=TOOL_VERSION,
+                        created_at=time.time(), output_path=spec.output.path, output_format=self.output_format,
+                        config_version=version)
 
     def load_engine(self) -> None:
         start = time.monotonic()

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from conveyor.io.errors import SpecError
-from conveyor.io.records.request_builder import has_chat_template
+from conveyor.io.records.prompts import has_chat_template
 from conveyor.io.rows.writers import STDOUT, check_keep_fields, infer_output_format
 from conveyor.io.run_spec import RunSpec
 from conveyor.io.state.paths import check_output_path

@@ -31,6 +31,7 @@ from conveyor.io.rows.writers import OUTPUT_FORMATS
 
 # What building a spec takes besides the dataclasses below: the request options and the run's grammar.
 __all__ = ["BuildOptions", "InputOptions", "OutputOptions", "RunSpec", "StateOptions", "run_grammar"]
+CONFIG_VERSION = 2  # of generation_config: which settings a manifest records (io/state/run_dir.Manifest)
 
 
 @dataclass(frozen=True)
@@ -86,18 +87,21 @@ class RunSpec:
     def __post_init__(self) -> None:
         check_fields(self)
 
-    def generation_config(self) -> dict[str, Any]:
+    def generation_config(self, version: int = CONFIG_VERSION) -> dict[str, Any]:
         """What decides the output rows: a change of any of these under a run directory is drift. Every field of
         the spec is in it but the row-neutral ones (ROW_NEUTRAL) and the model (the manifest's own); a field added
-        later is left out while it has its default, so a run started before it existed is no drift. (The engine's
+        later is left out while it has its default, so a run started before it existed is no drift. `version`: as
+        a manifest of that config version recorded it (without the settings it did not record yet). (The engine's
         dtype as it runs: `Run` resolves "auto" before it records this.)"""
         out: dict[str, Any] = {}
         for where, key, value, default in self._fields():
-            if where in ROW_NEUTRAL:
+            if where in ROW_NEUTRAL or (version < 2 and key in RECORDED_SINCE_VERSION_2):
                 continue
             for name, recorded in _recorded(key, value).items():
                 if name in RECORDED_SINCE_FIRST or recorded != _recorded(key, default).get(name):
                     out[name] = recorded
+        if self.build.prompt_template is not None:  # (recorded with its template, also at its default)
+            out["prompt_template_as"] = self.build.prompt_template_as
         return {**{k: out.pop(k) for k in RECORDED_SINCE_FIRST}, **out}
 
     def _fields(self):
@@ -128,9 +132,15 @@ ROW_NEUTRAL = frozenset({
     "engine.device", "engine.backend", "engine.fused_forward",
     # the input's identity is its fingerprint; the output is written from the journal, in any format
     "input.format", "input.split", "input.limit", "output.format",
+    # what a bad record's row is: its error row is in the journal under each (skip leaves it out of the output
+    # when it is written, fail stops the run), so a run stopped by fail resumes with record or skip
+    "output.on_error",
     "spec.profile",
     "spec.model",  # the manifest's own field
 })
+# The settings that decide error rows but were not recorded before config version 2: a run directory of version 1
+# resumes without comparing them.
+RECORDED_SINCE_VERSION_2 = frozenset({"max_record_bytes", "max_grammar_compile_s", "max_grammar_bytes"})
 # Recorded by every run directory since the first, even at their defaults (and first, in this order).
 RECORDED_SINCE_FIRST = ("dtype", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "ignore_eos",
                         "min_tokens", "system_prompt", "prompt_field", "messages_field", "id_field", "keep_fields")

@@ -1,7 +1,7 @@
 """The input side of a run: records as read, and how each becomes an engine request or an error row.
 
 - readers/: RawRecords from JSONL, JSON arrays, Parquet, CSV and datasets; the input's fingerprint; locations
-- request_builder: RequestBuilder, a RawRecord -> BuiltRequest or ErrorRow (the names callers import)
+- request_builder: RequestBuilder, a RawRecord -> BuiltRequest or ErrorRow
 - build_options: BuildOptions, the run's settings for building requests
 - batch_lines: OpenAI batch lines (custom_id, url, body, model names)
 - request_options: what a record's own fields may set (sampling, seed, n, priority, truncation)

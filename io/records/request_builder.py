@@ -1,8 +1,8 @@
 """Record -> engine request: RequestBuilder turns a RawRecord into a BuiltRequest, or into an ErrorRow where the
 record cannot be used (never an exception). It reads the record's id, checks a batch line (batch_lines.py), applies
 the fields a record may set (request_options.py), builds and tokenizes the prompt (prompts.py), seeds it (seeds.py)
-and checks that it fits the model's context. The names callers use are importable from here (__all__). Imports
-only conveyor.core's public names; the tokenizer is passed in.
+and checks that it fits the model's context. Imports only conveyor.core's public names; the tokenizer is passed
+in.
 """
 
 from __future__ import annotations
@@ -14,14 +14,13 @@ from typing import Any
 from conveyor.core import GenerationRequest, ModelLimits, SamplingParams
 from conveyor.io.records import request_options
 from conveyor.io.records.batch_lines import batch_body, error_id, is_batch_line, served_names
-from conveyor.io.records.build_options import TEMPLATE_AS, BuildOptions
-from conveyor.io.records.prompts import PromptTokens, has_chat_template
+from conveyor.io.records.build_options import BuildOptions
+from conveyor.io.records.prompts import PromptTokens
 from conveyor.io.records.readers.record import RawRecord, describe, location
 from conveyor.io.records.reject import Reject
-from conveyor.io.records.seeds import derive_seed, index_seed, sample_seed
+from conveyor.io.records.seeds import sample_seed
 
-__all__ = ["TEMPLATE_AS", "BuildOptions", "BuiltRequest", "ErrorRow", "RequestBuilder", "derive_seed",
-           "has_chat_template", "index_seed", "sample_seed", "served_names"]
+__all__ = ["BuiltRequest", "ErrorRow", "RequestBuilder"]
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,8 @@ from typing import Any
 from conveyor.core import GenerationRequest, InFlight, TokenLogprobs
 from conveyor.io.records.readers import RawRecord
 from conveyor.io.records.readers.record import location
-from conveyor.io.records.request_builder import BuiltRequest, ErrorRow, sample_seed
+from conveyor.io.records.request_builder import BuiltRequest, ErrorRow
+from conveyor.io.records.seeds import sample_seed
 from conveyor.io.rows.figures import LatencyFigures
 from conveyor.io.rows.rows import SAMPLE_INDEX, duplicate_id_message, error_row, group_row, ok_row, output_rows
 from conveyor.io.rows.sink_options import ON_ERROR, CommitPolicy

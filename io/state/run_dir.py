@@ -66,6 +66,7 @@ class Manifest:
     output_path: str
     output_format: str
     state_files: tuple[str, ...] = STATE_FILES  # what `reset` may delete beside the manifest
+    config_version: int = 1  # which settings generation_config records (RunSpec.generation_config); 1: before
 
     def changes_since(self, old: Manifest) -> tuple[tuple[str, ...], str]:
         """(what changed from `old` to this manifest: a subset of ("input", "model", "generation_config"), a
@@ -94,7 +95,7 @@ class Manifest:
         data = json.loads(text)
         if not isinstance(data, dict):
             raise ValueError("the manifest is not a JSON object")
-        names = [f.name for f in dataclasses.fields(cls) if f.name != "state_files"]
+        names = [f.name for f in dataclasses.fields(cls) if f.name not in ("state_files", "config_version")]
         missing = [n for n in names if n not in data]
         if missing:
             raise ValueError(f"the manifest lacks {', '.join(missing)}")
@@ -104,7 +105,10 @@ class Manifest:
         if not isinstance(files, list) or not all(isinstance(f, str) and f and os.path.basename(f) == f
                                                   and f not in (".", "..") for f in files):
             raise ValueError("the manifest's state_files is not a list of file names")
-        return cls(**{n: data[n] for n in names}, state_files=tuple(files))
+        version = data.get("config_version", 1)  # manifests written before it was recorded
+        if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+            raise ValueError("the manifest's config_version is not a positive integer")
+        return cls(**{n: data[n] for n in names}, state_files=tuple(files), config_version=version)
 
 
 class RunDir:

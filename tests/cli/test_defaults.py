@@ -18,8 +18,8 @@ from conveyor.core import (
     EngineConfig,
     SamplingParams,
 )
+from conveyor.io.records.build_options import BuildOptions
 from conveyor.io.records.readers.record import DEFAULT_MAX_RECORD_BYTES
-from conveyor.io.records.request_builder import BuildOptions
 from conveyor.io.run_spec import OutputOptions, StateOptions
 
 CPU, GPU = DEVICE_DEFAULTS["cpu"], DEVICE_DEFAULTS["cuda"]

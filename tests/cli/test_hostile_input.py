@@ -21,7 +21,7 @@ from cli_helpers import Child, read_rows, run_in_process, tiny_args, write_jsonl
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conveyor.io.records.request_builder import derive_seed, index_seed
+from conveyor.io.records.seeds import derive_seed, index_seed
 
 FAST = ["--max-tokens", "4", "--temperature", "0", "--quiet"]
 

@@ -16,7 +16,7 @@ from conveyor.cli.option_names import option_name
 from conveyor.cli.run import run_command
 from conveyor.core import ConfigError, EngineConfig, SamplingParams
 from conveyor.core.fields import field_kinds, option_fields
-from conveyor.io.records.request_builder import BuildOptions
+from conveyor.io.records.build_options import BuildOptions
 from conveyor.io.run_spec import ROW_NEUTRAL, InputOptions, OutputOptions, RunSpec, StateOptions
 
 NOT_OPTIONS = {"input", "output", "config"}  # the arguments and --config itself
@@ -68,6 +68,9 @@ def _config(**values):
     ({"executor": "slurm"}, "--executor: 'slurm' is not one of local, ray"),
     ({"device": "tpu"}, "--device: 'tpu' is not one of auto, cpu, cuda or cuda:N"),
     ({"max_record_bytes": "lots"}, "--max-record-bytes: cannot read 'lots'"),
+    ({"checkpoint_seconds": 0}, "--checkpoint-seconds: must be positive, got 0"),
+    ({"json_schema": 3}, "--json-schema: expected a string, got 3"),
+    ({"regex": ["a"]}, "--regex: expected a string, got ['a']"),
 ])
 def test_a_bad_value_is_a_usage_error_naming_its_option(values, message):
     with pytest.raises(UsageError) as e:
@@ -93,6 +96,14 @@ def test_the_options_dataclasses_check_themselves():
         with pytest.raises(ConfigError) as e:
             make()
         assert e.value.field == field
+
+
+def test_a_config_key_without_a_value_is_the_options_default(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("seed:\nquiet:\ndtype:\nmax_tokens: 7\n")
+    invocation = build_config({"input": "in.jsonl", "output": "out.jsonl"}, str(config))
+    assert invocation.spec.build.seed == BuildOptions().seed and invocation.cli.quiet is False
+    assert invocation.spec.engine.dtype == EngineConfig().dtype and invocation.spec.sampling.max_tokens == 7
 
 
 def test_every_unknown_config_key_is_listed_with_the_nearest_option(tmp_path):
@@ -169,10 +180,9 @@ def test_an_option_field_is_drift_unless_it_is_row_neutral(part, owner, f):
     pytest.fail(f"no value other than the default was accepted for {part}.{f.name}")
 
 
-def test_the_limits_that_decide_error_rows_are_drift():
+def test_the_limits_that_decide_error_rows_are_drift():  # (--on-error is not: every bad record's row is journaled)
     config = _spec_with("input", "max_record_bytes", 100).generation_config()
     assert config["max_record_bytes"] == 100
-    assert _spec_with("output", "on_error", "skip").generation_config()["on_error"] == "skip"
     assert _spec_with("engine", "max_grammar_bytes", 10).generation_config()["max_grammar_bytes"] == 10
     assert _spec_with("engine", "max_grammar_compile_s", 1.0).generation_config()["max_grammar_compile_s"] == 1.0
 
@@ -196,3 +206,58 @@ def test_repetition_penalty_applies_as_a_records_own_field_does(tiny_model, tmp_
     assert outputs("config", prompts, "--config", config) == by_flag
     assert outputs("field", [{**r, "repetition_penalty": 1.5} for r in prompts]) == by_flag
     assert by_flag != plain
+
+
+# What run directories of config version 1 recorded beyond the first keys, for these settings: a run started then
+# resumes now, so the derived config must give the same (settings of version 2 aside).
+VERSION_1 = [
+    ({"sampling": SamplingParams(temperature=0.5, stop=("x",), logprobs=2, prompt_logprobs=0)},
+     {"temperature": 0.5, "stop": ["x"]}, {"logprobs": 2, "prompt_logprobs": True}),
+    ({"build": BuildOptions(n=3, chat_field="q", served_model_names=("x",), chat_template="{{x}}",
+                            truncate_prompt_tokens="auto")}, {},
+     {"chat_field": "q", "truncate_prompt_tokens": "auto", "served_model_names": ["x"], "n": 3,
+      "chat_template": "fd805e2acba5213e"}),
+    ({"build": BuildOptions(prompt_template="{a}")}, {}, {"prompt_template": "{a}", "prompt_template_as": "prompt"}),
+    ({"build": BuildOptions(prompt_template="{a}", prompt_template_as="chat")}, {},
+     {"prompt_template": "{a}", "prompt_template_as": "chat"}),
+    ({"engine": EngineConfig(schedule="priority", max_num_seqs=3, dtype="float32", max_grammar_bytes=10)},
+     {"dtype": "float32"}, {"schedule": "priority"}),
+    ({"engine": EngineConfig(schedule="sjf", lookahead=4, speculative="ngram")}, {}, {}),
+    ({"input": InputOptions("in.jsonl", max_record_bytes=100), "output": OutputOptions("out.jsonl", on_error="skip"),
+      "reasoning_parser": "qwen3"}, {}, {"reasoning_parser": "qwen3"}),
+]
+
+
+@pytest.mark.parametrize(("changes", "first", "later"), VERSION_1)
+def test_the_generation_config_of_version_1_is_what_it_recorded(changes, first, later):
+    from conveyor.io.run_spec import RECORDED_SINCE_VERSION_2
+
+    spec = dataclasses.replace(RunSpec(InputOptions("in.jsonl"), OutputOptions("out.jsonl")), **changes)
+    base = RunSpec(InputOptions("in.jsonl"), OutputOptions("out.jsonl")).generation_config(1)
+    assert spec.generation_config(1) == {**base, **first, **later}
+    assert {k: v for k, v in spec.generation_config().items() if k not in RECORDED_SINCE_VERSION_2} == \
+        spec.generation_config(1)
+
+
+def test_a_run_directory_of_version_1_resumes_with_a_limit_it_did_not_record(tiny_model, tmp_path):
+    import json
+
+    from cli_helpers import read_rows, run_in_process, tiny_args, write_jsonl
+
+    source = write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt": f"p {i}"} for i in range(4)])
+    output = tmp_path / "out.jsonl"
+    command = ["run", source, "-o", output, *tiny_args(tiny_model), "--max-tokens", "3", "--max-record-bytes",
+               "1MiB", "-q"]
+    assert run_in_process(*command, "--limit", "2").code == 0
+    manifest_path = tmp_path / "out.jsonl.conveyor" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    assert manifest["config_version"] == 2 and manifest["generation_config"]["max_record_bytes"] == 1 << 20
+    # As a version 1 run directory holds it: no config_version, the limit not recorded.
+    del manifest["config_version"], manifest["generation_config"]["max_record_bytes"]
+    manifest_path.write_text(json.dumps(manifest))
+    output.unlink()
+    resumed = run_in_process(*command)
+    assert resumed.code == 0, resumed.err
+    assert [r["id"] for r in read_rows(output)] == ["r0", "r1", "r2", "r3"]
+    other = run_in_process(*command[:-3], "--temperature", "0.5", "-q")
+    assert other.code == 2 and "temperature" in other.err

@@ -23,7 +23,7 @@ from cli_helpers import (
     write_jsonl,
 )
 
-from conveyor.io.records.request_builder import derive_seed
+from conveyor.io.records.seeds import derive_seed
 
 RECORDS = [
     {"id": "r-0", "prompt": "The sky is", "topic": "weather"},

@@ -8,9 +8,11 @@ import json
 import pytest
 
 from conveyor.core import ModelLimits, SamplingParams
+from conveyor.io.records.batch_lines import served_names
+from conveyor.io.records.build_options import BuildOptions
 from conveyor.io.records.prompt_template import PromptTemplate
 from conveyor.io.records.readers.record import RawRecord
-from conveyor.io.records.request_builder import BuildOptions, BuiltRequest, ErrorRow, RequestBuilder, served_names
+from conveyor.io.records.request_builder import BuiltRequest, ErrorRow, RequestBuilder
 
 DEFAULTS = SamplingParams(temperature=0.0, max_tokens=16)
 CHAT_URL = "/v1/chat/completions"

@@ -10,9 +10,11 @@ from pathlib import Path
 import pytest
 
 from conveyor.core import GenerationRequest, ModelLimits, SamplingParams
+from conveyor.io.records.build_options import BuildOptions
 from conveyor.io.records.readers import open_reader
 from conveyor.io.records.readers.record import RawRecord
-from conveyor.io.records.request_builder import BuildOptions, BuiltRequest, ErrorRow, RequestBuilder, derive_seed
+from conveyor.io.records.request_builder import BuiltRequest, ErrorRow, RequestBuilder
+from conveyor.io.records.seeds import derive_seed
 
 SAMPLE_DATA = Path(__file__).resolve().parents[2] / "sample_data"
 DEFAULTS = SamplingParams(temperature=0.0, max_tokens=16)
@@ -103,7 +105,7 @@ def test_ids(tokenizer):
 def test_derive_seed_is_stable_across_processes():
     assert derive_seed(0, "a") == 3426483283761622585
     assert derive_seed(42, "chat-0001") == 150569747573118572
-    code = "from conveyor.io.records.request_builder import derive_seed; print(derive_seed(42, 'chat-0001'))"
+    code = "from conveyor.io.records.seeds import derive_seed; print(derive_seed(42, 'chat-0001'))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={"PYTHONHASHSEED": "123", "PATH": "/usr/bin:/bin"})
     assert int(out.stdout) == derive_seed(42, "chat-0001")
