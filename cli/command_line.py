@@ -24,6 +24,7 @@ def given_last(*options: str) -> str | None:
 
 
 def command_line() -> str | None:
-    """This process's `conveyor ...` command, to resume it with; None where it is unknown."""
+    """This process's `conveyor ...` command, to resume it with (without --restart: run again, that would discard
+    the progress it resumes); None where it is unknown."""
     args = _command if _command is not None else sys.argv[1:]
-    return shlex.join(["conveyor", *args]) if args else None
+    return shlex.join(["conveyor", *(a for a in args if a != "--restart")]) if args else None

@@ -157,7 +157,7 @@ def execute(invocation: Invocation) -> int:
         if run is not None:
             run.close()
     summary = result.summary()
-    message = f"stopped ({stopper.reason}); {result.message}" if result.status is Outcome.STOPPED else result.message
+    message = _stop_message(stopper, result) if result.status is Outcome.STOPPED else result.message
     to_stdout = spec.output.path == "-"  # stdout carries the output: everything else goes to stderr
     if cli.quiet:  # warnings and errors only
         print_warnings(summary)
@@ -170,6 +170,17 @@ def execute(invocation: Invocation) -> int:
     if result.output_written and not cli.quiet:
         say("wrote the output to stdout" if to_stdout else f"wrote {spec.output.path}")
     return exit_code(result.status)
+
+
+def _stop_message(stopper, result) -> str:
+    """What a stopped run tells the user: why, and how to go on. A --max-runtime window that ended before this
+    process generated a token says so, with the model's load time: running the same command again would stop the
+    same way."""
+    if stopper.reason == "max-runtime" and not result.totals.generated_tokens:
+        return (f"stopped (max-runtime): the --max-runtime window of {stopper.max_runtime:g} s ended before "
+                f"generation began (loading the model took {result.totals.load_s:.1f} s); give a longer "
+                "--max-runtime, then run the same command again")
+    return f"stopped ({stopper.reason}); {result.message}"
 
 
 def _note_loading(model: str) -> None:

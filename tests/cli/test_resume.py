@@ -282,6 +282,21 @@ def test_dtype_auto_is_recorded_as_the_dtype_it_chose_here(tiny_model, tmp_path)
     assert other.code == 2 and "dtype" in other.err
 
 
+def test_a_window_that_ends_before_generation_says_so_and_the_resume_command_keeps_the_progress(tiny_model, tmp_path):
+    source = write_jsonl(tmp_path / "in.jsonl", FEW)
+    output = tmp_path / "out.jsonl"
+    command = ["run", source, "-o", output, *tiny_args(tiny_model), "--max-tokens", "3"]
+    done = run_in_process(*command, "--limit", "2", "-q")
+    assert done.code == 0, done.err
+    stopped = run_in_process(*command, "--restart", "--max-runtime", "0.001s")
+    assert stopped.code == 75
+    assert "the --max-runtime window of 0.001 s ended before generation began (loading the model took" in stopped.err
+    assert "give a longer --max-runtime" in stopped.err
+    status = run_in_process("status", output)
+    resume = next(line for line in status.out.splitlines() if line.startswith("resume with: "))
+    assert "--restart" not in resume and "--max-runtime 0.001s" in resume  # (a resume never discards the state)
+
+
 def test_status_without_a_run_is_a_usage_error(tmp_path):
     result = run_in_process("status", tmp_path / "never.parquet")
     assert result.code == 2 and "no run directory" in result.err
