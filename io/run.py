@@ -46,7 +46,13 @@ from conveyor.io.rows.rows import SAMPLE_INDEX, without_errors
 from conveyor.io.rows.sink import BadRecordStop, JournalSink, RunTotals
 from conveyor.io.rows.sink_options import CommitPolicy
 from conveyor.io.rows.writers import write_output
-from conveyor.io.run_checks import chat_option, check_chat_template, check_output, no_chat_template_note
+from conveyor.io.run_checks import (
+    chat_option,
+    check_chat_template,
+    check_named_fields,
+    check_output,
+    no_chat_template_note,
+)
 from conveyor.io.run_progress import RunProgress, run_progress
 from conveyor.io.run_report import Outcome, RunResult, RunSetup
 from conveyor.io.run_spec import CONFIG_VERSION, RunSpec
@@ -123,6 +129,7 @@ class Run:
             run_dir = shard_dir(run_dir, self.shard)
         check_run_paths(spec.input.path, spec.output.path, run_dir, STATE_FILES)
         reader = open_reader(spec.input.path, spec.input.format, spec.input.split, spec.input.max_record_bytes)
+        check_named_fields(spec, reader)
         self.run_dir = RunDir(run_dir)
         self.run_dir.acquire_lock()
         if spec.state.restart:

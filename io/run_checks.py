@@ -1,13 +1,20 @@
 """The checks a run makes before any model work, shared by the local run (`run.py`), validation
-(`validate_run.py`) and the split-run driver (`split_run.py`): the output path and format, and a chat option for
-a model without a chat template. Each raises SpecError naming the option at fault."""
+(`validate_run.py`) and the split-run driver (`split_run.py`): the output path and format, the fields the options
+name, and a chat option for a model without a chat template. Each raises SpecError naming the option at fault."""
 
 from __future__ import annotations
 
+import difflib
+import itertools
+import os
 from collections.abc import Callable
 
 from conveyor.io.errors import SpecError
+from conveyor.io.records.batch_lines import is_batch_line
+from conveyor.io.records.build_options import BuildOptions
+from conveyor.io.records.prompt_template import PromptTemplate
 from conveyor.io.records.prompts import has_chat_template
+from conveyor.io.records.readers import Reader
 from conveyor.io.rows.writers import STDOUT, check_keep_fields, infer_output_format
 from conveyor.io.run_spec import RunSpec
 from conveyor.io.state.paths import check_output_path
@@ -52,3 +59,50 @@ def no_chat_template_note(spec: RunSpec, tokenizer, say: Callable[[str], None]) 
     if spec.build.chat_template is None and not has_chat_template(tokenizer):
         say(f"note: {spec.model} has no chat template: chat records (a messages field, an OpenAI chat body) become "
             "error rows saying so; give one with --chat-template FILE")
+
+
+FIELD_SAMPLE = 100  # the records of a JSON input whose fields are checked against the options (a table: its columns)
+_TABLES = ("csv", "parquet", "datasets")
+
+
+def named_fields(build: BuildOptions) -> list[tuple[str, str]]:
+    """(option, field) for each field of the input the options name: --chat-field, --keep-fields, the
+    --prompt-template's placeholders, and --prompt-field, --messages-field and --id-field where not the default."""
+    default = BuildOptions()
+    out = [("--chat-field", build.chat_field)] if build.chat_field is not None else []
+    for option, name in (("--prompt-field", "prompt_field"), ("--messages-field", "messages_field"),
+                         ("--id-field", "id_field")):
+        if getattr(build, name) != getattr(default, name):
+            out.append((option, getattr(build, name)))
+    if build.prompt_template is not None:
+        out += [("--prompt-template", f) for f in PromptTemplate(build.prompt_template).fields]
+    return out + [("--keep-fields", f) for f in build.keep_fields]
+
+
+def check_named_fields(spec: RunSpec, reader: Reader) -> None:
+    """A field an option names that the input does not have (a misspelled column) is a usage error before the model
+    loads, with the nearest field: a table's columns are its fields; a JSON input's are those of its first
+    FIELD_SAMPLE records, checked for the fields that build the prompt (a keep field no record has is a column of
+    nulls, said after the run: records need not share their fields). Not checked: stdin and pipes (read once), and
+    inputs of OpenAI batch lines (their fields are the body's)."""
+    named = named_fields(spec.build)
+    if reader.format not in _TABLES:
+        named = [(option, name) for option, name in named if option != "--keep-fields"]
+    source = spec.input.path
+    if not named or source == "-" or not (os.path.isfile(source) or os.path.isdir(source)):
+        return
+    records = [r.record for r in itertools.islice(reader, FIELD_SAMPLE) if r.record is not None]
+    if not records or any(is_batch_line(r) for r in records):
+        return
+    seen = list(dict.fromkeys(key for r in records for key in r))
+    for option, name in named:
+        if name in seen:
+            continue
+        close = difflib.get_close_matches(name, seen, n=1, cutoff=0.6)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        if reader.format in _TABLES:
+            where = f"{source} has no column {name!r}{hint}; its columns: {', '.join(seen)}"
+        else:
+            where = (f"none of the first {len(records)} records of {source} has a field {name!r}{hint}; their fields: "
+                     f"{', '.join(seen[:20])}{', ...' if len(seen) > 20 else ''}")
+        raise SpecError(f"{option} {name}: {where}")

@@ -13,7 +13,7 @@ from conveyor.core import check_model, load_tokenizer
 from conveyor.io.records.readers import open_reader
 from conveyor.io.records.request_builder import RequestBuilder
 from conveyor.io.records_run import run_records
-from conveyor.io.run_checks import check_chat_template, no_chat_template_note
+from conveyor.io.run_checks import check_chat_template, check_named_fields, no_chat_template_note
 from conveyor.io.run_spec import RunSpec
 from conveyor.io.state.journal import Journal
 from conveyor.io.validation import ValidationSink
@@ -28,6 +28,7 @@ class ValidationReport:
 def validate_run(spec: RunSpec, show_errors: int, say: Callable[[str], None]) -> ValidationReport:
     """The records of `spec` built and checked; the first `show_errors` error messages kept."""
     reader = open_reader(spec.input.path, spec.input.format, spec.input.split, spec.input.max_record_bytes)
+    check_named_fields(spec, reader)
     check_model(spec.model)  # a model conveyor refuses, or whose weight files are not whole: refused here too
     tokenizer, limits = load_tokenizer(spec.model)
     check_chat_template(spec, tokenizer)
