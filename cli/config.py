@@ -89,10 +89,13 @@ def _option_table() -> dict[str, tuple[type, str]]:
 OPTIONS: dict[str, tuple[type, str]] = _option_table()
 
 
-def _meta(key: str) -> OptionMeta:
+def _field(key: str) -> dataclasses.Field:
     owner, name = OPTIONS[key]
-    f = next(f for f in dataclasses.fields(owner) if f.name == name)
-    return option_meta(f) or OptionMeta()
+    return next(f for f in dataclasses.fields(owner) if f.name == name)
+
+
+def _meta(key: str) -> OptionMeta:
+    return option_meta(_field(key)) or OptionMeta()
 
 
 _FILE_KEYS = {key for key in OPTIONS if _meta(key).config_file}  # (input, output and --restart are not)
@@ -100,8 +103,7 @@ _FILE_KEYS = {key for key in OPTIONS if _meta(key).config_file}  # (input, outpu
 
 def default_of(key: str) -> Any:
     """The default of option `key`: its field's default in the dataclass it fills."""
-    owner, name = OPTIONS[key]
-    f = next(f for f in dataclasses.fields(owner) if f.name == name)
+    f = _field(key)
     return f.default_factory() if f.default is dataclasses.MISSING else f.default
 
 
@@ -224,8 +226,9 @@ def _invocation(values: dict[str, Any]) -> Invocation:
     for key, value in values.items():
         owner, name = OPTIONS.get(key, (None, None))
         if owner is not None and name != "grammar":
-            fields.setdefault(owner, {})[name] = 0 if _meta(key).switch and value else None if _meta(key).switch \
-                else value
+            if _meta(key).switch:  # the option is true or false; the field 0 or None (a number of alternatives)
+                value = 0 if value else None
+            fields.setdefault(owner, {})[name] = value
     fields.setdefault(SamplingParams, {})["grammar"] = _grammar(values)
     built = {owner: _built(owner, fields.get(owner, {}))
              for owner in (SamplingParams, BuildOptions, EngineConfig, StateOptions, CliSettings)}
