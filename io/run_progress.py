@@ -1,15 +1,15 @@
 """A running run's progress (`RunProgress`, from `Run.progress()`): records done of the total, errors, the token
 rate, the engine's queue and KV use, and the ETA. The CLI's bar and log lines only render it.
 
-The ETA counts what the bar counts: records. Once this process has finished a record, it is the records left at
-the rate records have finished so far (`records_eta_seconds`), so the bar and the ETA move together. Before the
-first record finishes there is no such rate, and the token estimate (`eta_seconds`: every record left expected to
-run to its cap of max_tokens) stands in, but only once the records generating have half their cap each: earlier,
-while short outputs may still be about to finish, the cap overstates the work left by as much as the cap over the
+The ETA counts what the bar counts: records. Once this process has finished as many records as the engine runs at
+once, it is the records left at the rate records have finished so far (`records_eta_seconds`), so the bar and the
+ETA move together. Before that the records' rate says nothing yet: the first of 64 records running side by side
+finishes after a whole record's latency, so its rate would promise 64 times too long. The token estimate
+(`eta_seconds`: a record left expected to generate the finished ones' mean, weighed against its cap of max_tokens)
+stands in once a record has finished, or once the records generating have half their cap each: earlier, while
+short outputs may still be about to finish, the cap overstates the work left by as much as the cap over the
 outputs' length (a run of 30-token answers under a 256-token cap: an ETA eight times too long, made worse by a
-token rate measured over the first prefills), and the ETA says "?" instead. Short outputs finish early and hand
-over to the records' rate within a few steps; long ones reach half the cap, where the token estimate is within
-a factor of two.
+token rate measured over the first prefills), and the ETA says "?" instead.
 """
 
 from __future__ import annotations
@@ -45,9 +45,11 @@ def run_progress(totals: RunTotals, stats, n: int, tokens_cap: int, now: float |
     in_flight = -(-(stats.num_running + stats.num_waiting) // n) if stats else 0  # (records: a request per sample)
     left = None if t.total is None else t.total - t.done
     finished = t.done - t.resumed_from
-    eta = records_eta_seconds(left, finished, elapsed)
-    if eta is None and left is not None and in_flight and \
-            generated + t.tokens_carried_over >= in_flight * tokens_cap * n / 2:
+    eta = None
+    if left is not None and (left <= 0 or finished >= max(in_flight, 1)):  # a batch's worth finished: their rate
+        eta = records_eta_seconds(left, finished, elapsed)
+    elif left is not None and in_flight and \
+            (finished or generated + t.tokens_carried_over >= in_flight * tokens_cap * n / 2):
         eta = eta_seconds(left, in_flight, finished, t.completion_tokens, generated, t.tokens_carried_over, elapsed,
                           tokens_cap * n)
     return RunProgress(

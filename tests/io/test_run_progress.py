@@ -55,3 +55,15 @@ def test_an_input_of_unknown_size_or_a_finished_one():
     assert _progress(done=20, total=None, generated=600, completion_tokens=600).eta_s is None
     assert _progress(done=100, total=100, generated=600, completion_tokens=600).eta_s == 0.0
     assert run_progress(RunTotals(total=10), None, 1, 256).eta_s is None  # before the engine loads
+
+
+def test_the_first_records_to_finish_of_a_full_batch_do_not_set_the_rate():
+    # 64 records side by side, 600 tokens each of a cap of 1024 after 40 s: the first one finishing says that a
+    # record takes 40 s, not that one finishes every 40 s (that rate would promise 10000 x 40 s)
+    p = _progress(done=1, total=10000, generated=64 * 600, elapsed=40.0, completion_tokens=600, running=63, cap=1024)
+    assert p.eta_s == pytest.approx(eta_seconds(9999, 63, 1, 600, 64 * 600, 0, 40.0, 1024))
+    assert p.eta_s < records_eta_seconds(9999, 1, 40.0) / 20
+    # once a batch's worth has finished, the records' own rate
+    q = _progress(done=64, total=10000, generated=64 * 700, elapsed=45.0, completion_tokens=64 * 600, running=64,
+                  cap=1024)
+    assert q.eta_s == pytest.approx(records_eta_seconds(9936, 64, 45.0))
