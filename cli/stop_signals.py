@@ -8,7 +8,8 @@ tokenizing a huge record: Python runs signal handlers only between bytecodes of 
 signals also reach a watchdog thread through `signal.set_wakeup_fd`, written by the C-level handler the
 moment a signal arrives. From the process's first instant (`entry.py`, before the libraries import), a stop
 signal is held instead of ending the process, and the run's controller acts on it once installed: a cron job's
-`kill` during start-up also exits 75. A command that never installs one gets the signal back as it ends.
+`kill` during start-up also exits 75. A command that never installs one gets the signal back as it ends; one that
+came after the run's controller was uninstalled (the run had ended) leaves the run's exit code.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import threading
 import time
 
 STOP_SIGNALS = tuple(s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s is not None)
-_held: list[int] = []  # stop signals that arrived before a StopController was installed
+_held: list[int] = []  # stop signals that arrived while no StopController was installed
+_controlled = False  # a StopController was installed in this process: the command's work had one
 
 
 def hold_early_signals() -> None:
@@ -37,7 +39,12 @@ def _hold(signum, frame) -> None:
 
 
 def release_held_signals() -> None:
-    """At the process's end: a stop signal that no StopController took ends the process as it would have."""
+    """At the process's end: a stop signal that no StopController took ends the process as it would have, unless
+    one was installed: then the signal came once its work had ended (a run complete, its rows written, its summary
+    said), and the process ends with that work's exit code."""
+    if _controlled:
+        _held.clear()
+        return
     for sig in dict.fromkeys(_held):
         signal.signal(sig, signal.SIG_DFL)
         os.kill(os.getpid(), sig)
@@ -69,6 +76,8 @@ class StopController:
         except ValueError:  # not the main thread (tests); the deadline still works
             self._previous.clear()
             return
+        global _controlled
+        _controlled = True
         read_fd, write_fd = os.pipe()
         os.set_blocking(write_fd, False)
         self._pipe = (read_fd, write_fd)

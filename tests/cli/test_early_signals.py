@@ -52,3 +52,23 @@ def test_a_second_ctrl_c_during_start_up_exits_at_once_with_130():
               "print('not reached')\n")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=child_env())
     assert proc.returncode == 130 and proc.stdout == "", proc.stderr
+
+
+def test_a_signal_after_the_runs_controller_is_gone_leaves_the_runs_exit_code(tiny_model, tmp_path):
+    """A SIGTERM that lands once the run has ended (its rows written, its controller uninstalled) is held, and the
+    process exits with the run's code, not killed by it."""
+    records = [{"id": f"r{i}", "prompt": f"record {i}", "max_tokens": 4} for i in range(3)]
+    src, out = write_jsonl(tmp_path / "in.jsonl", records), tmp_path / "out.jsonl"
+    argv = ["conveyor", "run", str(src), "-o", str(out), *map(str, tiny_args(tiny_model)), "--quiet"]
+    script = ("import os, signal, sys\n"
+              "from conveyor.cli import entry, stop_signals\n"
+              "uninstall = stop_signals.StopController.uninstall\n"
+              "def late(self):\n"
+              "    uninstall(self)\n"
+              "    os.kill(os.getpid(), signal.SIGTERM)\n"
+              "stop_signals.StopController.uninstall = late\n"
+              f"sys.argv = {argv!r}\n"
+              "entry.main()\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=child_env())
+    assert proc.returncode == 0, proc.stderr
+    assert [r["id"] for r in read_rows(out)] == [r["id"] for r in records]
