@@ -316,21 +316,6 @@ inline float gelu_tanh1(float x) {  // a lane of the above
   return gelu_tanh16(v)[0];
 }
 
-template <typename scalar_t>
-void gelu_tanh_mul_rows(const scalar_t* gu, scalar_t* out, int64_t T, int64_t I) {
-  at::parallel_for(0, T, grain(2 * I), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const scalar_t* __restrict__ g = gu + t * 2 * I;
-      const scalar_t* __restrict__ u = g + I;
-      scalar_t* __restrict__ o = out + t * I;
-      int64_t i = 0;
-      for (; i + 16 <= I; i += 16) store16(o + i, round16<scalar_t>(gelu_tanh16(load16(g + i))) * load16(u + i));
-      for (; i < I; ++i)
-        o[i] = static_cast<scalar_t>(rnd<scalar_t>(gelu_tanh1(static_cast<float>(g[i]))) * static_cast<float>(u[i]));
-    }
-  });
-}
-
 // x <- cap * tanh(x / cap), in place, each element on its own (Gemma 2's final logit softcap).
 template <typename scalar_t>
 void softcap_rows(scalar_t* x, int64_t T, int64_t N, float cap) {
@@ -349,24 +334,19 @@ void softcap_rows(scalar_t* x, int64_t T, int64_t N, float cap) {
   });
 }
 
-template <typename scalar_t>
-void silu_mul_rows(const scalar_t* gu, scalar_t* out, int64_t T, int64_t I) {
+// out = act(gate) * up, row by row (gu: [T, 2I], the gate then the up half): the activation rounded to the dtype
+// before the product, as torch's two ops. `vec` is the activation over 16 lanes, `one` over one element (the tail).
+template <typename scalar_t, typename Vec, typename One>
+void act_mul_rows(const scalar_t* gu, scalar_t* out, int64_t T, int64_t I, Vec vec, One one) {
   at::parallel_for(0, T, grain(2 * I), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const scalar_t* __restrict__ g = gu + t * 2 * I;
       const scalar_t* __restrict__ u = g + I;
       scalar_t* __restrict__ o = out + t * I;
       int64_t i = 0;
-      for (; i + 16 <= I; i += 16) {
-        const v16f x = load16(g + i);
-        const v16f act = round16<scalar_t>(silu16<scalar_t>(x));
-        store16(o + i, act * load16(u + i));
-      }
-      for (; i < I; ++i) {
-        const float x = static_cast<float>(g[i]);
-        const float act = rnd<scalar_t>(x / (1.f + std::exp(-x)));
-        o[i] = static_cast<scalar_t>(act * static_cast<float>(u[i]));
-      }
+      for (; i + 16 <= I; i += 16) store16(o + i, round16<scalar_t>(vec(load16(g + i))) * load16(u + i));
+      for (; i < I; ++i)
+        o[i] = static_cast<scalar_t>(rnd<scalar_t>(one(static_cast<float>(g[i]))) * static_cast<float>(u[i]));
     }
   });
 }
@@ -491,10 +471,13 @@ at::Tensor act_mul(at::Tensor gu, int64_t act) {
   const int64_t T = gu.size(0), I = gu.size(1) / 2;
   auto out = at::empty({T, I}, gu.options());
   AT_DISPATCH_V2(gu.scalar_type(), "act_mul", AT_WRAP([&] {
+    const scalar_t* g = gu.data_ptr<scalar_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
     if (act == 0)
-      silu_mul_rows<scalar_t>(gu.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), T, I);
+      act_mul_rows<scalar_t>(g, o, T, I, [](v16f x) { return silu16<scalar_t>(x); },
+                             [](float x) { return x / (1.f + std::exp(-x)); });
     else
-      gelu_tanh_mul_rows<scalar_t>(gu.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), T, I);
+      act_mul_rows<scalar_t>(g, o, T, I, gelu_tanh16, gelu_tanh1);
   }), at::kFloat, at::kBFloat16, at::kHalf);
   return out;
 }
