@@ -69,8 +69,7 @@ try:
 except PackageNotFoundError:  # run from a source tree that was never installed
     TOOL_VERSION = "unknown"
 
-STOPPED, SOME_ERRORS, OK = Outcome.STOPPED, Outcome.SOME_ERRORS, Outcome.OK  # (the outcomes, by their names)
-__all__ = ["OK", "SOME_ERRORS", "STOPPED", "BadRecordStop", "Run"]
+__all__ = ["BadRecordStop", "Run"]
 
 
 class Run:

@@ -120,10 +120,6 @@ class RunSummary:
             "status": self.outcome.value,
         }
 
-    def __getitem__(self, key: str) -> Any:
-        """A --summary-json key's value, as `to_json` has it."""
-        return self.to_json()[key]
-
     @classmethod
     def merge(cls, summaries: list[RunSummary]) -> RunSummary:
         """The summary of a run made of `summaries` running side by side (the workers of `--executor ray`): counts

@@ -94,18 +94,18 @@ class RunSpec:
         a manifest of that config version recorded it (without the settings it did not record yet). (The engine's
         dtype as it runs: `Run` resolves "auto" before it records this.)"""
         out: dict[str, Any] = {}
-        for where, key, value, default in self._fields():
+        for where, key, value, default, switch in self._fields():
             if where in ROW_NEUTRAL or (version < 2 and key in RECORDED_SINCE_VERSION_2):
                 continue
-            for name, recorded in _recorded(key, value).items():
-                if name in RECORDED_SINCE_FIRST or recorded != _recorded(key, default).get(name):
+            for name, recorded in _recorded(key, value, switch).items():
+                if name in RECORDED_SINCE_FIRST or recorded != _recorded(key, default, switch).get(name):
                     out[name] = recorded
         if self.build.prompt_template is not None:  # (recorded with its template, also at its default)
             out["prompt_template_as"] = self.build.prompt_template_as
         return {**{k: out.pop(k) for k in RECORDED_SINCE_FIRST}, **out}
 
     def _fields(self):
-        """("part.name", key, value, default) of every field of the spec and its parts (but the input's and output's
+        """("part.name", key, value, default, whether its option is a switch) of every field of the spec and its parts (but the input's and output's
         paths and the parts themselves; the run directory's options are no part of it). The key is the field's name,
         or "part.name" for a field that is no option (SamplingParams' own seed is not the run's)."""
         parts = {"input", "output", "sampling", "build", "engine", "state"}
@@ -114,9 +114,10 @@ class RunSpec:
             for f in dataclasses.fields(part):
                 if f.name == "path" or (group == "spec" and f.name in parts):
                     continue
-                where = f"{group}.{f.name}"
+                where, meta = f"{group}.{f.name}", option_meta(f)
                 default = f.default_factory() if f.default is dataclasses.MISSING else f.default
-                yield where, f.name if option_meta(f) is not None else where, getattr(part, f.name), default
+                yield where, f.name if meta is not None else where, getattr(part, f.name), default, \
+                    meta is not None and meta.switch
 
 
 # The fields that never change a row (the exactness contract: a row is the same in any batch, on any schedule,
@@ -146,14 +147,14 @@ RECORDED_SINCE_FIRST = ("dtype", "max_tokens", "temperature", "top_p", "top_k", 
                         "min_tokens", "system_prompt", "prompt_field", "messages_field", "id_field", "keep_fields")
 
 
-def _recorded(key: str, value: Any) -> dict[str, Any]:
+def _recorded(key: str, value: Any, switch: bool) -> dict[str, Any]:
     """How field `key`'s value is recorded: {name: JSON value} (the grammar under its option's name, a switch as
     true or false, a chat template by its digest, tuples as lists)."""
     if key == "sampling.grammar":
         if value is None:
             return {}
         return {value.kind: json.loads(value.spec) if value.kind == "choice" else value.spec}
-    if key == "prompt_logprobs":  # the option is a switch; the field a number of alternatives
+    if switch:  # the option is true or false; the field a number (None: off)
         return {key: value is not None}
     if key == "schedule":  # the other schedules give the same rows; this one reads a record's priority field
         return {key: value} if value == "priority" else {}

@@ -12,7 +12,8 @@ import pytest
 
 from conveyor.core import ConfigError, EngineConfig, SamplingParams
 from conveyor.io.errors import RunDirError, SpecError
-from conveyor.io.run import OK, SOME_ERRORS, STOPPED, Run
+from conveyor.io.run import Run
+from conveyor.io.run_report import Outcome
 from conveyor.io.run_spec import BuildOptions, InputOptions, OutputOptions, RunSpec, StateOptions
 
 RECORDS = [{"id": f"r{i}", "prompt": "w3 w4 w5 " * (i % 4 + 1)} for i in range(10)] + [{"id": "bad", "prompt": ""}]
@@ -60,11 +61,11 @@ def read_jsonl(path) -> list[dict]:
 def test_a_spec_runs_to_its_output_file(tiny_model, source, tmp_path):
     out = tmp_path / "out.jsonl"
     result = run_to_end(spec_for(tiny_model, source, out))
-    assert result.status == SOME_ERRORS and result.output_written
+    assert result.status is Outcome.SOME_ERRORS and result.output_written
     rows = read_jsonl(out)
     assert [r["index"] for r in rows] == list(range(len(RECORDS)))
     assert [r["status"] for r in rows] == ["ok"] * 10 + ["error"]
-    summary = result.summary()
+    summary = result.summary().to_json()
     assert (summary["records"], summary["ok"], summary["errors"], summary["status"]) == (11, 10, 1, "some_errors")
 
 
@@ -72,11 +73,11 @@ def test_a_stopped_run_resumes_to_one_row_per_record(tiny_model, source, tmp_pat
     out = tmp_path / "out.jsonl"
     spec = spec_for(tiny_model, source, out, state=StateOptions(checkpoint_every=1))
     first = run_to_end(spec, stop_after_rows=4)
-    assert first.status == STOPPED and not first.output_written and not out.exists()
+    assert first.status is Outcome.STOPPED and not first.output_written and not out.exists()
     done_before = first.totals.done
     assert 0 < done_before < len(RECORDS)
     second = run_to_end(spec)
-    assert second.status == SOME_ERRORS and second.totals.resumed_from == done_before
+    assert second.status is Outcome.SOME_ERRORS and second.totals.resumed_from == done_before
     rows = read_jsonl(out)
     assert [r["index"] for r in rows] == list(range(len(RECORDS)))
     assert sorted(r["id"] for r in rows) == sorted(r["id"] for r in RECORDS)
@@ -115,7 +116,7 @@ def test_shards_finish_apart_and_the_last_one_merges(tiny_model, source, tmp_pat
     out = tmp_path / "out.jsonl"
     results = [run_to_end(spec_for(tiny_model, source, out, state=StateOptions(shard=f"{i}/2"))) for i in (1, 0)]
     assert not results[0].output_written and "waiting for shard 0/2" in results[0].message
-    assert results[1].output_written and results[1].status == SOME_ERRORS
+    assert results[1].output_written and results[1].status is Outcome.SOME_ERRORS
     rows = read_jsonl(out)
     assert [r["index"] for r in rows] == list(range(len(RECORDS)))
     assert results[0].totals.done + results[1].totals.done == len(RECORDS)
@@ -143,4 +144,4 @@ def test_an_ok_run_says_ok(tiny_model, source, tmp_path):
     good = tmp_path / "good.jsonl"
     good.write_text("".join(json.dumps(r) + "\n" for r in RECORDS[:3]), encoding="utf-8")
     result = run_to_end(spec_for(tiny_model, good, tmp_path / "out.parquet"))
-    assert result.status == OK and (tmp_path / "out.parquet").exists()
+    assert result.status is Outcome.OK and (tmp_path / "out.parquet").exists()

@@ -46,7 +46,7 @@ def test_the_summary_json_keeps_every_key_and_adds_the_finish_reasons():
     summary = _summary(Outcome.SOME_ERRORS, [0.1, 0.2, 0.3], {"length": 2, "stop": 1}, cut=2)
     said = summary.to_json()
     assert list(said)[:len(KEYS_BEFORE) - 1] == KEYS_BEFORE[:-1] and list(said)[-1] == "status"
-    assert said["status"] == "some_errors" and summary["records"] == said["records"] == 3
+    assert said["status"] == "some_errors" and summary.records == said["records"] == 3
     assert (said["load_s"], said["elapsed_s"], said["output_tokens_per_s"], said["wall_s"]) == (2.0, 4.0, 10.0, 7.0)
     assert (said["model"], said["dtype"], said["backend"]) == ("tiny", "float32", "torch")
     assert said["finish_reasons"] == {"length": 2, "stop": 1}
