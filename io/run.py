@@ -133,8 +133,9 @@ class Run:
         self.run_dir.acquire_lock()
         if spec.state.restart:
             self.run_dir.reset()
-        manifest = self._manifest(self.run_dir.load_manifest())
-        self.journal, note = self.run_dir.open_journal(manifest)
+        stored = self.run_dir.load_manifest()
+        manifest = self._manifest(stored)
+        self.journal, note = self.run_dir.open_journal(manifest, stored)
         if note:
             self.say(note)
         if self.shard is not None:

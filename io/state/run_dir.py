@@ -215,7 +215,7 @@ class RunDir:
         self.path.mkdir(parents=True, exist_ok=True)
         atomic_write_text(self.manifest_path, manifest.to_json() + "\n")
 
-    def open_journal(self, manifest: Manifest) -> tuple[Journal, str | None]:
+    def open_journal(self, manifest: Manifest, stored: Manifest | None = None) -> tuple[Journal, str | None]:
         """The journal of the run `manifest` describes, and a note for the user or None.
 
         - No manifest here: a new run (the manifest is written), unless a journal exists without one:
@@ -224,7 +224,7 @@ class RunDir:
         - One that differs (input, model or generation settings): refused as drift while the journal holds
           committed rows; with none (a run that failed before finishing a record), it starts over.
         """
-        stored = self.load_manifest()
+        stored = stored if stored is not None else self.load_manifest()  # (`stored`: the caller read it already)
         if stored is None:
             if self.journal_path.exists():
                 raise RunDirError(
