@@ -142,8 +142,12 @@ def execute(invocation: Invocation) -> int:
             if run.totals.resumed_from or run.partials:
                 say(f"resuming: {run.totals.resumed_from} records already done"
                     + (f", {len(run.partials)} to continue from where they stopped" if run.partials else ""))
-            _note_loading(spec.model)
-        run.load_engine()
+        if run.has_pending:
+            if not cli.quiet:
+                _note_loading(spec.model)
+            run.load_engine()
+        elif not cli.quiet:
+            say("every record has a row: writing the output from the run's journal, without loading the model")
         try:
             with progress:
                 result = run.execute(stopper.should_stop, lambda: progress.update(run.progress))

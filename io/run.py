@@ -85,6 +85,7 @@ class Run:
         self.started = time.monotonic()  # the summary's wall_s counts from here
         self.totals = RunTotals()
         self.engine = None  # core's Engine, once loaded
+        self.has_pending = True  # whether a record still needs a row (read by `open`); without one no model is loaded
         self.engine_config: EngineConfig = spec.engine  # as it runs here, once `open` resolved it
         self.partials: dict[int, dict] = {}  # the journal's partials, once `open` read them
         self.shard: Shard | None = None  # --shard: this run answers the records whose index is I mod N
@@ -155,9 +156,11 @@ class Run:
         t.total = count if count is None or self.shard is None else self.shard.num_records(count)
         self.records = PendingRecords(reader, self.journal, spec.input.path, spec.input.limit, self.shard)
         self._pending = iter(self.records)
-        if reader.with_digests and t.resumed_from:  # read the answered prefix now, before the model loads: a
-            first = next(self._pending, None)  # different input is refused at once
-            self._pending = itertools.chain([first] if first is not None else [], self._pending)
+        # The first pending record is read now, before the model loads: without one the model is not needed (the
+        # output is written from the journal), and for an input checked by digests a different one is refused at once.
+        first = next(self._pending, None)
+        self.has_pending = first is not None
+        self._pending = itertools.chain([first] if first is not None else [], self._pending)
         self.arithmetic = read_run_info(self.run_dir.path).get("arithmetic") if t.resumed_from else None
         write_run_info(self.run_dir.path, t.total, self.command, self.arithmetic)
 
@@ -221,6 +224,10 @@ class Run:
                 on_progress: Callable[[], None] | None = None) -> RunResult:
         """Every pending record through the engine into the journal (`run_records`), then the output. Raises
         BadRecordStop at the first bad record under --on-error fail (what finished is committed)."""
+        if self.engine is None:  # every record already had a row (`has_pending` false): only the output is written
+            if self.has_pending:
+                raise RuntimeError("Run.execute: records are pending and no engine was loaded (call load_engine)")
+            return self._finish()
         state = self.spec.state
         sink = JournalSink(self.journal, CommitPolicy(state.checkpoint_every, state.checkpoint_seconds),
                            self.spec.output.on_error, self._token_text, self.totals, self.engine.in_flight,

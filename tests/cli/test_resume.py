@@ -394,3 +394,27 @@ def test_a_resume_with_other_kernels_says_its_rows_may_differ_in_bits(tmp_path, 
     assert ("the first 3 rows of this run were computed with cpu (another machine); it resumes with "
             f"{here}, so the rest need not equal an uninterrupted run's bit for bit") in result.err, result.err
     assert json.loads(info_path.read_text())["arithmetic"] == here
+
+
+def test_rerun_with_every_row_done_writes_the_output_without_loading_the_model(tmp_path, tiny_model, monkeypatch):
+    """The same command again after a finished run (its output deleted, as a nightly job over a file that did not
+    change meets it) writes the output from the journal; the model is never loaded."""
+    source = write_jsonl(tmp_path / "in.jsonl", CHAT_RECORDS[:6])
+    output = tmp_path / "out.parquet"
+    args = ["run", source, "-o", output, *tiny_args(tiny_model), "--max-tokens", "4", "--seed", "7",
+            "--temperature", "0.8"]
+    first = run_in_process(*args)
+    assert first.code == 0, first.err
+    expected = read_rows(output)
+    output.unlink()
+
+    def no_model(*_args, **_kwargs):
+        raise AssertionError("the model was loaded with every record already answered")
+
+    monkeypatch.setattr("conveyor.io.run.load_engine", no_model)
+    again = run_in_process(*args)
+    assert again.code == 0, again.err
+    assert "without loading the model" in again.err
+    assert "loading" not in again.err.replace("without loading the model", "")
+    assert_same_rows(read_rows(output), expected)
+    assert [r["output"] for r in read_rows(output)] == [r["output"] for r in expected]
