@@ -184,6 +184,10 @@ MaxRuntimeOpt = Annotated[Optional[str], typer.Option(help="Stop cleanly after t
                                                       rich_help_panel=RUN)]
 RestartOpt = Annotated[bool, typer.Option("--restart", help="Discard the run directory's state and start over.",
                                           rich_help_panel=RUN)]
+RetryErrorsOpt = Annotated[bool, typer.Option("--retry-errors", help="Compute again the records whose error row the "
+                                              "run itself made (a step failure, a grammar over its budget, a fault); "
+                                              "rows of bad input stay until their record changes.",
+                                              rich_help_panel=RUN)]
 ShardOpt = Annotated[Optional[str], typer.Option(help="I/N: answer only the records whose index is I mod N, in a "
                                                      "run directory of this shard's own; the last shard to finish "
                                                      "writes the output (or `conveyor merge`).", rich_help_panel=RUN)]

@@ -90,6 +90,7 @@ def run_command(
     checkpoint_every: opt.CheckpointEveryOpt = None,
     max_runtime: opt.MaxRuntimeOpt = None,
     restart: opt.RestartOpt = False,
+    retry_errors: opt.RetryErrorsOpt = False,
     shard: opt.ShardOpt = None,
     executor: opt.ExecutorOpt = None,
     num_workers: opt.NumWorkersOpt = None,
@@ -100,6 +101,7 @@ def run_command(
     flags = opt.negatives(dict(locals()))
     config_path = flags.pop("config")
     flags["restart"] = restart or None
+    flags["retry_errors"] = retry_errors or None
     return execute(build_config(flags, config_path))
 
 

@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from conveyor.io.run_rebase import pending_in_changed_input
 from conveyor.io.state.status import ShardStatus, run_status
 
 
@@ -33,12 +34,22 @@ def show_status(output: str, run_dir: str | None) -> int:
     if info.get("num_partials"):
         out.write(f"in flight: {info['num_partials']} records hold {info['partial_tokens']} generated tokens "
                   "(continued where they stopped when the run resumes)\n")
+    reuse, unknown = pending_in_changed_input(status.path)
+    if reuse is not None:
+        left = reuse.new + reuse.changed
+        out.write(f"input changed since the last run: {left} record{'' if left == 1 else 's'} with no row yet "
+                  f"({reuse.describe()}); the same command computes only those\n")
+    elif unknown:
+        out.write(f"input: {unknown}\n")
+    elif total is not None and done < total:
+        out.write(f"to do:  {total - done} record{'' if total - done == 1 else 's'} with no row yet\n")
     last = info.get("last_commit_time")
     out.write("last checkpoint: " + (time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(last)) if last else "none")
               + "\n")
     holder = info.get("lock_holder")
     finished = not holder and Path(output).exists() and (total is None or done >= total) \
-        and not info.get("num_partials") and not info.get("journal_error")
+        and not info.get("num_partials") and not info.get("journal_error") and not unknown \
+        and (reuse is None or not (reuse.new or reuse.changed or reuse.removed))
     if holder:
         out.write(f"running: yes, process {holder.get('pid')}\n")
     elif finished:

@@ -36,6 +36,11 @@ def print_summary(summary: RunSummary, message: str, stream=None) -> None:
         ("prefix-cache hit rate", f"{s.prefix_cache_hit_rate:.1%}"),
         *_figure_rows(s),
     ]
+    if s.reuse is not None:
+        rows.append(("input changed", f"reused {s.reuse['reused']}, new {s.reuse['new']}, changed "
+                                      f"{s.reuse['changed']}, removed {s.reuse['removed']}"))
+    if s.retried_errors:
+        rows.append(("errors retried", s.retried_errors))
     if s.resumed_from:
         rows.append(("resumed from", s.resumed_from))
     if s.continued:

@@ -54,10 +54,12 @@ from conveyor.io.run_checks import (
     no_chat_template_note,
 )
 from conveyor.io.run_progress import RunProgress, run_progress
+from conveyor.io.run_rebase import input_entries
 from conveyor.io.run_report import Outcome, RunResult, RunSetup
 from conveyor.io.run_spec import CONFIG_VERSION, RunSpec
 from conveyor.io.split_run import base_run_dir, finish_shard
 from conveyor.io.state.journal import Journal
+from conveyor.io.state.journal_rebase import rebase as rebase_journal
 from conveyor.io.state.paths import check_run_paths
 from conveyor.io.state.run_dir import STATE_FILES, Manifest, RunDir
 from conveyor.io.state.run_info import read_run_info, write_run_info
@@ -136,15 +138,25 @@ class Run:
             self.run_dir.reset()
         stored = self.run_dir.load_manifest()
         manifest = self._manifest(stored)
-        self.journal, note = self.run_dir.open_journal(manifest, stored)
+        # Every row keeps the digest of the record it answers: a rerun over an input that changed reuses the rows
+        # whose records are still there (journal_rebase.py), and one without a fingerprint of the input's content
+        # (stdin, a pipe, a hub dataset) checks its records one by one against them.
+        reader.with_digests = True
+        fingerprinted = fingerprints_content(manifest.input_fingerprint)
+        rebase = None
+        if fingerprinted and stored is not None and fingerprints_content(stored.input_fingerprint):
+            def rebase(journal: Journal) -> bool:
+                return self._rebase(journal, reader)
+        self.journal, note = self.run_dir.open_journal(manifest, stored, rebase)
         if note:
             self.say(note)
         if self.shard is not None:
             clear_done(self.run_dir.path)  # said again when this shard has every row
-        # Without a fingerprint of the input's content (stdin, a pipe, a hub dataset), a resumed run checks its
-        # records one by one against the digests the journal keeps of the records it answered.
-        reader.with_digests = not fingerprints_content(manifest.input_fingerprint)
         t = self.totals
+        if spec.state.retry_errors:
+            t.retried_errors = self.journal.forget_run_errors()
+            self.say(f"--retry-errors: {t.retried_errors} records whose error row the run made are computed again"
+                     if t.retried_errors else "--retry-errors: no error row of the run's own making to retry")
         self.partials = self.journal.partials()  # records an earlier process left generating: they continue
         t.resumed_from = t.done = self.journal.num_committed()
         t.errors = self.journal.num_errors()
@@ -154,7 +166,8 @@ class Run:
         if count is not None and spec.input.limit is not None:
             count = min(count, spec.input.limit)
         t.total = count if count is None or self.shard is None else self.shard.num_records(count)
-        self.records = PendingRecords(reader, self.journal, spec.input.path, spec.input.limit, self.shard)
+        self.records = PendingRecords(reader, self.journal, spec.input.path, spec.input.limit, self.shard,
+                                      checked=not fingerprinted)
         self._pending = iter(self.records)
         # The first pending record is read now, before the model loads: without one the model is not needed (the
         # output is written from the journal), and for an input checked by digests a different one is refused at once.
@@ -163,6 +176,21 @@ class Run:
         self._pending = itertools.chain([first] if first is not None else [], self._pending)
         self.arithmetic = read_run_info(self.run_dir.path).get("arithmetic") if t.resumed_from else None
         write_run_info(self.run_dir.path, t.total, self.command, self.arithmetic)
+
+    def _rebase(self, journal: Journal, reader) -> bool:
+        """The journal carried over to the input as it is now (the records this run answers: within --limit, this
+        shard's); the counts said and kept for the summary. False where its rows cannot be matched."""
+        spec = self.spec
+        reuse = rebase_journal(journal, input_entries(reader, spec.build.id_field, spec.input.limit, self.shard))
+        if reuse is None:
+            return False
+        self.totals.reuse = reuse.to_json()
+        self.say(f"the input changed since the last run: {reuse.describe()}")
+        if reuse.moved_without_id:
+            self.say(f"{reuse.moved_without_id} records without an id are at another index than before (a record was "
+                     "inserted or removed ahead of them): their seeds follow their index, so they are computed again; "
+                     "give records an id (--id-field) to reuse their rows wherever they move")
+        return True
 
     def _resolved_engine_config(self) -> EngineConfig:
         """The engine config as it runs here (device, sizes, dtype: the manifest records the dtype auto chose, so a

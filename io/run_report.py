@@ -73,6 +73,8 @@ class RunSummary:
     continued: int  # records continued from an earlier process's partial ...
     tokens_carried_over: int  # ... and the tokens those held
     in_flight_saved: int  # partials kept at a stop (0 where the run did not stop)
+    reuse: dict[str, int] | None  # over an input that changed (journal_rebase.Reuse): None where it had not
+    retried_errors: int  # --retry-errors: records whose error row of the run's own making was dropped
     keep_fields_missing: tuple[str, ...]  # --keep-fields that no record of the input had (a column of nulls)
     wall_s: float  # from the run's start (before its checks and the model's load) to its result
     setup: RunSetup
@@ -117,6 +119,7 @@ class RunSummary:
             "mean_running": self.mean_running, "occupancy": self.occupancy, "steps": self.steps,
             "finish_reasons": dict(self.finish_reasons), "structured_outputs": self.structured_outputs,
             "structured_outputs_cut": self.structured_outputs_cut,
+            "reuse": self.reuse, "retried_errors": self.retried_errors,
             "status": self.outcome.value,
         }
 
@@ -145,12 +148,24 @@ class RunSummary:
             **{name: total(name) for name in (
                 "records", "samples", "ok", "errors", "prompt_tokens", "completion_tokens", "preemptions",
                 "draft_tokens", "accepted_draft_tokens", "resumed_from", "continued", "tokens_carried_over",
-                "in_flight_saved", "structured_outputs", "structured_outputs_cut")},
+                "in_flight_saved", "structured_outputs", "structured_outputs_cut", "retried_errors")},
+            reuse=_added([s.reuse for s in summaries]),
             load_s=max(s.load_s for s in summaries), elapsed_s=max(s.elapsed_s for s in summaries),
             output_tokens_per_s=round(sum(s.output_tokens_per_s for s in summaries), 2),  # while they all run
             prefix_cache_hit_rate=sum(s.prefix_cache_hit_rate for s in summaries) / len(summaries),
             keep_fields_missing=tuple(missing), wall_s=max(s.wall_s for s in summaries), setup=first.setup,
             finish_reasons=_most_first(reasons))
+
+
+def _added(counts: list[dict[str, int] | None]) -> dict[str, int] | None:
+    """Count dicts added key by key (the workers' reuse counts); None where none has one."""
+    given = [c for c in counts if c is not None]
+    if not given:
+        return None
+    total: Counter[str] = Counter()
+    for c in given:
+        total.update(c)
+    return {key: total[key] for key in given[0]}
 
 
 def _most_first(counts: Counter[str]) -> dict[str, int]:
@@ -192,6 +207,7 @@ class RunResult:
             draft_tokens=s.num_draft_tokens if s else 0, accepted_draft_tokens=s.num_accepted_draft_tokens if s else 0,
             resumed_from=t.resumed_from, continued=t.continued, tokens_carried_over=t.tokens_carried_over,
             in_flight_saved=t.in_flight_saved if self.status is Outcome.STOPPED else 0,
+            reuse=t.reuse, retried_errors=t.retried_errors,
             keep_fields_missing=tuple(self.keep_fields_missing), wall_s=round(self.wall_s, 3),
             setup=self.setup, finish_reasons=_most_first(Counter(t.finish_reasons)),
             structured_outputs=t.structured_outputs, structured_outputs_cut=t.structured_outputs_cut)

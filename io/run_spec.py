@@ -62,6 +62,8 @@ class StateOptions:
 
     run_dir: str | None = option(None)  # None: <output>.conveyor beside the output
     restart: bool = option(False, config_file=False)  # discard the run directory's state and start over
+    # compute again the records whose error row the run itself made (a step failure, a grammar over its budget)
+    retry_errors: bool = option(False, config_file=False)
     shard: str | None = option(None)  # "I/N": answer the records whose index is I mod N (io/state/shards.py)
     # commit every N finished rows (None: by time only), and at least every so many seconds
     checkpoint_every: int | None = option(CommitPolicy.every_rows, positive=True)

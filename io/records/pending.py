@@ -38,8 +38,9 @@ class PendingRecords:
     shard's, after --limit), which a finished shard records."""
 
     def __init__(self, reader: Reader, journal: Answers, source: str, limit: int | None = None,
-                 shard: Share | None = None) -> None:
+                 shard: Share | None = None, checked: bool = False) -> None:
         self.reader = reader
+        self.checked = checked  # an input without a fingerprint of its content: records checked by digest
         self.journal = journal
         self.source = source  # the input's name, for errors
         self.limit = limit
@@ -47,7 +48,7 @@ class PendingRecords:
         self.input_records = 0
 
     def __iter__(self) -> Iterator[RawRecord]:
-        for raw in self._checked() if self.reader.with_digests else self._unanswered():
+        for raw in self._checked() if self.checked else self._unanswered():
             self.input_records = raw.index + 1
             if self.shard is None or self.shard.owns(raw.index):
                 yield raw

@@ -20,7 +20,24 @@ from conveyor.io.records.readers.record import RawRecord, describe, location
 from conveyor.io.records.reject import Reject
 from conveyor.io.records.seeds import sample_seed
 
-__all__ = ["BuiltRequest", "ErrorRow", "RequestBuilder"]
+__all__ = ["BuiltRequest", "ErrorRow", "RequestBuilder", "own_id"]
+
+
+def own_id(record: dict, id_field: str) -> str | None:
+    """A record's own id (its `id_field`, else its `custom_id`), or None where it has none; Reject where the field
+    is not a non-empty string or an integer."""
+    name = id_field
+    value = record.get(name)
+    if value is None:
+        value, name = record.get("custom_id"), "custom_id"
+    if value is None:
+        return None
+    if isinstance(value, str) and value:
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    raise Reject(f"field '{name}' must be a non-empty string or an integer, got {describe(value)}; "
+                 "fix it or choose another field with --id-field")
 
 
 @dataclass(frozen=True)
@@ -126,18 +143,7 @@ class RequestBuilder:
 
     def _record_id(self, record: dict) -> str | None:
         """The record's own id, or None where it has none."""
-        name = self.options.id_field
-        value = record.get(name)
-        if value is None:
-            value, name = record.get("custom_id"), "custom_id"
-        if value is None:
-            return None
-        if isinstance(value, str) and value:
-            return value
-        if isinstance(value, int) and not isinstance(value, bool):
-            return str(value)
-        raise Reject(f"field '{name}' must be a non-empty string or an integer, got {describe(value)}; "
-                     "fix it or choose another field with --id-field")
+        return own_id(record, self.options.id_field)
 
     def _request_fields(self, record: dict) -> tuple[dict, str]:
         """The object holding the prompt and overrides, and the prefix that names its fields in messages: the

@@ -56,6 +56,8 @@ class RunTotals:
     resumed_from: int = 0  # rows already committed when this process started
     continued: int = 0  # records this process continued from an earlier one's partial (or its finished samples)
     tokens_carried_over: int = 0  # the tokens those partials held
+    reuse: dict[str, int] | None = None  # over an input that changed: rows reused, records new and changed, rows removed
+    retried_errors: int = 0  # --retry-errors: error rows of the run's own making dropped to compute their records again
     in_flight_saved: int = 0  # records still generating whose tokens the last commit kept (a stop's)
     keep_fields_seen: set[str] = dataclasses.field(default_factory=set)  # --keep-fields some record read here had
     latency: LatencyFigures = dataclasses.field(default_factory=LatencyFigures)  # this process's ok rows' timings
@@ -117,19 +119,21 @@ class JournalSink(RecordSink):
         self._last_commit = time.monotonic()
 
     def admit(self, raw: RawRecord, built: BuiltRequest | ErrorRow):
+        where = location(raw.index, raw.line)
         if isinstance(built, BuiltRequest) and built.id_given and not self.journal.claim_id(built.id, built.index):
-            built = built.error_row(duplicate_id_message(location(raw.index, raw.line), built.id))
+            self._bad(built.error_row(duplicate_id_message(where, built.id)), "duplicate", where)
+            return None
         if isinstance(built, BuiltRequest):
             if self.totals.first_admit is None:
                 self.totals.first_admit = time.monotonic()
             partial = self.partials.pop(built.index, None)
             if built.n > 1:
-                return self._admit_samples(built, location(raw.index, raw.line), partial)
-            self.in_flight[str(built.index)] = (built, location(raw.index, raw.line), 0)
+                return self._admit_samples(built, where, partial)
+            self.in_flight[str(built.index)] = (built, where, 0)
             request = self._continued(built.to_generation_request(), partial)
             self.totals.continued += bool(request.output_token_ids)
             return request
-        self._bad(built)
+        self._bad(built, "input", where)
         return None
 
     def _admit_samples(self, built: BuiltRequest, where: str, partial: dict | None) -> list[GenerationRequest] | None:
@@ -170,7 +174,7 @@ class JournalSink(RecordSink):
         """A request that could not run (refused, or its grammar) or broke a step: the record's error row, or its
         sample's."""
         if built.n == 1:
-            self._bad(e)
+            self._bad(e, "run", where)
             return
         if self.on_error == "fail":
             self.journal.commit()
@@ -186,14 +190,17 @@ class JournalSink(RecordSink):
             done[sample] = row
         if len(done) == built.n:
             del self.samples[built.index]
-            self._add(group_row([done[k] for k in range(built.n)], where if built.id_given else None), built.digest,
-                      built.sampling.grammar is not None)
+            row = group_row([done[k] for k in range(built.n)], where if built.id_given else None)
+            self._add(row, built.digest, built.sampling.grammar is not None, "run" if row["status"] == "error" else None,
+                      where)
 
-    def _bad(self, e: ErrorRow) -> None:
+    def _bad(self, e: ErrorRow, origin: str, where: str) -> None:
+        """The error row of a record read at `where`; `origin` what made it ("input": the record, "duplicate": its
+        id, "run": the run, which --retry-errors computes again)."""
         if self.on_error == "fail":
             self.journal.commit()
             raise BadRecordStop(e.error)
-        self._add(error_row(e), e.digest)
+        self._add(error_row(e), e.digest, origin=origin, place=where)
 
     def finished(self, out) -> None:
         built, where, k = self.in_flight.pop(out.req_id)
@@ -202,14 +209,16 @@ class JournalSink(RecordSink):
             return
         row = ok_row(built, out, self.token_text, where)
         if built.n == 1:
-            self._add(row, built.digest, built.sampling.grammar is not None)
+            self._add(row, built.digest, built.sampling.grammar is not None, place=where)
         else:
             self._sample_done(built, where, k, row)
         self.totals.last_active = time.monotonic()
 
-    def _add(self, row: dict[str, Any], digest: str | None, structured: bool = False) -> None:
-        """`row` into the journal and the totals (`structured`: its request had a grammar)."""
-        self.journal.add(row, digest)
+    def _add(self, row: dict[str, Any], digest: str | None, structured: bool = False, origin: str | None = None,
+             place: str | None = None) -> None:
+        """`row` into the journal and the totals (`structured`: its request had a grammar; `origin` and `place` as
+        Journal.add takes them)."""
+        self.journal.add(row, digest, origin, place)
         t = self.totals
         t.done += 1
         if row["status"] == "ok":

@@ -24,14 +24,20 @@ from pathlib import Path
 from conveyor.io.errors import JournalCorrupt
 from conveyor.io.rows.rows import SAMPLES_KEY
 
-_SCHEMA_VERSION = 3  # 2: rows.digest; 3: partials
+_SCHEMA_VERSION = 4  # 2: rows.digest; 3: partials; 4: rows.origin and rows.place, the digest index
 _PAGE = 4096  # rows fetched per query when streaming
+
+ROWS_TABLE = ("CREATE TABLE IF NOT EXISTS {name} (idx INTEGER PRIMARY KEY, id TEXT NOT NULL, status TEXT NOT NULL,"
+              " row TEXT NOT NULL, digest TEXT, origin TEXT, place TEXT)")
+DIGEST_INDEX = "CREATE INDEX IF NOT EXISTS rows_digest ON rows(digest)"
 
 _SCHEMA = [
     # idx is the input position and the B-tree key; row is the output row dict as JSON; digest a hash
-    # of the input record as read (inputs without a fingerprint, such as stdin), else NULL.
-    "CREATE TABLE IF NOT EXISTS rows (idx INTEGER PRIMARY KEY, id TEXT NOT NULL,"
-    " status TEXT NOT NULL, row TEXT NOT NULL, digest TEXT)",
+    # of the input record as read (NULL in rows an earlier release wrote for a fingerprinted file); origin, for an
+    # error row, what made it ("input": the record; "duplicate": its id; "run": the run, such as a step failure);
+    # place where the record was read ("line 12"). A run over an input that changed matches rows to records by
+    # these (journal_rebase.py).
+    ROWS_TABLE.format(name="rows"),
     # The first index of each id: a table rather than UNIQUE(rows.id), because the error row of a
     # duplicate carries the same id, and an id is claimed when its record is read, before its row
     # exists. Its primary key is the unique index that makes id look-ups O(log n).
@@ -60,7 +66,8 @@ class Journal:
         # verify=True runs PRAGMA quick_check, a full O(size) read; `conveyor status` passes False.
         self.path = Path(path)
         self._read_only = read_only
-        self._pending_rows: dict[int, tuple[str, str, str, str | None]] = {}  # index -> (id, status, json, digest)
+        # index -> (id, status, json, digest, origin, place)
+        self._pending_rows: dict[int, tuple[str, str, str, str | None, str | None, str | None]] = {}
         self._pending_ids: dict[str, int] = {}  # id -> first index, not yet in `ids`
         self._pending_errors = 0
         self._pending_columns: set[str] = set()  # row keys first seen since the last commit
@@ -73,19 +80,48 @@ class Journal:
                     problems = [r[0] for r in self._conn.execute("PRAGMA quick_check(5)")]
                     if problems != ["ok"]:
                         raise JournalCorrupt(self.path, "; ".join(problems))
-                self._num_committed = self._meta_int("num_committed", "SELECT COUNT(*) FROM rows")
-                self._num_errors = self._meta_int(
-                    "num_errors", "SELECT COUNT(*) FROM rows WHERE status = 'error'"
-                )
-                self._prefix = self._meta_int("contiguous_prefix", None)
-                samples = self._meta("num_samples")  # (absent until a record with n > 1: one per row)
-                self._num_samples = int(samples) if samples is not None else self._num_committed
-                last = self._meta("last_commit_time")
-                self._last_commit_time = float(last) if last is not None else None
-                self._columns: set[str] = set(json.loads(self._meta("columns") or "[]"))
+                self._load_counters()
             except BaseException:
                 self._conn.close()
                 raise
+
+    def _load_counters(self) -> None:
+        self._num_committed = self._meta_int("num_committed", "SELECT COUNT(*) FROM rows")
+        self._num_errors = self._meta_int("num_errors", "SELECT COUNT(*) FROM rows WHERE status = 'error'")
+        self._prefix = self._meta_int("contiguous_prefix", None)
+        samples = self._meta("num_samples")  # (absent until a record with n > 1: one per row)
+        self._num_samples = int(samples) if samples is not None else self._num_committed
+        last = self._meta("last_commit_time")
+        self._last_commit_time = float(last) if last is not None else None
+        self._columns: set[str] = set(json.loads(self._meta("columns") or "[]"))
+
+    @contextlib.contextmanager
+    def rewriting(self, write: bool = True) -> Iterator[sqlite3.Connection]:
+        """One transaction over the committed rows for a caller that moves or drops them (journal_rebase.py): the
+        connection, inside BEGIN IMMEDIATE, committed on return (with write=False: rolled back, a dry run that
+        only counts); the counters are read again afterwards. The caller calls `recount` after changing rows.
+        Nothing may be pending."""
+        if self._pending_rows or self._pending_ids or self._pending_partials:
+            raise RuntimeError("Journal.rewriting: rows are pending; commit() first")
+        with self._guard():
+            self._conn.execute("BEGIN IMMEDIATE" if write and not self._read_only else "BEGIN")
+            try:
+                yield self._conn
+                self._conn.execute("COMMIT" if write and not self._read_only else "ROLLBACK")
+            except BaseException:
+                self._rollback()
+                raise
+            finally:
+                self._load_counters()
+
+    def forget_run_errors(self) -> int:
+        """--retry-errors: delete the error rows the run itself made (origin "run": a step failure, a grammar over
+        its budget, a fault), so their records are computed again; the rows of bad input stay. Returns how many."""
+        with self.rewriting() as conn:
+            found = conn.execute("DELETE FROM rows WHERE status = 'error' AND origin = 'run'").rowcount
+            if found:
+                recount(conn)
+        return found
 
     def _connect(self) -> sqlite3.Connection:
         if self._read_only:
@@ -113,12 +149,15 @@ class Journal:
                     [("schema_version", str(_SCHEMA_VERSION)), ("num_committed", "0"),
                      ("num_errors", "0"), ("contiguous_prefix", "0")],
                 )
-            elif int(version[0]) in (1, 2):  # an earlier release's journal: what it lacks is added (the partials
-                if int(version[0]) == 1:  # table by _SCHEMA above; version 1 also lacked the records' digests)
-                    conn.execute("ALTER TABLE rows ADD COLUMN digest TEXT")
+            elif int(version[0]) in (1, 2, 3):  # an earlier release's journal: what it lacks is added (the
+                have = {r[1] for r in conn.execute("PRAGMA table_info(rows)").fetchall()}  # partials table by
+                for column in ("digest", "origin", "place"):  # _SCHEMA above; version 1 also lacked the digests)
+                    if column not in have:
+                        conn.execute(f"ALTER TABLE rows ADD COLUMN {column} TEXT")
                 conn.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(_SCHEMA_VERSION),))
             elif int(version[0]) != _SCHEMA_VERSION:
                 raise JournalCorrupt(self.path, f"unknown schema version {version[0]}")
+            conn.execute(DIGEST_INDEX)
             conn.execute("COMMIT")
         except BaseException:
             conn.close()
@@ -152,9 +191,10 @@ class Journal:
     def pending(self) -> int:
         return len(self._pending_rows)
 
-    def add(self, row: dict, digest: str | None = None) -> None:
+    def add(self, row: dict, digest: str | None = None, origin: str | None = None, place: str | None = None) -> None:
         """Buffer one finished row (at least "index", "id", "status"), with the digest of the input record it
-        answers where there is one; durable after commit()."""
+        answers where there is one, what made it where it is an error row ("input", "duplicate" or "run") and
+        where its record was read ("line 12"); durable after commit()."""
         index, record_id, status = row["index"], row["id"], row["status"]
         if not isinstance(index, int) or isinstance(index, bool) or index < 0:
             raise ValueError(f"row index must be a non-negative int, got {index!r}")
@@ -164,7 +204,7 @@ class Journal:
         # here would cost a third of add()'s time.
         if index in self._pending_rows or index < self._prefix:
             raise ValueError(f"row {index} is already in the journal; a row is written once")
-        self._pending_rows[index] = (record_id, status, json.dumps(row, ensure_ascii=False), digest)
+        self._pending_rows[index] = (record_id, status, json.dumps(row, ensure_ascii=False), digest, origin, place)
         self._pending_ids.setdefault(record_id, index)
         self._pending_errors += status == "error"
         samples = row.get(SAMPLES_KEY)
@@ -241,7 +281,7 @@ class Journal:
                     self._pending_ids.items(),
                 )
                 self._conn.executemany(
-                    "INSERT INTO rows(idx, id, status, row, digest) VALUES (?, ?, ?, ?, ?)",
+                    "INSERT INTO rows(idx, id, status, row, digest, origin, place) VALUES (?, ?, ?, ?, ?, ?, ?)",
                     ((i, *fields) for i, fields in rows.items()),
                 )
                 self._conn.executemany("INSERT OR REPLACE INTO partials(idx, num_tokens, state) VALUES (?, ?, ?)",
@@ -403,6 +443,23 @@ class Journal:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def recount(conn: sqlite3.Connection) -> None:
+    """The counters in `meta` (rows, errors, output rows, the contiguous prefix, the columns) counted again from the
+    rows, inside the caller's transaction, after rows were moved or dropped."""
+    rows, errors = conn.execute("SELECT COUNT(*), COUNT(*) FILTER (WHERE status = 'error') FROM rows").fetchone()
+    samples = conn.execute(f"SELECT SUM(COALESCE(json_array_length(row, '$.{SAMPLES_KEY}'), 1)) FROM rows"
+                           ).fetchone()[0] or 0
+    prefix = conn.execute("SELECT CASE WHEN EXISTS (SELECT 1 FROM rows WHERE idx = 0) THEN (SELECT MIN(idx) + 1 FROM"
+                          " rows r WHERE NOT EXISTS (SELECT 1 FROM rows s WHERE s.idx = r.idx + 1)) ELSE 0 END"
+                          ).fetchone()[0]
+    columns = [key for (key,) in conn.execute(
+        f"SELECT DISTINCT key FROM rows, json_each(rows.row) UNION SELECT DISTINCT sample.key FROM rows, "
+        f"json_each(rows.row, '$.{SAMPLES_KEY}') AS samples, json_each(samples.value) AS sample").fetchall()]
+    conn.executemany("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)",
+                     [("num_committed", str(rows)), ("num_errors", str(errors)), ("num_samples", str(samples)),
+                      ("contiguous_prefix", str(prefix)), ("columns", json.dumps(sorted(columns)))])
 
 
 def _partial_tokens(state: dict) -> int:

@@ -16,6 +16,7 @@ import json
 import os
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -215,13 +216,16 @@ class RunDir:
         self.path.mkdir(parents=True, exist_ok=True)
         atomic_write_text(self.manifest_path, manifest.to_json() + "\n")
 
-    def open_journal(self, manifest: Manifest, stored: Manifest | None = None) -> tuple[Journal, str | None]:
+    def open_journal(self, manifest: Manifest, stored: Manifest | None = None,
+                     rebase: Callable[[Journal], bool] | None = None) -> tuple[Journal, str | None]:
         """The journal of the run `manifest` describes, and a note for the user or None.
 
         - No manifest here: a new run (the manifest is written), unless a journal exists without one:
           its rows' settings cannot be checked, and it may not be conveyor's, so it is refused.
         - A manifest that matches: the run resumes.
-        - One that differs (input, model or generation settings): refused as drift while the journal holds
+        - One whose input alone differs, given `rebase`: the journal is carried over to the input as it is now
+          (`rebase(journal)`: journal_rebase.py; False where its rows cannot be matched, refused as drift).
+        - One that differs otherwise (the model, generation settings): refused as drift while the journal holds
           committed rows; with none (a run that failed before finishing a record), it starts over.
         """
         stored = stored if stored is not None else self.load_manifest()  # (`stored`: the caller read it already)
@@ -238,12 +242,28 @@ class RunDir:
             self.check_drift(manifest, stored)
         except DriftError as drift:
             if self._committed_rows():
-                raise
+                if rebase is None or drift.changed != ("input",):
+                    raise
+                return self._rebased(manifest, drift, rebase), None
             self.reset()
             self.write_manifest(manifest)
             return Journal(self.journal_path), (f"{self.path} held no finished rows, so the run starts over with "
                                                 f"the new settings ({drift.detail})")
         return Journal(self.journal_path), None
+
+    def _rebased(self, manifest: Manifest, drift: DriftError, rebase: Callable[[Journal], bool]) -> Journal:
+        """The journal carried over to the changed input, the new manifest written after it (a crash between the
+        two rebases again, to the same rows)."""
+        journal = Journal(self.journal_path)
+        try:
+            if not rebase(journal):
+                raise DriftError(self.path, drift.changed, f"{drift.detail}, and its rows were written by an earlier "
+                                 "release, which kept no digest of the records they answer, so none can be reused")
+        except BaseException:
+            journal.close()
+            raise
+        self.write_manifest(manifest)
+        return journal
 
     def _committed_rows(self) -> int:
         if not self.journal_path.exists():

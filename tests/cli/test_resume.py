@@ -231,7 +231,7 @@ def test_max_runtime_stops_with_75_and_resumes(many, tiny_model, tmp_path):
 FEW = [{"id": f"f{i}", "prompt": f"few {i}"} for i in range(5)]
 
 
-def test_drift_is_refused_naming_what_changed_and_restart_starts_over(tiny_model, tmp_path):
+def test_settings_drift_is_refused_naming_what_changed_and_restart_starts_over(tiny_model, tmp_path):
     source = write_jsonl(tmp_path / "in.jsonl", FEW)
     output = tmp_path / "out.jsonl"
     base = ["run", source, "-o", output, "--kv-cache-memory", "8MiB", "--max-tokens", "3", "-q"]
@@ -249,11 +249,11 @@ def test_drift_is_refused_naming_what_changed_and_restart_starts_over(tiny_model
     assert changed_model.code == 2
     assert "model changed" in changed_model.err and str(other_model) in changed_model.err
 
-    write_jsonl(source, FEW + [{"id": "f5", "prompt": "a new record"}])
-    changed_input = run_in_process(*base, "--model", tiny_model)
-    assert changed_input.code == 2
-    assert "input file changed" in changed_input.err and "temperature" not in changed_input.err
     assert output.exists() and len(read_rows(output)) == 5  # the refused runs touched nothing
+    write_jsonl(source, FEW + [{"id": "f5", "prompt": "a new record"}])
+    changed_input = run_in_process(*base, "--model", tiny_model, "--temperature", "0.5")  # the input and a setting
+    assert changed_input.code == 2
+    assert "input file changed" in changed_input.err and "temperature" in changed_input.err
 
     restarted = run_in_process(*base, "--model", tiny_model, "--temperature", "0.5", "--restart")
     assert restarted.code == 0, restarted.err

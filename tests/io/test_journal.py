@@ -311,5 +311,5 @@ def test_a_journal_of_the_release_before_partials_resumes(path):
         j.commit()
         assert j.partials() == {2: {"tokens": [1], "logprobs": None}}
     conn = sqlite3.connect(path)
-    assert conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()[0] == "3"
+    assert conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()[0] == "4"
     conn.close()

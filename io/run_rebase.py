@@ -1,0 +1,70 @@
+"""An input that changed under a run directory, as the journal's rows are matched to it (io/state/journal_rebase.py):
+its records as entries (index, place, digest, own id), streamed, for `Run.open`, which carries the journal over,
+and for `conveyor status`, which counts what a rerun would compute without loading the model or changing a row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+from conveyor.io.errors import InputError
+from conveyor.io.records.readers import DEFAULT_MAX_RECORD_BYTES, RawRecord, Reader, fingerprint, open_reader
+from conveyor.io.records.readers.record import location
+from conveyor.io.records.reject import Reject
+from conveyor.io.records.request_builder import own_id
+from conveyor.io.state.journal import Journal
+from conveyor.io.state.journal_rebase import Entry, Reuse, rebase
+from conveyor.io.state.run_dir import RunDir
+from conveyor.io.state.shards import Shard
+
+__all__ = ["input_entries", "pending_in_changed_input"]
+
+
+def input_entries(reader: Reader, id_field: str, limit: int | None = None,
+                  shard: Shard | None = None) -> Iterator[Entry]:
+    """The records a run answers (within --limit, this shard's) as journal_rebase's entries; `reader` gives digests."""
+    for raw in reader.iter_from(0):
+        if limit is not None and raw.index >= limit:
+            return
+        if shard is None or shard.owns(raw.index):
+            yield Entry(raw.index, location(raw.index, raw.line), raw.digest, _own_id(raw, id_field))
+
+
+def _own_id(raw: RawRecord, id_field: str) -> str | None:
+    """A record's own id as the request builder reads it; None where it has none or a bad one (its row is an error
+    row, matched by its index)."""
+    if raw.record is None:
+        return None
+    try:
+        return own_id(raw.record, id_field)
+    except Reject:
+        return None
+
+
+def pending_in_changed_input(folder: Path) -> tuple[Reuse | None, str | None]:
+    """For `conveyor status`: where the input of the run in `folder` changed since its manifest was written, what a
+    rerun would reuse and compute (a dry rebase: nothing is written); (None, None) where it did not change, or
+    (None, why) where it cannot be told (the input is gone, unreadable, or without a fingerprint of its content)."""
+    run_dir = RunDir(folder)
+    manifest = run_dir.load_manifest()
+    if manifest is None or not run_dir.journal_path.exists():
+        return None, None
+    path = manifest.input_path
+    if path == "-" or not Path(path).exists():
+        return None, None
+    now = fingerprint(path)
+    if now == manifest.input_fingerprint:
+        return None, None
+    config = manifest.generation_config
+    try:
+        reader = open_reader(path, None, None, config.get("max_record_bytes", DEFAULT_MAX_RECORD_BYTES))
+        reader.with_digests = True
+        with Journal(run_dir.journal_path, read_only=True, verify=False) as journal:
+            reuse = rebase(journal, input_entries(reader, config.get("id_field", "id")), write=False)
+    except (InputError, OSError) as e:
+        return None, f"the input {path} changed since the run's last start, and cannot be read here ({e})"
+    if reuse is None:
+        return None, (f"the input {path} changed since the run started, and its rows were written by an earlier "
+                      "release: a rerun refuses it (run with --restart)")
+    return reuse, None

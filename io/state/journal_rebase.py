@@ -1,0 +1,160 @@
+"""A run's journal carried over to an input that changed: the rows of records that are still there, unchanged, are
+kept (moved to their records' new positions), every other row is dropped, and the run computes only what is left.
+
+A row is reused only where it is exactly what a fresh run would write for the record now:
+- a record with its own id (its id field, or custom_id) keeps its row wherever it moved, when its digest (of the
+  record as read) is the one the row was computed from and it is the first record with that id; its seed follows
+  its id, so only the row's index and place change. An error row moves only where the record stayed at its place
+  (the message names it).
+- a record without one keeps its row only at the same index: its seed (and its id) follow its index.
+- the error row of a duplicate id is never reused (it depends on the records around it).
+Everything else in a row (the settings, the model, the kernels) is the run's: a change there is drift, refused
+before this runs (run_dir.py). The records are streamed into a temporary table and matched in SQL, so memory stays
+bounded whatever the input's size. Pure Python over sqlite3.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from itertools import islice
+
+from conveyor.io.rows.rows import SAMPLES_KEY, WHERE_KEY
+from conveyor.io.state.journal import Journal, recount
+
+__all__ = ["Entry", "Reuse", "rebase"]
+
+_CHUNK = 10_000  # entries inserted per executemany
+_PAGE = 4096  # moved rows rewritten per query
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One input record as the rebase needs it: its index, its place ("line 12"), its digest, its own id or None."""
+
+    index: int
+    place: str
+    digest: str
+    own_id: str | None
+
+
+@dataclass
+class Reuse:
+    """What a rebase found: rows `reused`; records `new` (no row was ever computed for them) and `changed` (one was,
+    for an earlier version of the record, or for the record at another index where it has no id); old rows
+    `removed` (their records are gone); `moved_without_id`: records without an id found at another index, computed
+    again because their seed follows their index."""
+
+    reused: int = 0
+    new: int = 0
+    changed: int = 0
+    removed: int = 0
+    moved_without_id: int = 0
+
+    def describe(self) -> str:
+        return f"reused {self.reused}, new {self.new}, changed {self.changed}, removed {self.removed}"
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def rebase(journal: Journal, entries: Iterable[Entry], write: bool = True) -> Reuse | None:
+    """Match the journal's rows to `entries` (the input as it is now, in index order) and, with `write`, keep only
+    the reused rows, at their records' new indices, in one transaction. None where a committed row has no digest (a
+    journal an earlier release wrote): its rows cannot be matched, and nothing is changed."""
+    with journal.rewriting(write) as conn:
+        if conn.execute("SELECT 1 FROM rows WHERE digest IS NULL LIMIT 1").fetchone() is not None:
+            return None
+        try:
+            _load(conn, entries)
+            reuse = _count(conn)
+            if write:
+                _apply(conn, reuse)
+        finally:
+            for table in ("reuse", "first_ids", "incoming"):
+                conn.execute(f"DROP TABLE IF EXISTS temp.{table}")
+    return reuse
+
+
+def _load(conn: sqlite3.Connection, entries: Iterable[Entry]) -> None:
+    """The entries into temp.incoming, and the reusable (new index, old index) pairs into temp.reuse."""
+    conn.execute("CREATE TEMP TABLE incoming (idx INTEGER PRIMARY KEY, place TEXT, digest TEXT NOT NULL, own_id TEXT)")
+    rows = ((e.index, e.place, e.digest, e.own_id) for e in entries)
+    while chunk := list(islice(rows, _CHUNK)):
+        conn.executemany("INSERT INTO temp.incoming VALUES (?, ?, ?, ?)", chunk)
+    conn.execute("CREATE INDEX temp.incoming_digest ON incoming(digest)")
+    conn.execute("CREATE TEMP TABLE first_ids (own_id TEXT PRIMARY KEY, idx INTEGER NOT NULL)")
+    conn.execute("INSERT INTO temp.first_ids SELECT own_id, MIN(idx) FROM temp.incoming WHERE own_id IS NOT NULL"
+                 " GROUP BY own_id")
+    conn.execute("CREATE TEMP TABLE reuse (new_idx INTEGER PRIMARY KEY, old_idx INTEGER NOT NULL UNIQUE, place TEXT,"
+                 " own_id TEXT)")
+    # Records with an id: the row its id points to (ids holds each id's first index), wherever it is.
+    conn.execute(
+        "INSERT INTO temp.reuse SELECT i.idx, r.idx, i.place, i.own_id FROM temp.first_ids f"
+        " JOIN temp.incoming i ON i.idx = f.idx JOIN main.ids d ON d.id = f.own_id JOIN main.rows r ON r.idx = d.idx"
+        " WHERE r.digest = i.digest AND r.id = i.own_id AND (r.status = 'ok' OR (r.origin IN ('input', 'run')"
+        " AND r.idx = i.idx AND r.place IS i.place))")
+    # Records without one: the row at the same index.
+    conn.execute(
+        "INSERT OR IGNORE INTO temp.reuse SELECT i.idx, r.idx, i.place, NULL FROM temp.incoming i"
+        " JOIN main.rows r ON r.idx = i.idx WHERE i.own_id IS NULL AND r.digest = i.digest"
+        " AND (r.status = 'ok' OR (r.origin IN ('input', 'run') AND r.place IS i.place))")
+
+
+def _count(conn: sqlite3.Connection) -> Reuse:
+    (old,) = conn.execute("SELECT COUNT(*) FROM main.rows").fetchone()
+    (incoming,) = conn.execute("SELECT COUNT(*) FROM temp.incoming").fetchone()
+    (reused,) = conn.execute("SELECT COUNT(*) FROM temp.reuse").fetchone()
+    left = "NOT EXISTS (SELECT 1 FROM temp.reuse u WHERE u.new_idx = i.idx)"
+    gone = "NOT EXISTS (SELECT 1 FROM temp.reuse u WHERE u.old_idx = r.idx)"
+    # Changed: a record left to compute whose counterpart had a row: the row its id points to, or, without an id,
+    # the row at its index.
+    (changed_id,) = conn.execute(
+        f"SELECT COUNT(*) FROM temp.incoming i JOIN main.ids d ON d.id = i.own_id WHERE {left}").fetchone()
+    (changed_at,) = conn.execute(
+        f"SELECT COUNT(*) FROM temp.incoming i JOIN main.rows r ON r.idx = i.idx WHERE i.own_id IS NULL AND {left}"
+        f" AND {gone}").fetchone()
+    (moved,) = conn.execute(
+        f"SELECT COUNT(*) FROM temp.incoming i WHERE i.own_id IS NULL AND {left} AND EXISTS (SELECT 1 FROM main.rows"
+        f" r WHERE r.digest = i.digest AND r.idx != i.idx)").fetchone()
+    changed = changed_id + changed_at
+    return Reuse(reused=reused, new=incoming - reused - changed, changed=changed,
+                 removed=max(0, old - reused - changed), moved_without_id=moved)
+
+
+def _apply(conn: sqlite3.Connection, reuse: Reuse) -> None:
+    """Drop the rows not reused, move the others to their new indices (their row's index and place rewritten),
+    claim the reused records' ids again, drop the partials (their indices are the old input's), recount."""
+    dropped = conn.execute("DELETE FROM main.rows WHERE idx NOT IN (SELECT old_idx FROM temp.reuse)").rowcount
+    moved = 0
+    last = -1
+    while True:
+        page = conn.execute(
+            "SELECT u.old_idx, u.new_idx, u.place, r.row FROM temp.reuse u JOIN main.rows r ON r.idx = u.old_idx"
+            " WHERE u.old_idx > ? AND (u.new_idx != u.old_idx OR r.place IS NOT u.place) ORDER BY u.old_idx LIMIT ?",
+            (last, _PAGE)).fetchall()
+        # (a moved row goes to -1 - its new index first: no two rows ever hold one index mid-way)
+        conn.executemany("UPDATE main.rows SET idx = ?, row = ?, place = ? WHERE idx = ?",
+                         [(-1 - new, _moved(text, new, place), place, old) for old, new, place, text in page])
+        moved += len(page)
+        if len(page) < _PAGE:
+            break
+        last = page[-1][0]
+    conn.execute("UPDATE main.rows SET idx = -1 - idx WHERE idx < 0")
+    conn.execute("DELETE FROM main.ids")
+    conn.execute("INSERT INTO main.ids(id, idx) SELECT own_id, new_idx FROM temp.reuse WHERE own_id IS NOT NULL")
+    conn.execute("DELETE FROM main.partials")
+    if dropped or moved:
+        recount(conn)
+
+
+def _moved(text: str, index: int, place: str | None) -> str:
+    """A row's JSON with its record's new index and place (in each of its samples too)."""
+    row = json.loads(text)
+    for part in [row, *row.get(SAMPLES_KEY, ())]:
+        part["index"] = index
+        if WHERE_KEY in part:
+            part[WHERE_KEY] = place
+    return json.dumps(row, ensure_ascii=False)
