@@ -107,21 +107,24 @@ def _count(conn: sqlite3.Connection) -> Reuse:
     (old,) = conn.execute("SELECT COUNT(*) FROM main.rows").fetchone()
     (incoming,) = conn.execute("SELECT COUNT(*) FROM temp.incoming").fetchone()
     (reused,) = conn.execute("SELECT COUNT(*) FROM temp.reuse").fetchone()
-    left = "NOT EXISTS (SELECT 1 FROM temp.reuse u WHERE u.new_idx = i.idx)"
-    gone = "NOT EXISTS (SELECT 1 FROM temp.reuse u WHERE u.old_idx = r.idx)"
-    # Changed: a record left to compute whose counterpart had a row: the row its id points to, or, without an id,
-    # the row at its index.
+    left = "NOT EXISTS (SELECT 1 FROM temp.reuse u WHERE u.new_idx = i.idx)"  # record i is to compute
+    gone = "NOT EXISTS (SELECT 1 FROM temp.reuse u WHERE u.old_idx = r.idx)"  # row r is not reused
+    without_id = "r.id = CAST(r.idx AS TEXT)"  # row r answered a record without an id (its id is its index)
+    moved = (f"EXISTS (SELECT 1 FROM main.rows r WHERE r.digest = i.digest AND {without_id} AND r.idx != i.idx"
+             f" AND {gone})")
+    # Changed: a record to compute whose earlier version had a row: the row its id points to; without an id, the
+    # row of the same record at another index (it moved), or the row at its index of a record that is gone.
     (changed_id,) = conn.execute(
         f"SELECT COUNT(*) FROM temp.incoming i JOIN main.ids d ON d.id = i.own_id WHERE {left}").fetchone()
-    (changed_at,) = conn.execute(
+    (moved_without_id,) = conn.execute(
+        f"SELECT COUNT(*) FROM temp.incoming i WHERE i.own_id IS NULL AND {left} AND {moved}").fetchone()
+    (edited_in_place,) = conn.execute(
         f"SELECT COUNT(*) FROM temp.incoming i JOIN main.rows r ON r.idx = i.idx WHERE i.own_id IS NULL AND {left}"
-        f" AND {gone}").fetchone()
-    (moved,) = conn.execute(
-        f"SELECT COUNT(*) FROM temp.incoming i WHERE i.own_id IS NULL AND {left} AND EXISTS (SELECT 1 FROM main.rows"
-        f" r WHERE r.digest = i.digest AND r.idx != i.idx)").fetchone()
-    changed = changed_id + changed_at
+        f" AND NOT {moved} AND {gone} AND {without_id} AND NOT EXISTS (SELECT 1 FROM temp.incoming j"
+        " WHERE j.digest = r.digest)").fetchone()
+    changed = changed_id + moved_without_id + edited_in_place
     return Reuse(reused=reused, new=incoming - reused - changed, changed=changed,
-                 removed=max(0, old - reused - changed), moved_without_id=moved)
+                 removed=max(0, old - reused - changed), moved_without_id=moved_without_id)
 
 
 def _apply(conn: sqlite3.Connection, reuse: Reuse) -> None:
