@@ -24,12 +24,13 @@ from pathlib import Path
 from conveyor.io.errors import JournalCorrupt
 from conveyor.io.rows.rows import SAMPLES_KEY
 
-_SCHEMA_VERSION = 4  # 2: rows.digest; 3: partials; 4: rows.origin and rows.place, the digest index
+_SCHEMA_VERSION = 4  # 2: rows.digest; 3: partials; 4: rows.origin and rows.place, the match index
 _PAGE = 4096  # rows fetched per query when streaming
 
 ROWS_TABLE = ("CREATE TABLE IF NOT EXISTS {name} (idx INTEGER PRIMARY KEY, id TEXT NOT NULL, status TEXT NOT NULL,"
               " row TEXT NOT NULL, digest TEXT, origin TEXT, place TEXT)")
-DIGEST_INDEX = "CREATE INDEX IF NOT EXISTS rows_digest ON rows(digest)"
+# What a rerun over a changed input reads of every row (journal_rebase.py), in index order, without the rows' JSON.
+MATCH_INDEX = "CREATE INDEX IF NOT EXISTS rows_match ON rows(idx, digest, id, status, origin, place)"
 
 _SCHEMA = [
     # idx is the input position and the B-tree key; row is the output row dict as JSON; digest a hash
@@ -157,7 +158,7 @@ class Journal:
                 conn.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(_SCHEMA_VERSION),))
             elif int(version[0]) != _SCHEMA_VERSION:
                 raise JournalCorrupt(self.path, f"unknown schema version {version[0]}")
-            conn.execute(DIGEST_INDEX)
+            conn.execute(MATCH_INDEX)
             conn.execute("COMMIT")
         except BaseException:
             conn.close()

@@ -117,6 +117,7 @@ def test_a_journal_of_schema_3_gains_the_origin_and_place_columns(tmp_path):
     path = tmp_path / "j.sqlite"
     _journal(path, [(0, None, "d0", "ok", None)]).close()
     conn = sqlite3.connect(path)
+    conn.execute("DROP INDEX rows_match")
     conn.execute("ALTER TABLE rows DROP COLUMN origin")
     conn.execute("ALTER TABLE rows DROP COLUMN place")
     conn.execute("UPDATE meta SET value = '3' WHERE key = 'schema_version'")
