@@ -54,14 +54,15 @@ from conveyor.io.run_checks import (
     no_chat_template_note,
 )
 from conveyor.io.run_progress import RunProgress, run_progress
-from conveyor.io.run_rebase import input_entries
+from conveyor.io.run_rebase import input_entries, input_kept_fields
 from conveyor.io.run_report import Outcome, RunResult, RunSetup
 from conveyor.io.run_spec import CONFIG_VERSION, RunSpec
 from conveyor.io.split_run import base_run_dir, finish_shard
 from conveyor.io.state.journal import Journal
 from conveyor.io.state.journal_rebase import rebase as rebase_journal
+from conveyor.io.state.journal_rebase import refresh_kept_fields
 from conveyor.io.state.paths import check_run_paths
-from conveyor.io.state.run_dir import STATE_FILES, Manifest, RunDir
+from conveyor.io.state.run_dir import STATE_FILES, DriftError, Manifest, RunDir
 from conveyor.io.state.run_info import read_run_info, write_run_info
 from conveyor.io.state.shards import Shard, clear_done, shard_dir
 from conveyor.io.validate_run import ValidationReport, validate_run
@@ -72,6 +73,12 @@ except PackageNotFoundError:  # run from a source tree that was never installed
     TOOL_VERSION = "unknown"
 
 __all__ = ["BadRecordStop", "Run"]
+
+
+def _without_keep_fields(manifest: Manifest) -> Manifest:
+    """`manifest` without --keep-fields, an output-only setting (the rows keep the fields; a change reads them again)."""
+    return dataclasses.replace(manifest, generation_config={k: v for k, v in manifest.generation_config.items()
+                                                            if k != "keep_fields"})
 
 
 class Run:
@@ -143,11 +150,11 @@ class Run:
         # (stdin, a pipe, a hub dataset) checks its records one by one against them.
         reader.with_digests = True
         fingerprinted = fingerprints_content(manifest.input_fingerprint)
-        rebase = None
-        if fingerprinted and stored is not None and fingerprints_content(stored.input_fingerprint):
-            def rebase(journal: Journal) -> bool:
-                return self._rebase(journal, reader)
-        self.journal, note = self.run_dir.open_journal(manifest, stored, rebase)
+
+        def carry_over(journal: Journal, drift: DriftError) -> bool:
+            return self._carry_over(journal, drift, stored, manifest, reader)
+
+        self.journal, note = self.run_dir.open_journal(manifest, stored, carry_over)
         if note:
             self.say(note)
         if self.shard is not None:
@@ -176,6 +183,30 @@ class Run:
         self._pending = itertools.chain([first] if first is not None else [], self._pending)
         self.arithmetic = read_run_info(self.run_dir.path).get("arithmetic") if t.resumed_from else None
         write_run_info(self.run_dir.path, t.total, self.command, self.arithmetic)
+
+    def _carry_over(self, journal: Journal, drift: DriftError, stored: Manifest, manifest: Manifest, reader) -> bool:
+        """The journal of a run whose input or output-only settings changed, carried over: rows of the records still
+        there, unchanged, kept (`_rebase`), and their kept fields read again where --keep-fields changed. False where
+        something else changed (drift: the model, a setting that decides rows)."""
+        old_keep = tuple(stored.generation_config.get("keep_fields", ()))
+        if "model" in drift.changed or "generation_config" in _without_keep_fields(manifest).changes_since(
+                _without_keep_fields(stored))[0]:
+            return False
+        spec = self.spec
+        if "input" in drift.changed:
+            if not (fingerprints_content(stored.input_fingerprint) and fingerprints_content(manifest.input_fingerprint)):
+                return False
+            if not self._rebase(journal, reader):
+                raise DriftError(self.run_dir.path, drift.changed, f"{drift.detail}, and its rows were written by an "
+                                 "earlier release, which kept no digest of the records they answer, so none can be "
+                                 "reused")
+        if old_keep != spec.build.keep_fields:
+            refresh_kept_fields(journal, input_kept_fields(reader, spec.build.keep_fields, shard=self.shard),
+                                old_keep)
+            self.say(f"--keep-fields changed ({', '.join(old_keep) or 'none'} -> "
+                     f"{', '.join(spec.build.keep_fields) or 'none'}): the rows are kept, their kept fields read again "
+                     "from the input")
+        return True
 
     def _rebase(self, journal: Journal, reader) -> bool:
         """The journal carried over to the input as it is now (the records this run answers: within --limit, this

@@ -18,7 +18,7 @@ from conveyor.io.state.journal_rebase import Entry, Reuse, rebase
 from conveyor.io.state.run_dir import RunDir
 from conveyor.io.state.shards import Shard
 
-__all__ = ["input_entries", "pending_in_changed_input"]
+__all__ = ["input_entries", "input_kept_fields", "pending_in_changed_input"]
 
 
 def input_entries(reader: Reader, id_field: str, limit: int | None = None,
@@ -29,6 +29,17 @@ def input_entries(reader: Reader, id_field: str, limit: int | None = None,
             return
         if shard is None or shard.owns(raw.index):
             yield Entry(raw.index, location(raw.index, raw.line), raw.digest, _own_id(raw, id_field))
+
+
+def input_kept_fields(reader: Reader, names: tuple[str, ...], limit: int | None = None,
+                      shard: Shard | None = None) -> Iterator[tuple[int, dict]]:
+    """(index, its record's --keep-fields as a row holds them) of the records a run answers."""
+    for raw in reader.iter_from(0):
+        if limit is not None and raw.index >= limit:
+            return
+        if shard is None or shard.owns(raw.index):
+            record = raw.record or {}
+            yield raw.index, {name: record.get(name) for name in names}
 
 
 def _own_id(raw: RawRecord, id_field: str) -> str | None:

@@ -24,7 +24,7 @@ from typing import NamedTuple
 from conveyor.io.rows.rows import SAMPLES_KEY, WHERE_KEY
 from conveyor.io.state.journal import Journal, recount
 
-__all__ = ["Entry", "Reuse", "rebase"]
+__all__ = ["Entry", "Reuse", "rebase", "refresh_kept_fields"]
 
 _CHUNK = 10_000  # entries inserted per executemany
 _PAGE = 4096  # rows read or rewritten per query
@@ -223,6 +223,35 @@ def _apply(conn: sqlite3.Connection, prefix: int) -> None:
                  " WHERE own_id IS NOT NULL")
     conn.execute("DELETE FROM main.partials")
     if dropped or moved:
+        recount(conn)
+
+
+def refresh_kept_fields(journal: Journal, kept: Iterable[tuple[int, dict]], old_names: tuple[str, ...]) -> None:
+    """--keep-fields changed: every row's kept fields (`old_names`) replaced by its record's now (`kept`: (index,
+    fields) in index order, as the input gives them), in its samples too; one transaction."""
+    fields = iter(kept)
+    with journal.rewriting() as conn:
+        last = -1
+        while True:
+            page = conn.execute("SELECT idx, row FROM main.rows WHERE idx > ? ORDER BY idx LIMIT ?",
+                                (last, _PAGE)).fetchall()
+            updates = []
+            for index, text in page:
+                found = next(fields, None)
+                while found is not None and found[0] < index:
+                    found = next(fields, None)
+                if found is None or found[0] != index:
+                    raise ValueError(f"journal row {index} has no record in the input to read its kept fields from")
+                row = json.loads(text)
+                for part in [row, *row.get(SAMPLES_KEY, ())]:
+                    for name in old_names:
+                        part.pop(name, None)
+                    part.update(found[1])
+                updates.append((json.dumps(row, ensure_ascii=False), index))
+            conn.executemany("UPDATE main.rows SET row = ? WHERE idx = ?", updates)
+            if len(page) < _PAGE:
+                break
+            last = page[-1][0]
         recount(conn)
 
 

@@ -217,14 +217,15 @@ class RunDir:
         atomic_write_text(self.manifest_path, manifest.to_json() + "\n")
 
     def open_journal(self, manifest: Manifest, stored: Manifest | None = None,
-                     rebase: Callable[[Journal], bool] | None = None) -> tuple[Journal, str | None]:
+                     carry_over: Callable[[Journal, DriftError], bool] | None = None) -> tuple[Journal, str | None]:
         """The journal of the run `manifest` describes, and a note for the user or None.
 
         - No manifest here: a new run (the manifest is written), unless a journal exists without one:
           its rows' settings cannot be checked, and it may not be conveyor's, so it is refused.
         - A manifest that matches: the run resumes.
-        - One whose input alone differs, given `rebase`: the journal is carried over to the input as it is now
-          (`rebase(journal)`: journal_rebase.py; False where its rows cannot be matched, refused as drift).
+        - One that differs, given `carry_over`: `carry_over(journal, drift)` carries the journal over where the
+          difference allows it (an input that changed, an output-only setting: Run's), and the new manifest is
+          written after it; where it returns False, refused as drift.
         - One that differs otherwise (the model, generation settings): refused as drift while the journal holds
           committed rows; with none (a run that failed before finishing a record), it starts over.
         """
@@ -242,23 +243,23 @@ class RunDir:
             self.check_drift(manifest, stored)
         except DriftError as drift:
             if self._committed_rows():
-                if rebase is None or drift.changed != ("input",):
+                if carry_over is None:
                     raise
-                return self._rebased(manifest, drift, rebase), None
+                return self._carried_over(manifest, drift, carry_over), None
             self.reset()
             self.write_manifest(manifest)
             return Journal(self.journal_path), (f"{self.path} held no finished rows, so the run starts over with "
                                                 f"the new settings ({drift.detail})")
         return Journal(self.journal_path), None
 
-    def _rebased(self, manifest: Manifest, drift: DriftError, rebase: Callable[[Journal], bool]) -> Journal:
-        """The journal carried over to the changed input, the new manifest written after it (a crash between the
-        two rebases again, to the same rows)."""
+    def _carried_over(self, manifest: Manifest, drift: DriftError,
+                      carry_over: Callable[[Journal, DriftError], bool]) -> Journal:
+        """The journal carried over to what changed, the new manifest written after it (a crash between the two
+        carries it over again, to the same rows); DriftError where it cannot be."""
         journal = Journal(self.journal_path)
         try:
-            if not rebase(journal):
-                raise DriftError(self.path, drift.changed, f"{drift.detail}, and its rows were written by an earlier "
-                                 "release, which kept no digest of the records they answer, so none can be reused")
+            if not carry_over(journal, drift):
+                raise drift
         except BaseException:
             journal.close()
             raise

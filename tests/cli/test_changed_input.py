@@ -177,3 +177,27 @@ def test_each_shard_reuses_its_own_rows_and_the_merge_equals_a_single_run(tiny_m
     single = _run(tiny_model, src, tmp_path / "single.jsonl")
     assert single.code == 0, single.err
     _same_rows(read_rows(out), read_rows(tmp_path / "single.jsonl"))
+
+
+def test_a_changed_keep_fields_is_no_drift_the_rows_are_kept_and_their_fields_read_again(tiny_model, tmp_path,
+                                                                                        monkeypatch):
+    records = [{**r, "topic": f"t{i % 3}", "question": f"q{i}"} for i, r in enumerate(BASE)]
+    records[4] = "not a record"  # an error row keeps its fields as nulls
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.parquet"
+    src.write_text("".join((json.dumps(r) if isinstance(r, dict) else r) + "\n" for r in records))
+    assert _run(tiny_model, src, out, "--keep-fields", "topic").code == 3
+
+    def no_model(*_args, **_kwargs):
+        raise AssertionError("the model was loaded for an output-only change")
+
+    monkeypatch.setattr("conveyor.io.run.load_engine", no_model)
+    wider = _run(tiny_model, src, out, "--keep-fields", "question,topic")
+    assert wider.code == 3, wider.err
+    assert "--keep-fields changed (topic -> question, topic)" in wider.err
+    monkeypatch.undo()
+    fresh = _run(tiny_model, src, tmp_path / "fresh.parquet", "--keep-fields", "question,topic")
+    assert fresh.code == 3, fresh.err
+    rows = read_rows(out)
+    _same_rows(rows, read_rows(tmp_path / "fresh.parquet"))
+    assert rows[0]["question"] == "q0" and rows[4]["question"] is None and list(rows[0])[-2:] == ["question", "topic"]
+    assert _run(tiny_model, src, out).code == 3 and "topic" not in read_rows(out)[0]  # and back to none
