@@ -170,8 +170,9 @@ NumSpeculativeTokensOpt = Annotated[Optional[int], typer.Option(
     rich_help_panel=ENG)]
 BlockSizeOpt = Annotated[Optional[int], typer.Option(help=f"Tokens per KV block. {_d('block_size')}",
                                                      rich_help_panel=ENG)]
-QuietOpt = Annotated[Optional[bool], typer.Option("--quiet", "-q", help="Print only warnings and errors (no "
-                                                  "progress, no summary).", rich_help_panel=RUN)]
+QuietOpt = Annotated[Optional[bool], typer.Option("--quiet", "-q", help="Print only warnings, errors and one "
+                                                  "closing line (no progress, no summary table).",
+                                                  rich_help_panel=RUN)]
 NoQuietOpt = Annotated[bool, typer.Option("--no-quiet", hidden=True)]
 SummaryJsonOpt = Annotated[Optional[str], typer.Option(help="Write the run summary as JSON here.",
                                                        rich_help_panel=RUN)]

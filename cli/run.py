@@ -165,8 +165,9 @@ def execute(invocation: Invocation) -> int:
     summary = result.summary()
     message = _stop_message(stopper, result) if result.status is Outcome.STOPPED else result.message
     to_stdout = spec.output.path == "-"  # stdout carries the output: everything else goes to stderr
-    if cli.quiet:  # warnings and errors only
+    if cli.quiet:  # warnings and errors, and one closing line for a cron job's log
         print_warnings(summary)
+        say(_closing_line(run, summary, message, result.output_written, to_stdout))
     else:
         print_summary(summary, message, sys.stderr if to_stdout else sys.stdout)
     if result.profile:
@@ -176,6 +177,15 @@ def execute(invocation: Invocation) -> int:
     if result.output_written and not cli.quiet:
         say("wrote the output to stdout" if to_stdout else f"wrote {spec.output.path}")
     return exit_code(result.status)
+
+
+def _closing_line(run, summary, message: str, written: bool, to_stdout: bool) -> str:
+    """--quiet's one line: the records with a row, the errors, and how the run ended."""
+    total = run.totals.total
+    done = f"{summary.records}/{total}" if total is not None else str(summary.records)
+    ended = message or ("wrote the output to stdout" if to_stdout else f"wrote {run.spec.output.path}" if written
+                        else "finished")
+    return f"{done} records have a row ({summary.errors} errors); {ended}"
 
 
 def _stop_message(stopper, result) -> str:

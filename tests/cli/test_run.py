@@ -254,10 +254,11 @@ def test_no_tty_progress_is_plain_log_lines_on_stderr(tiny_model, tmp_path):
     assert len(read_rows(tmp_path / "out.jsonl")) == 300
 
 
-def test_quiet_prints_no_progress(tiny_model, tmp_path):
+def test_quiet_prints_no_progress_and_one_closing_line(tiny_model, tmp_path):
     result = _run_tiny(tiny_model, write_jsonl(tmp_path / "in.jsonl", RECORDS), tmp_path / "out.jsonl", "--quiet")
     assert result.code == 0, result.err
-    assert result.err == ""
+    assert result.err_lines == [f"conveyor: {len(RECORDS)}/{len(RECORDS)} records have a row (0 errors); wrote "
+                                f"{tmp_path / 'out.jsonl'}"] and result.out == ""
     assert len(read_rows(tmp_path / "out.jsonl")) == len(RECORDS)
 
 
