@@ -40,6 +40,7 @@ from conveyor.core import (
 from conveyor.io.errors import SpecError
 from conveyor.io.records.pending import PendingRecords
 from conveyor.io.records.readers import fingerprint, fingerprints_content, open_reader
+from conveyor.io.records.readers.spool import spool
 from conveyor.io.records.request_builder import RequestBuilder
 from conveyor.io.records_run import run_records
 from conveyor.io.rows.rows import SAMPLE_INDEX, without_errors
@@ -62,7 +63,7 @@ from conveyor.io.state.journal import Journal
 from conveyor.io.state.journal_rebase import rebase as rebase_journal
 from conveyor.io.state.journal_rebase import refresh_kept_fields
 from conveyor.io.state.paths import check_run_paths
-from conveyor.io.state.run_dir import STATE_FILES, DriftError, Manifest, RunDir
+from conveyor.io.state.run_dir import SPOOL_FILE, STATE_FILES, DriftError, Manifest, RunDir
 from conveyor.io.state.run_info import read_run_info, write_run_info
 from conveyor.io.state.shards import Shard, clear_done, shard_dir
 from conveyor.io.validate_run import ValidationReport, validate_run
@@ -73,6 +74,11 @@ except PackageNotFoundError:  # run from a source tree that was never installed
     TOOL_VERSION = "unknown"
 
 __all__ = ["BadRecordStop", "Run"]
+
+
+def _piped(input_fingerprint: str) -> bool:
+    """Whether the input is stdin or a pipe (`fingerprint` names them so): read once, so copied before a run."""
+    return input_fingerprint == "stdin" or input_fingerprint.startswith("stream:")
 
 
 def _without_keep_fields(manifest: Manifest) -> Manifest:
@@ -103,6 +109,7 @@ class Run:
         self.journal: Journal | None = None
         self.run_dir: RunDir | None = None
         self._token_texts: dict[int, str] = {}
+        self._spool: Path | None = None  # stdin or a pipe, copied into the run directory (`open`)
 
     @property
     def input_records(self) -> int:
@@ -145,6 +152,12 @@ class Run:
             self.run_dir.reset()
         stored = self.run_dir.load_manifest()
         manifest = self._manifest(stored)
+        if _piped(manifest.input_fingerprint) and (stored is None or fingerprints_content(stored.input_fingerprint)):
+            # stdin or a pipe, read once: copied to the run directory first, it is read like a file (and a rerun
+            # over one that changed reuses what it can). A run started before copies were made goes on without.
+            self._spool = self.run_dir.path / SPOOL_FILE
+            manifest = dataclasses.replace(manifest, input_fingerprint=spool(spec.input.path, self._spool))
+            reader = open_reader(str(self._spool), reader.format, None, spec.input.max_record_bytes)
         # Every row keeps the digest of the record it answers: a rerun over an input that changed reuses the rows
         # whose records are still there (journal_rebase.py), and one without a fingerprint of the input's content
         # (stdin, a pipe, a hub dataset) checks its records one by one against them.
@@ -366,6 +379,8 @@ class Run:
     def close(self) -> None:
         if self.journal is not None:
             self.journal.close()
+        if self._spool is not None:
+            self._spool.unlink(missing_ok=True)
         if self.run_dir is not None:
             self.run_dir.release_lock()
 

@@ -26,7 +26,8 @@ from conveyor.io.state.journal import Journal
 
 _JOURNAL_FILES = ("journal.sqlite", "journal.sqlite-wal", "journal.sqlite-shm")
 # The files of a run's state besides the manifest and the lock (never deleted: see acquire_lock).
-STATE_FILES = (*_JOURNAL_FILES, "run.json", "shard.json")
+SPOOL_FILE = "input.spool"  # stdin or a pipe, copied here while a run reads it (io/records/readers/spool.py)
+STATE_FILES = (*_JOURNAL_FILES, "run.json", "shard.json", SPOOL_FILE)
 _LOCK_TRIES = 5  # a `conveyor status` probe holds a shared lock for microseconds; retry past it
 
 

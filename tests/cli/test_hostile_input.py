@@ -146,19 +146,23 @@ def test_an_unreadable_manifest_and_an_empty_journal_are_named(tiny_model, tmp_p
 
 # -- 4. stdin fed twice with different content ------------------------------------------------------------
 
-def test_a_stdin_run_resumed_with_other_records_is_refused_naming_the_first_that_differs(tiny_model, tmp_path):
+def test_a_stdin_run_fed_other_records_reuses_the_rows_of_those_that_stayed(tiny_model, tmp_path):
     a = [{"prompt": f"first input {i}"} for i in range(10)]
     b = a[:5] + [{"prompt": f"second input {i}"} for i in range(5, 10)]
     data = lambda records: "".join(json.dumps(r) + "\n" for r in records).encode()  # noqa: E731
-    out = tmp_path / "o.jsonl"
+    out, run_dir = tmp_path / "o.jsonl", tmp_path / "o.jsonl.conveyor"
     assert _run(tiny_model, "-", "-o", out, "--limit", "8", stdin=data(a)).code == 0
+    assert not (run_dir / "input.spool").exists()  # the copy of stdin goes with the run
     mixed = _run(tiny_model, "-", "-o", out, stdin=data(b))
-    assert mixed.code == 2 and "record 5 " in mixed.err and "line 6" in mixed.err, mixed.err
+    assert mixed.code == 0 and "reused 5, new 2, changed 3, removed 0" in mixed.err, mixed.err
     short = _run(tiny_model, "-", "-o", out, stdin=data(a[:4]))
-    assert short.code == 2 and "ended before record 4" in short.err
+    assert short.code == 0 and "reused 4, new 0, changed 0, removed 6" in short.err, short.err
+    assert [r["index"] for r in read_rows(out)] == [0, 1, 2, 3]
     same = _run(tiny_model, "-", "-o", out, stdin=data(a))
     assert same.code == 0, same.err
-    assert [r["index"] for r in read_rows(out)] == list(range(10))
+    fresh = _run(tiny_model, "-", "-o", tmp_path / "fresh.jsonl", stdin=data(a))
+    assert [(r["index"], r["output"]) for r in read_rows(out)] == \
+        [(r["index"], r["output"]) for r in read_rows(tmp_path / "fresh.jsonl")] and fresh.code == 0
 
 
 # -- 5. implicit ids against explicit ones ----------------------------------------------------------------
