@@ -160,7 +160,7 @@ class Run:
             reader = open_reader(str(self._spool), reader.format, None, spec.input.max_record_bytes)
         # Every row keeps the digest of the record it answers: a rerun over an input that changed reuses the rows
         # whose records are still there (journal_rebase.py), and one without a fingerprint of the input's content
-        # (stdin, a pipe, a hub dataset) checks its records one by one against them.
+        # (a hub dataset, stdin in a run started before it was copied) checks its records one by one against them.
         reader.with_digests = True
         fingerprinted = fingerprints_content(manifest.input_fingerprint)
 

@@ -7,7 +7,9 @@ on the next open; FULL fsyncs the WAL on every commit, so a commit that returned
 power loss (NORMAL would survive kill -9 but may lose the last commits on power loss; commits come
 once per checkpoint interval, so the extra fsync costs nothing that matters). The B-tree keeps
 lookups O(log n) and memory flat at 10 million rows: no id or index set is ever held in Python
-beyond the rows buffered since the last commit. Imports neither torch nor `conveyor.core`.
+beyond the rows buffered since the last commit. Rows are written once; the one exception is a run over an input
+that changed, which moves and drops rows in one transaction (`rewriting`, journal_rebase.py) before it adds any.
+Imports neither torch nor `conveyor.core`.
 """
 
 from __future__ import annotations
@@ -27,10 +29,8 @@ from conveyor.io.rows.rows import SAMPLES_KEY
 _SCHEMA_VERSION = 4  # 2: rows.digest; 3: partials; 4: rows.origin and rows.place, the match index
 _PAGE = 4096  # rows fetched per query when streaming
 
-ROWS_TABLE = ("CREATE TABLE IF NOT EXISTS {name} (idx INTEGER PRIMARY KEY, id TEXT NOT NULL, status TEXT NOT NULL,"
-              " row TEXT NOT NULL, digest TEXT, origin TEXT, place TEXT)")
 # What a rerun over a changed input reads of every row (journal_rebase.py), in index order, without the rows' JSON.
-MATCH_INDEX = "CREATE INDEX IF NOT EXISTS rows_match ON rows(idx, digest, id, status, origin, place)"
+_MATCH_INDEX = "CREATE INDEX IF NOT EXISTS rows_match ON rows(idx, digest, id, status, origin, place)"
 
 _SCHEMA = [
     # idx is the input position and the B-tree key; row is the output row dict as JSON; digest a hash
@@ -38,7 +38,8 @@ _SCHEMA = [
     # error row, what made it ("input": the record; "duplicate": its id; "run": the run, such as a step failure);
     # place where the record was read ("line 12"). A run over an input that changed matches rows to records by
     # these (journal_rebase.py).
-    ROWS_TABLE.format(name="rows"),
+    "CREATE TABLE IF NOT EXISTS rows (idx INTEGER PRIMARY KEY, id TEXT NOT NULL, status TEXT NOT NULL,"
+    " row TEXT NOT NULL, digest TEXT, origin TEXT, place TEXT)",
     # The first index of each id: a table rather than UNIQUE(rows.id), because the error row of a
     # duplicate carries the same id, and an id is claimed when its record is read, before its row
     # exists. Its primary key is the unique index that makes id look-ups O(log n).
@@ -158,7 +159,7 @@ class Journal:
                 conn.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(_SCHEMA_VERSION),))
             elif int(version[0]) != _SCHEMA_VERSION:
                 raise JournalCorrupt(self.path, f"unknown schema version {version[0]}")
-            conn.execute(MATCH_INDEX)
+            conn.execute(_MATCH_INDEX)
             conn.execute("COMMIT")
         except BaseException:
             conn.close()
