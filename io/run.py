@@ -149,8 +149,14 @@ class Run:
         self.run_dir = RunDir(run_dir)
         self.run_dir.acquire_lock()
         if spec.state.restart:
-            self.run_dir.reset()
+            self.run_dir.reset(set_aside=True)
         stored = self.run_dir.load_manifest()
+        if stored is None:
+            taken = self.run_dir.take_back(self._manifest(None))
+            if taken:
+                stored = self.run_dir.load_manifest()
+                self.say(f"took back the {taken} rows of an earlier run with these settings, which --restart had set "
+                         "aside")
         manifest = self._manifest(stored)
         if _piped(manifest.input_fingerprint) and (stored is None or fingerprints_content(stored.input_fingerprint)):
             # stdin or a pipe, read once: copied to the run directory first, it is read like a file (and a rerun

@@ -5,7 +5,8 @@ and for `conveyor status`, which counts what a rerun would compute without loadi
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from conveyor.io.errors import InputError
@@ -24,11 +25,11 @@ __all__ = ["input_entries", "input_kept_fields", "pending_in_changed_input"]
 def input_entries(reader: Reader, id_field: str, limit: int | None = None,
                   shard: Shard | None = None) -> Iterator[Entry]:
     """The records a run answers (within --limit, this shard's) as journal_rebase's entries; `reader` gives digests."""
-    for raw in reader.iter_from(0):
-        if limit is not None and raw.index >= limit:
+    for index, line, digest, record in reader.keyed_from(0):
+        if limit is not None and index >= limit:
             return
-        if shard is None or shard.owns(raw.index):
-            yield Entry(raw.index, location(raw.index, raw.line), raw.digest, _own_id(raw, id_field))
+        if shard is None or shard.owns(index):
+            yield Entry(index, location(index, line), digest, functools.partial(_own_id, record, id_field))
 
 
 def input_kept_fields(reader: Reader, names: tuple[str, ...], limit: int | None = None,
@@ -42,9 +43,10 @@ def input_kept_fields(reader: Reader, names: tuple[str, ...], limit: int | None 
             yield raw.index, {name: record.get(name) for name in names}
 
 
-def _own_id(raw: RawRecord, id_field: str) -> str | None:
+def _own_id(record: Callable[[], RawRecord], id_field: str) -> str | None:
     """A record's own id as the request builder reads it; None where it has none or a bad one (its row is an error
     row, matched by its index)."""
+    raw = record()
     if raw.record is None:
         return None
     try:

@@ -61,7 +61,7 @@ class StateOptions:
     """The run directory and when it commits."""
 
     run_dir: str | None = option(None)  # None: <output>.conveyor beside the output
-    restart: bool = option(False, config_file=False)  # discard the run directory's state and start over
+    restart: bool = option(False, config_file=False)  # start over: the finished rows are set aside (RunDir.reset)
     # compute again the records whose error row the run itself made (a step failure, a grammar over its budget)
     retry_errors: bool = option(False, config_file=False)
     shard: str | None = option(None)  # "I/N": answer the records whose index is I mod N (io/state/shards.py)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from typing import NamedTuple
 
@@ -32,12 +32,15 @@ _REUSED_ERRORS = ("input", "run")  # the origins of the error rows that are reus
 
 
 class Entry(NamedTuple):
-    """One input record as the rebase needs it: its index, its place ("line 12"), its digest, its own id or None."""
+    """One input record as the rebase needs it: its index, its place ("line 12"), its digest, and a call that reads
+    its own id (None where it has none). The id is read only where the record's row is not the one at its index:
+    a record whose digest is its row's is the record that row was computed from, id and all (for JSONL, the line
+    is then never parsed)."""
 
     index: int
     place: str
     digest: str
-    own_id: str | None
+    read_id: Callable[[], str | None]
 
 
 @dataclass
@@ -95,17 +98,16 @@ def _stream(conn: sqlite3.Connection, entries: Iterable[Entry]) -> int:
         while current is not None and current[0] < entry.index:
             loose.append((current[0], current[2], current[1]))
             current = next(old, None)
-        index, place, digest, own_id = entry
+        index, place, digest, read_id = entry
         if current is not None and current[0] == index:
             # the row (idx, id, digest, status, origin, place) at the entry's index is its row as it is
-            if (current[2] == digest and current[5] == place and (current[3] == "ok" or current[4] in _REUSED_ERRORS)
-                    and (own_id is None or current[1] == own_id)):
+            if current[2] == digest and current[5] == place and (current[3] == "ok" or current[4] in _REUSED_ERRORS):
                 in_place += 1
                 current = next(old, None)
                 continue
             loose.append((current[0], current[2], current[1]))
             current = next(old, None)
-        incoming.append(entry)
+        incoming.append((index, place, digest, read_id()))
         if len(incoming) >= _CHUNK or len(loose) >= _CHUNK:
             _flush(conn, incoming, loose)
     while current is not None:

@@ -12,8 +12,10 @@ import contextlib
 import dataclasses
 import datetime
 import fcntl
+import hashlib
 import json
 import os
+import shutil
 import socket
 import time
 from collections.abc import Callable
@@ -28,6 +30,8 @@ _JOURNAL_FILES = ("journal.sqlite", "journal.sqlite-wal", "journal.sqlite-shm")
 # The files of a run's state besides the manifest and the lock (never deleted: see acquire_lock).
 SPOOL_FILE = "input.spool"  # stdin or a pipe, copied here while a run reads it (io/records/readers/spool.py)
 STATE_FILES = (*_JOURNAL_FILES, "run.json", "shard.json", SPOOL_FILE)
+SET_ASIDE = "set-aside"  # states --restart set aside, a folder each, named by their settings (`settings_key`)
+_SET_ASIDE_KEPT = 3  # the newest kept
 _LOCK_TRIES = 5  # a `conveyor status` probe holds a shared lock for microseconds; retry past it
 
 
@@ -52,7 +56,8 @@ class DriftError(RunDirError):
 
     def __init__(self, path: Path, changed: tuple[str, ...], detail: str):
         self.path, self.changed, self.detail = path, changed, detail
-        super().__init__(detail + "; run with --restart to discard the old state")
+        super().__init__(detail + "; run with --restart to start over (a run's finished rows are set aside, and "
+                                  "taken back by a later run with its settings)")
 
 
 @dataclass(frozen=True)
@@ -286,10 +291,12 @@ class RunDir:
             if changed:
                 raise DriftError(self.path, changed, message)
 
-    def reset(self) -> None:
+    def reset(self, set_aside: bool = False) -> None:
         """--restart: delete the run's state: the files its manifest lists as conveyor's, then the manifest.
-        A folder without a conveyor manifest has nothing of conveyor's to delete (a journal there without one
-        is refused by open_journal, never deleted). The lock, if held, stays held."""
+        With `set_aside`, a state holding finished rows is moved to SET_ASIDE instead, under its settings, so that
+        a later run with those settings takes its rows back (`take_back`). A folder without a conveyor manifest
+        has nothing of conveyor's to delete (a journal there without one is refused by open_journal, never
+        deleted). The lock, if held, stays held."""
         if self._lock_fd is None:
             holder = self.lock_holder()
             if holder is not None:
@@ -297,11 +304,43 @@ class RunDir:
         manifest = self.load_manifest() if self.manifest_path.exists() else None
         if manifest is None:
             return
+        if set_aside and self._committed_rows():
+            self._set_aside(manifest)
         for name in manifest.state_files:
             with contextlib.suppress(FileNotFoundError):
                 (self.path / name).unlink()
-        self.manifest_path.unlink()
+        self.manifest_path.unlink(missing_ok=True)
         fsync_dir(self.path)
+
+    def _set_aside(self, manifest: Manifest) -> None:
+        """The journal, run.json and manifest moved to SET_ASIDE/<the settings' key> (the manifest last: a folder
+        without one is never taken back); the oldest beyond _SET_ASIDE_KEPT deleted."""
+        folder = self.path / SET_ASIDE / settings_key(manifest)
+        if folder.exists():
+            shutil.rmtree(folder)  # an older state with the same settings: the newer one wins
+        folder.mkdir(parents=True)
+        for name in (*_JOURNAL_FILES, "run.json", self.manifest_path.name):
+            with contextlib.suppress(FileNotFoundError):
+                os.replace(self.path / name, folder / name)
+        fsync_dir(folder)
+        fsync_dir(self.path)
+        kept = sorted((p for p in (self.path / SET_ASIDE).iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime)
+        for old in kept[:-_SET_ASIDE_KEPT]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def take_back(self, manifest: Manifest) -> int:
+        """Where a run with `manifest`'s model and settings was set aside by --restart and this folder holds no run,
+        its state is moved back; the rows it holds (0: none taken back). The caller holds the lock."""
+        folder = self.path / SET_ASIDE / settings_key(manifest)
+        if not (folder / self.manifest_path.name).exists() or self.manifest_path.exists() or \
+                self.journal_path.exists():
+            return 0
+        for name in (self.manifest_path.name, *_JOURNAL_FILES, "run.json"):  # (the manifest first: see _set_aside)
+            with contextlib.suppress(FileNotFoundError):
+                os.replace(folder / name, self.path / name)
+        fsync_dir(self.path)
+        shutil.rmtree(folder, ignore_errors=True)
+        return self._committed_rows()
 
     def summary(self) -> dict:
         """For `conveyor status`: the manifest's fields, journal counts and the lock holder."""
@@ -327,6 +366,13 @@ class RunDir:
                 out["journal_error"] = str(exc)
         out["lock_holder"] = self.lock_holder() if self.path.exists() else None
         return out
+
+
+def settings_key(manifest: Manifest) -> str:
+    """What names a set-aside state: a hash of the model and the generation settings (not the input: a run that
+    takes it back carries it over to the input as it is then)."""
+    text = json.dumps({"model": manifest.model, "generation_config": manifest.generation_config}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _diff_config(old: dict, new: dict) -> list[str]:

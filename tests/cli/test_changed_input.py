@@ -201,3 +201,30 @@ def test_a_changed_keep_fields_is_no_drift_the_rows_are_kept_and_their_fields_re
     _same_rows(rows, read_rows(tmp_path / "fresh.parquet"))
     assert rows[0]["question"] == "q0" and rows[4]["question"] is None and list(rows[0])[-2:] == ["question", "topic"]
     assert _run(tiny_model, src, out).code == 3 and "topic" not in read_rows(out)[0]  # and back to none
+
+
+def test_restart_sets_the_rows_aside_and_going_back_to_their_settings_takes_them_back(tiny_model, tmp_path,
+                                                                                      monkeypatch):
+    src, out = write_jsonl(tmp_path / "in.jsonl", BASE[:4]), tmp_path / "out.jsonl"
+    run_dir = tmp_path / "out.jsonl.conveyor"
+    assert _run(tiny_model, src, out).code == 0
+    first = read_rows(out)
+    other = _run(tiny_model, src, out, "--temperature", "0.5")
+    assert other.code == 2 and "temperature" in other.err and "set aside" in other.err
+    assert _run(tiny_model, src, out, "--temperature", "0.5", "--restart").code == 0
+    assert len(list((run_dir / "set-aside").iterdir())) == 1
+    assert _run(tiny_model, src, out).code == 2  # back to the first settings: drift from the second run's
+
+    def no_model(*_args, **_kwargs):
+        raise AssertionError("the model was loaded to go back to rows set aside")
+
+    monkeypatch.setattr("conveyor.io.run.load_engine", no_model)
+    back = _run(tiny_model, src, out, "--restart")
+    assert back.code == 0, back.err
+    assert "took back the 4 rows of an earlier run with these settings" in back.err
+    _same_rows(read_rows(out), first)
+    assert len(list((run_dir / "set-aside").iterdir())) == 1  # the second run's, now
+    write_jsonl(src, BASE[:5])  # and the input grew meanwhile: it goes on from what was taken back
+    monkeypatch.undo()
+    grown = _run(tiny_model, src, out, "--temperature", "0.5", "--restart")
+    assert grown.code == 0 and "took back the 4 rows" in grown.err and "reused 4, new 1" in grown.err, grown.err

@@ -31,7 +31,7 @@ def _journal(path, rows):
 
 def _entries(items):
     """items: (own id or None, digest), in index order."""
-    return [Entry(i, f"line {i + 1}", digest, own) for i, (own, digest) in enumerate(items)]
+    return [Entry(i, f"line {i + 1}", digest, lambda own=own: own) for i, (own, digest) in enumerate(items)]
 
 
 def test_an_input_that_grew_keeps_every_row_and_counts_the_new_records(tmp_path):

@@ -92,6 +92,31 @@ def test_jsonl_iter_from_skips_without_parsing(tmp_path, monkeypatch):
     assert list(open_reader(str(path)).iter_from(99)) == []
 
 
+def test_keyed_records_are_the_iterated_ones_and_a_jsonl_line_is_parsed_only_when_asked(tmp_path, monkeypatch):
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"i": 0}\r\n\nnot json\n' + b'{"big": "' + b"x" * 300 + b'"}\n{"i": 3}\n')
+    reader = open_reader(str(path), max_record_bytes=100)
+    reader.with_digests = True
+    whole = list(reader.iter_from(0))
+    calls = []
+    real = StrictDecoder.line_record
+
+    def spy(self, raw, index, line, digest=None):
+        calls.append(index)
+        return real(self, raw, index, line, digest)
+
+    monkeypatch.setattr(StrictDecoder, "line_record", spy)
+    keyed = list(reader.keyed_from(1))
+    assert calls == []  # digests without parsing
+    assert [(i, line, d) for i, line, d, _ in keyed] == [(r.index, r.line, r.digest) for r in whole[1:]]
+    assert [record() for *_, record in keyed] == whole[1:] and calls == [1, 3]  # (2 is over the size limit)
+    table = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"prompt": ["a", "b"]}), table)
+    parquet = open_reader(str(table))
+    parquet.with_digests = True
+    assert [record() for *_, record in parquet.keyed_from(0)] == list(parquet.iter_from(0))
+
+
 def test_jsonl_count_matches_iteration_across_chunk_boundaries(tmp_path, monkeypatch):
     rng = random.Random(7)
     pieces = ["", " ", "\t", "\r", "  \r"]

@@ -135,7 +135,8 @@ def test_changed_input_is_refused(run_dir):
     assert info.value.changed == ("input",)
     assert str(info.value) == (
         "the input file changed since this run started (fingerprint sha256:aaaaaaaaaaaa -> "
-        "sha256:bbbbbbbbbbbb); run with --restart to discard the old state"
+        "sha256:bbbbbbbbbbbb); run with --restart to start over (a run's finished rows are set aside, and taken "
+        "back by a later run with its settings)"
     )
 
 

@@ -6,12 +6,13 @@ A bad line becomes a RawRecord with its error; only an unreadable file raises In
 from __future__ import annotations
 
 import contextlib
+import functools
 import gzip
 import hashlib
 import re
 import sys
 import zlib
-from typing import BinaryIO, Iterator
+from typing import BinaryIO, Callable, Iterator
 
 from conveyor.io.errors import InputError
 from conveyor.io.records.readers.record import (
@@ -61,25 +62,42 @@ class JsonlReader(Reader):
 
     def iter_from(self, start_index: int) -> Iterator[RawRecord]:
         decoder = StrictDecoder()
+        for index, line, raw, size, digest in self._lines_from(start_index):
+            if raw is None:  # over the size limit: an error row, never parsed
+                yield RawRecord(index, line, None, oversized(location(index, line), size, self.max_record_bytes), digest)
+            else:
+                yield decoder.line_record(raw, index, line, digest)
+
+    def keyed_from(self, start_index: int) -> Iterator[tuple[int, int | None, str | None, Callable[[], RawRecord]]]:
+        decoder = StrictDecoder()
+        for index, line, raw, size, digest in self._lines_from(start_index):
+            if raw is None:
+                record = RawRecord(index, line, None, oversized(location(index, line), size, self.max_record_bytes),
+                                   digest)
+                yield index, line, digest, lambda record=record: record
+            else:
+                yield index, line, digest, functools.partial(decoder.line_record, raw, index, line, digest)
+
+    def _lines_from(self, start_index: int) -> Iterator[tuple[int, int, bytes | None, int, str | None]]:
+        """(index, line, the line's bytes or None where it is over the size limit, its size, its digest) of each
+        record from start_index; earlier lines are only counted, never parsed."""
         index = 0
         line = 0
         with self._open() as f:
             try:
                 for raw, size, big_digest in _lines(f, self.max_record_bytes):
                     line += 1
-                    if raw is None:  # over the size limit: an error row, never parsed
+                    if raw is None:
                         if index >= start_index:
-                            yield RawRecord(index, line, None, oversized(location(index, line), size, self.max_record_bytes),
-                                            big_digest if self.with_digests else None)
+                            yield index, line, None, size, big_digest if self.with_digests else None
                         index += 1
                         continue
                     if line == 1 and raw.startswith(BOM):
                         raw = raw[len(BOM):]
                     if not raw or raw.isspace():
                         continue
-                    if index >= start_index:  # earlier lines are only counted, never parsed
-                        digest = digest_of(raw.rstrip(b"\r\n")) if self.with_digests else None
-                        yield decoder.line_record(raw, index, line, digest)
+                    if index >= start_index:
+                        yield index, line, raw, size, digest_of(raw.rstrip(b"\r\n")) if self.with_digests else None
                     index += 1
             except _READ_ERRORS as e:
                 raise InputError(self.source, line + 1, f"could not read the file ({e}); "

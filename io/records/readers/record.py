@@ -12,7 +12,7 @@ import math
 import os
 import re
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 BOM = b"\xef\xbb\xbf"
 FORMATS = ("jsonl", "json", "parquet", "csv", "datasets")
@@ -51,9 +51,20 @@ class Reader:
         """Records with index >= start_index, skipping the earlier ones as cheaply as the format allows."""
         raise NotImplementedError
 
+    def keyed_from(self, start_index: int) -> Iterator[tuple[int, int | None, str | None, Callable[[], RawRecord]]]:
+        """(index, line, digest, the record) of the records from start_index, the record a call away: a reader that
+        can digest a record without parsing it (JSONL) parses only the records whose call is made (a rerun over an
+        input that changed needs little more than the digests of the records that did not)."""
+        for raw in self.iter_from(start_index):
+            yield raw.index, raw.line, raw.digest, _given(raw)
+
     def count(self) -> int | None:
         """The number of records, when it is cheap to know; None otherwise."""
         return None
+
+
+def _given(raw: RawRecord) -> Callable[[], RawRecord]:
+    return lambda: raw
 
 
 def is_stream(source: str) -> bool:
