@@ -183,8 +183,9 @@ CheckpointEveryOpt = Annotated[Optional[int], typer.Option(help="Commit finished
                                                            rich_help_panel=RUN)]
 MaxRuntimeOpt = Annotated[Optional[str], typer.Option(help="Stop cleanly after this long, e.g. 50m; exit 75.",
                                                       rich_help_panel=RUN)]
-RestartOpt = Annotated[bool, typer.Option("--restart", help="Start over: the run directory's finished rows are set "
-                                          "aside (a later run with their settings takes them back).",
+RestartOpt = Annotated[bool, typer.Option("--restart", help="Start over. Rows of other settings are set aside (a later "
+                                          "run with those settings takes them back); with the settings unchanged, "
+                                          "every row is computed again.",
                                           rich_help_panel=RUN)]
 RetryErrorsOpt = Annotated[bool, typer.Option("--retry-errors", help="Compute again the records whose error row the "
                                               "run itself made (a step failure, a grammar over its budget, a fault); "

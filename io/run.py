@@ -63,7 +63,7 @@ from conveyor.io.state.journal import Journal
 from conveyor.io.state.journal_rebase import rebase as rebase_journal
 from conveyor.io.state.journal_rebase import refresh_kept_fields
 from conveyor.io.state.paths import check_run_paths
-from conveyor.io.state.run_dir import SPOOL_FILE, STATE_FILES, DriftError, Manifest, RunDir
+from conveyor.io.state.run_dir import SPOOL_FILE, STATE_FILES, DriftError, Manifest, RunDir, settings_key
 from conveyor.io.state.run_info import read_run_info, write_run_info
 from conveyor.io.state.shards import Shard, clear_done, shard_dir
 from conveyor.io.validate_run import ValidationReport, validate_run
@@ -148,16 +148,17 @@ class Run:
         check_named_fields(spec, reader)
         self.run_dir = RunDir(run_dir)
         self.run_dir.acquire_lock()
+        fresh = self._manifest(None, fingerprint(spec.input.path))  # (a file's hash: read once)
         if spec.state.restart:
-            self.run_dir.reset(set_aside=True)
+            self.run_dir.reset(set_aside=True, keep_key=settings_key(fresh))
         stored = self.run_dir.load_manifest()
         if stored is None:
-            taken = self.run_dir.take_back(self._manifest(None))
+            taken = self.run_dir.take_back(fresh)
             if taken:
                 stored = self.run_dir.load_manifest()
                 self.say(f"took back the {taken} rows of an earlier run with these settings, which --restart had set "
                          "aside")
-        manifest = self._manifest(stored)
+        manifest = fresh if stored is None else self._manifest(stored, fresh.input_fingerprint)
         if _piped(manifest.input_fingerprint) and (stored is None or fingerprints_content(stored.input_fingerprint)):
             # stdin or a pipe, read once: copied to the run directory first, it is read like a file (and a rerun
             # over one that changed reuses what it can). A run started before copies were made goes on without.
@@ -253,12 +254,12 @@ class Run:
                      "sizes the KV cache")
         return resolved
 
-    def _manifest(self, stored: Manifest | None) -> Manifest:
+    def _manifest(self, stored: Manifest | None, input_fingerprint: str) -> Manifest:
         """This run's manifest; its generation config as the stored manifest's version recorded it (a run directory
         started before a setting was recorded resumes: the setting is left out of the comparison)."""
         spec = dataclasses.replace(self.spec, engine=self.engine_config)
         version = CONFIG_VERSION if stored is None else min(stored.config_version, CONFIG_VERSION)
-        return Manifest(input_fingerprint=fingerprint(spec.input.path), input_path=spec.input.path, model=spec.model,
+        return Manifest(input_fingerprint=input_fingerprint, input_path=spec.input.path, model=spec.model,
                         generation_config=spec.generation_config(version), tool_version=TOOL_VERSION,
                         created_at=time.time(), output_path=spec.output.path, output_format=self.output_format,
                         config_version=version)

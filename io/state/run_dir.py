@@ -291,10 +291,11 @@ class RunDir:
             if changed:
                 raise DriftError(self.path, changed, message)
 
-    def reset(self, set_aside: bool = False) -> None:
+    def reset(self, set_aside: bool = False, keep_key: str | None = None) -> None:
         """--restart: delete the run's state: the files its manifest lists as conveyor's, then the manifest.
         With `set_aside`, a state holding finished rows is moved to SET_ASIDE instead, under its settings, so that
-        a later run with those settings takes its rows back (`take_back`). A folder without a conveyor manifest
+        a later run with those settings takes its rows back (`take_back`), unless those settings' key is
+        `keep_key` (the restarting run's own: a restart with unchanged settings computes every row again). A folder without a conveyor manifest
         has nothing of conveyor's to delete (a journal there without one is refused by open_journal, never
         deleted). The lock, if held, stays held."""
         if self._lock_fd is None:
@@ -304,7 +305,7 @@ class RunDir:
         manifest = self.load_manifest() if self.manifest_path.exists() else None
         if manifest is None:
             return
-        if set_aside and self._committed_rows():
+        if set_aside and settings_key(manifest) != keep_key and self._committed_rows():
             self._set_aside(manifest)
         for name in manifest.state_files:
             with contextlib.suppress(FileNotFoundError):

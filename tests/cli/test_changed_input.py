@@ -228,3 +228,7 @@ def test_restart_sets_the_rows_aside_and_going_back_to_their_settings_takes_them
     monkeypatch.undo()
     grown = _run(tiny_model, src, out, "--temperature", "0.5", "--restart")
     assert grown.code == 0 and "took back the 4 rows" in grown.err and "reused 4, new 1" in grown.err, grown.err
+    again = _run(tiny_model, src, out, "--temperature", "0.5", "--restart", "--summary-json", tmp_path / "s.json")
+    assert again.code == 0 and "took back" not in again.err, again.err  # unchanged settings: every row again
+    assert _summary(tmp_path / "s.json")["completion_tokens"] > 0
+    assert len(list((run_dir / "set-aside").iterdir())) == 1  # the first settings' rows, still set aside
