@@ -91,7 +91,7 @@ class Journal:
         self._num_committed = self._meta_int("num_committed", "SELECT COUNT(*) FROM rows")
         self._num_errors = self._meta_int("num_errors", "SELECT COUNT(*) FROM rows WHERE status = 'error'")
         self._prefix = self._meta_int("contiguous_prefix", None)
-        samples = self._meta("num_samples")  # (absent until a record with n > 1: one per row)
+        samples = self._meta("num_samples")  # (absent in a journal of an earlier release that had no record with n > 1)
         self._num_samples = int(samples) if samples is not None else self._num_committed
         last = self._meta("last_commit_time")
         self._last_commit_time = float(last) if last is not None else None
@@ -303,9 +303,8 @@ class Journal:
                     "INSERT OR REPLACE INTO meta(key, value) VALUES ('last_commit_time', ?)",
                     (repr(now),),
                 )
-                if num_samples != num_committed:
-                    self._conn.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('num_samples', ?)",
-                                       (str(num_samples),))
+                self._conn.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('num_samples', ?)",
+                                   (str(num_samples),))
                 columns = self._columns | self._pending_columns
                 if self._pending_columns:
                     self._conn.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('columns', ?)",

@@ -75,6 +75,17 @@ def test_the_rows_of_records_that_are_gone_are_dropped_and_the_counters_recounte
         assert (again.num_committed(), again.num_samples(), again.contiguous_prefix()) == (2, 4, 2)
 
 
+def test_rows_added_after_a_recount_count_as_output_rows_also_once_the_journal_is_opened_again(tmp_path):
+    journal = _journal(tmp_path / "j.sqlite", [(i, None, f"d{i}", "ok", None) for i in range(4)])
+    rebase(journal, _entries([(None, f"d{i}") for i in range(3)] + [(None, "new")]))  # one cut: recounted
+    assert (journal.num_committed(), journal.num_samples()) == (3, 3)
+    journal.add(_row(3, "3"), "new")
+    journal.commit()
+    journal.close()
+    with Journal(tmp_path / "j.sqlite", read_only=True) as again:
+        assert (again.num_committed(), again.num_samples()) == (4, 4)
+
+
 def test_error_rows_are_reused_only_in_place_and_never_a_duplicates(tmp_path):
     journal = _journal(tmp_path / "j.sqlite", [(0, None, "d0", "error", "input"), (1, "a", "da", "error", "input"),
                                                (2, "b", "db", "ok", None), (3, "b", "db2", "error", "duplicate"),
