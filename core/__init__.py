@@ -24,6 +24,7 @@ from conveyor.core.loading import (
     check_before_loading,
     load_engine,
     load_tokenizer,
+    model_fingerprint,
     model_report,
     resolve_engine_config,
 )
@@ -39,6 +40,6 @@ __all__ = ["BACKENDS", "DEFAULT_KV_CACHE_MEMORY", "DEFAULT_MODEL", "DEFAULT_SPEC
            "DTYPES", "EMBEDDED_MODELS", "MAX_LOGPROBS", "MIN_WAITING", "REASONING_PARSERS", "SCHEDULES",
            "SPECULATIVE_METHODS", "ConfigError", "EngineConfig", "FinishReason", "GenerationRequest", "Grammar",
            "Grammars", "InFlight", "ModelLimits", "ModelLoadError", "OptionMeta", "RequestOutput", "SamplingParams", "TokenLogprobs",
-           "check_before_loading", "check_fields", "check_model", "check_value", "compiling", "field_kinds", "is_embedded_cached", "load_engine", "load_tokenizer",
-           "model_report", "models_cache_dir", "option", "option_fields", "option_meta", "parse_memory", "resolve_engine_config", "resolve_reasoning",
+           "check_before_loading", "check_fields", "check_model", "check_value", "compiling", "field_kinds", "is_embedded_cached", "load_engine", "load_tokenizer", "model_fingerprint",
+           "model_fingerprint", "model_report", "models_cache_dir", "option", "option_fields", "option_meta", "parse_memory", "resolve_engine_config", "resolve_reasoning",
            "schema_error"]

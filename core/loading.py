@@ -31,6 +31,16 @@ def load_engine(model: str, config: EngineConfig) -> Engine:
     return Engine.from_pretrained(model, config)
 
 
+def model_fingerprint(model: str) -> str | None:
+    """A hash of the content of `model`'s files (weights, config, tokenizer), or None where they are not here to be
+    read: a run's rows are reused only under the model files they were computed with (`core/model_fingerprint.py`).
+    Never converts or downloads."""
+    from conveyor.core.model_fingerprint import model_fingerprint as fingerprint
+    from conveyor.core.model_loader import EMBEDDED_MODELS
+
+    return fingerprint(model, {name: spec.package for name, spec in EMBEDDED_MODELS.items()})
+
+
 def load_tokenizer(model: str) -> tuple[Any, int]:
     """(tokenizer, context length in tokens) of `model`, without loading its weights."""
     from conveyor.core.model_loader import load_tokenizer as load

@@ -34,6 +34,7 @@ from conveyor.core import (
     check_before_loading,
     load_engine,
     load_tokenizer,
+    model_fingerprint,
     resolve_engine_config,
     resolve_reasoning,
 )
@@ -110,6 +111,7 @@ class Run:
         self.run_dir: RunDir | None = None
         self._token_texts: dict[int, str] = {}
         self._spool: Path | None = None  # stdin or a pipe, copied into the run directory (`open`)
+        self._model_fingerprint: str | None = None  # the content of the model's files (`open`)
 
     @property
     def input_records(self) -> int:
@@ -148,6 +150,7 @@ class Run:
         check_named_fields(spec, reader)
         self.run_dir = RunDir(run_dir)
         self.run_dir.acquire_lock()
+        self._model_fingerprint = model_fingerprint(spec.model)
         fresh = self._manifest(None, fingerprint(spec.input.path))  # (a file's hash: read once)
         if spec.state.restart:
             self.run_dir.reset(set_aside=True, keep_key=settings_key(fresh))
@@ -262,7 +265,7 @@ class Run:
         return Manifest(input_fingerprint=input_fingerprint, input_path=spec.input.path, model=spec.model,
                         generation_config=spec.generation_config(version), tool_version=TOOL_VERSION,
                         created_at=time.time(), output_path=spec.output.path, output_format=self.output_format,
-                        config_version=version)
+                        config_version=version, model_fingerprint=self._model_fingerprint)
 
     def load_engine(self) -> None:
         start = time.monotonic()

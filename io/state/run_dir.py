@@ -74,6 +74,9 @@ class Manifest:
     output_format: str
     state_files: tuple[str, ...] = STATE_FILES  # what `reset` may delete beside the manifest
     config_version: int = 1  # which settings generation_config records (RunSpec.generation_config); 1: before
+    # the content of the model's files (core's model_fingerprint); None where unknown (a hub id not downloaded yet,
+    # a manifest written before it was recorded): then the model is compared by name alone
+    model_fingerprint: str | None = None
 
     def changes_since(self, old: Manifest) -> tuple[tuple[str, ...], str]:
         """(what changed from `old` to this manifest: a subset of ("input", "model", "generation_config"), a
@@ -87,6 +90,12 @@ class Manifest:
         if old.model != self.model:
             changed.append("model")
             parts.append(f"the model changed since this run started ({old.model} -> {self.model})")
+        elif None not in (old.model_fingerprint, self.model_fingerprint) and \
+                old.model_fingerprint != self.model_fingerprint:
+            changed.append("model")
+            parts.append(f"the files of model {self.model} changed since this run started (fingerprint "
+                         f"{_short(old.model_fingerprint)} -> {_short(self.model_fingerprint)}): new weights, "
+                         "config or tokenizer")
         config_diff = _diff_config(old.generation_config, self.generation_config)
         if config_diff:
             changed.append("generation_config")
@@ -102,7 +111,8 @@ class Manifest:
         data = json.loads(text)
         if not isinstance(data, dict):
             raise ValueError("the manifest is not a JSON object")
-        names = [f.name for f in dataclasses.fields(cls) if f.name not in ("state_files", "config_version")]
+        optional = ("state_files", "config_version", "model_fingerprint")
+        names = [f.name for f in dataclasses.fields(cls) if f.name not in optional]
         missing = [n for n in names if n not in data]
         if missing:
             raise ValueError(f"the manifest lacks {', '.join(missing)}")
@@ -115,7 +125,11 @@ class Manifest:
         version = data.get("config_version", 1)  # manifests written before it was recorded
         if isinstance(version, bool) or not isinstance(version, int) or version < 1:
             raise ValueError("the manifest's config_version is not a positive integer")
-        return cls(**{n: data[n] for n in names}, state_files=tuple(files), config_version=version)
+        model_fingerprint = data.get("model_fingerprint")
+        if model_fingerprint is not None and not isinstance(model_fingerprint, str):
+            raise ValueError("the manifest's model_fingerprint is not a string")
+        return cls(**{n: data[n] for n in names}, state_files=tuple(files), config_version=version,
+                   model_fingerprint=model_fingerprint)
 
 
 class RunDir:
@@ -372,7 +386,9 @@ class RunDir:
 def settings_key(manifest: Manifest) -> str:
     """What names a set-aside state: a hash of the model and the generation settings (not the input: a run that
     takes it back carries it over to the input as it is then)."""
-    text = json.dumps({"model": manifest.model, "generation_config": manifest.generation_config}, sort_keys=True)
+    text = json.dumps({"model": manifest.model, "generation_config": manifest.generation_config,
+                       **({"files": manifest.model_fingerprint} if manifest.model_fingerprint else {})},
+                      sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

@@ -232,3 +232,23 @@ def test_restart_sets_the_rows_aside_and_going_back_to_their_settings_takes_them
     assert again.code == 0 and "took back" not in again.err, again.err  # unchanged settings: every row again
     assert _summary(tmp_path / "s.json")["completion_tokens"] > 0
     assert len(list((run_dir / "set-aside").iterdir())) == 1  # the first settings' rows, still set aside
+
+
+def test_model_files_that_changed_behind_the_same_name_are_drift(tiny_model, tmp_path):
+    """A fine-tune saved over the model's folder: the name is the same, the rows are not."""
+    import shutil
+
+    import safetensors.torch as st
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    src, out = write_jsonl(tmp_path / "in.jsonl", BASE[:3]), tmp_path / "out.jsonl"
+    assert _run(model, src, out).code == 0
+    assert _run(model, src, out).code == 0  # unchanged: the output is written again, nothing computed
+    weights = st.load_file(model / "model.safetensors")
+    name = next(iter(weights))
+    weights[name] = weights[name] + 1e-3
+    st.save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
+    again = _run(model, src, out)
+    assert again.code == 2 and "the files of model" in again.err and "changed since this run started" in again.err
+    assert _run(model, src, out, "--restart").code == 0
