@@ -23,6 +23,7 @@ from conveyor.core.grammar import Grammars, compiling
 from conveyor.core.loading import (
     check_before_loading,
     load_engine,
+    load_pooling_engine,
     load_tokenizer,
     model_fingerprint,
     model_report,
@@ -30,6 +31,15 @@ from conveyor.core.loading import (
 )
 from conveyor.core.model_loader import EMBEDDED_MODELS, check_model, is_embedded_cached, models_cache_dir
 from conveyor.core.outputs import GenerationRequest, InFlight, ModelLimits, RequestOutput
+from conveyor.core.pooling_params import (
+    POOLING_METHODS,
+    POOLING_TASKS,
+    TASKS,
+    PoolingOptions,
+    PoolingOutput,
+    PoolingRequest,
+    TokenSequence,
+)
 from conveyor.core.reasoning import REASONING_PARSERS, resolve_reasoning
 from conveyor.core.request import FinishReason
 from conveyor.core.sampling_params import MAX_LOGPROBS, Grammar, SamplingParams
@@ -39,7 +49,8 @@ from conveyor.core.schema_check import schema_error
 __all__ = ["BACKENDS", "DEFAULT_KV_CACHE_MEMORY", "DEFAULT_MODEL", "DEFAULT_SPECULATIVE_TOKENS", "DEVICE_DEFAULTS",
            "DTYPES", "EMBEDDED_MODELS", "MAX_LOGPROBS", "MIN_WAITING", "REASONING_PARSERS", "SCHEDULES",
            "SPECULATIVE_METHODS", "ConfigError", "EngineConfig", "FinishReason", "GenerationRequest", "Grammar",
-           "Grammars", "InFlight", "ModelLimits", "ModelLoadError", "OptionMeta", "RequestOutput", "SamplingParams", "TokenLogprobs",
-           "check_before_loading", "check_fields", "check_model", "check_value", "compiling", "field_kinds", "is_embedded_cached", "load_engine", "load_tokenizer", "model_fingerprint",
+           "Grammars", "InFlight", "ModelLimits", "ModelLoadError", "OptionMeta", "POOLING_METHODS", "POOLING_TASKS", "PoolingOptions", "PoolingOutput",
+           "PoolingRequest", "RequestOutput", "TASKS", "TokenSequence", "SamplingParams", "TokenLogprobs",
+           "check_before_loading", "check_fields", "check_model", "check_value", "compiling", "field_kinds", "is_embedded_cached", "load_engine", "load_pooling_engine", "load_tokenizer", "model_fingerprint",
            "model_fingerprint", "model_report", "models_cache_dir", "option", "option_fields", "option_meta", "parse_memory", "resolve_engine_config", "resolve_reasoning",
            "schema_error"]

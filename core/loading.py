@@ -14,6 +14,7 @@ from conveyor.core.sampling_params import Grammar
 
 if TYPE_CHECKING:
     from conveyor.core.engine import Engine
+    from conveyor.core.pooling_engine import PoolingEngine
 
 
 def resolve_engine_config(config: EngineConfig) -> tuple[EngineConfig, tuple[str, ...]]:
@@ -39,6 +40,14 @@ def model_fingerprint(model: str) -> str | None:
     from conveyor.core.model_loader import EMBEDDED_MODELS
 
     return fingerprint(model, {name: spec.package for name, spec in EMBEDDED_MODELS.items()})
+
+
+def load_pooling_engine(model: str, task: str, config: EngineConfig, pooling: str | None = None) -> PoolingEngine:
+    """The pooling engine for `model` doing `task` (embed, classify, score, rerank, reward), pooling by `pooling`
+    (None: the checkpoint's own, else its kind's)."""
+    from conveyor.core.pooling_engine import PoolingEngine
+
+    return PoolingEngine.from_pretrained(model, task, config, pooling)
 
 
 def load_tokenizer(model: str) -> tuple[Any, int]:

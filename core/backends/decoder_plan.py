@@ -76,7 +76,7 @@ class DecoderPlan:
     embed: Callable[[torch.Tensor], torch.Tensor]  # input ids -> the residual stream's first rows
     layers: list[LayerPlan]
     final_norm: NormPlan
-    lm_head: tuple[torch.Tensor, torch.Tensor | None]
+    lm_head: tuple[torch.Tensor, torch.Tensor | None] | None  # None: a model without one (an embedding model's)
     rotaries: list[RotaryTable] = field(default_factory=list)
     final_softcap: float | None = None  # logits -> cap * tanh(logits / cap)
     logits_divisor: float | None = None  # logits / this (Granite's logits_scaling)
@@ -199,7 +199,7 @@ def _attention_linears(attn: torch.nn.Module, family: Family):
 
 def _rotaries(model: torch.nn.Module, like: torch.Tensor) -> tuple[list[RotaryTable], Callable[[int], int | None]]:
     """The model's rotary tables and which one layer i uses (None: none)."""
-    inner, cfg = model.model, model.config
+    inner, cfg = inner_model(model), model.config
     rotary = getattr(inner, "rotary_emb", None)
     if rotary is None:
         raise _Decline("no rotary module")
@@ -222,6 +222,13 @@ def _rotaries(model: torch.nn.Module, like: torch.Tensor) -> tuple[list[RotaryTa
     return tables, which
 
 
+def inner_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The decoder stack of `model`: its `model` (a causal LM's, a sequence classifier's), or itself (a base model,
+    as an embedding checkpoint loads)."""
+    inner = getattr(model, "model", None)
+    return inner if isinstance(inner, torch.nn.Module) else model
+
+
 def decoder_plan(model: torch.nn.Module, attention: ModelAttention) -> tuple[DecoderPlan | None, str | None]:
     """(the plan of `model`, None), or (None, why it is not covered)."""
     try:
@@ -239,7 +246,7 @@ def _plan(model: torch.nn.Module, attention: ModelAttention) -> DecoderPlan:
         raise _Decline(f"model type {getattr(cfg, 'model_type', '?')!r} has no fused forward")
     if any(layer.sinks for layer in attention.layers):
         raise _Decline("attention sinks")
-    inner = model.model
+    inner = inner_model(model)
     roles = NORM_ROLES[family.layout]
     like = inner.embed_tokens.weight.detach()
     rotaries, which = _rotaries(model, like)
@@ -283,5 +290,6 @@ def _plan(model: torch.nn.Module, attention: ModelAttention) -> DecoderPlan:
     softcap = getattr(cfg, "final_logit_softcapping", None) if family.final_softcap else None
     divisor = float(getattr(cfg, "logits_scaling", 1.0) or 1.0) if family.multipliers else 1.0
     return DecoderPlan(cfg.model_type, num_heads, attention.num_kv_heads, head_dim, embed, layers,
-                       _norm(inner.norm, family.norm), _linear(model.lm_head), rotaries,
+                       _norm(inner.norm, family.norm),
+                       _linear(model.lm_head) if getattr(model, "lm_head", None) is not None else None, rotaries,
                        float(softcap) if softcap else None, divisor if divisor != 1.0 else None)

@@ -36,7 +36,7 @@ class FusedDecoder:
         for layer, spec in zip(plan.layers, attention.layers):
             self.decoder.add(self._layer(layer, spec))
         self.final_norm = plan.final_norm
-        self.lm_head = Linear(*plan.lm_head, ops)
+        self.lm_head = Linear(*plan.lm_head, ops) if plan.lm_head is not None else None
 
     def _linear(self, pair) -> object:
         return Linear(*pair, self.ops).native(self.ops)
@@ -84,6 +84,17 @@ class FusedDecoder:
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: CpuAttention,
                  sample_rows: torch.Tensor) -> torch.Tensor:
         plan = self.plan
+        logits = self.lm_head(self.hidden(input_ids, positions, batch, sample_rows))
+        if plan.final_softcap is not None:
+            self.ops.softcap(logits, plan.final_softcap)
+        if plan.logits_divisor is not None:
+            logits = logits / plan.logits_divisor
+        return logits
+
+    def hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: CpuAttention,
+               rows: torch.Tensor) -> torch.Tensor:
+        """The last hidden states (after the final norm) of the step's `rows`, [len(rows), hidden]."""
+        plan = self.plan
         h = plan.embed(input_ids).contiguous()  # [T, hidden]; the residual stream, updated in place
         known_max = int(positions.max())  # (read once for every rotary table)
         tables = [rotary(positions, known_max) for rotary in plan.rotaries]
@@ -92,14 +103,8 @@ class FusedDecoder:
         kv = batch.kv
         delta = self.decoder.forward(h, cos, sin, batch.slot_mapping, kv.keys, kv.values, batch.tables,
                                      batch.token_req, batch.token_ctx, kv.block_size)
-        rows = h.index_select(0, sample_rows)
         norm = self.final_norm
-        logits = self.lm_head(self.ops.rms_norm(rows, delta.index_select(0, sample_rows), norm.weight, norm.eps))
-        if plan.final_softcap is not None:
-            self.ops.softcap(logits, plan.final_softcap)
-        if plan.logits_divisor is not None:
-            logits = logits / plan.logits_divisor
-        return logits
+        return self.ops.rms_norm(h.index_select(0, rows), delta.index_select(0, rows), norm.weight, norm.eps)
 
     def describe(self) -> str:
         return f"fused {self.plan.family} forward"

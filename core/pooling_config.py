@@ -1,0 +1,85 @@
+"""How a checkpoint pools, read from its sentence-transformers files where it has them (`modules.json`, the pooling
+module's `config.json`, `sentence_bert_config.json`), else the default of its kind: the last token for decoders,
+the first ([CLS]) for encoders, normalized. A module conveyor does not compute (a Dense projection, max or weighted
+pooling, a prompt left out of the mean) refuses the model, naming it. Pure Python.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from conveyor.core.errors import UnsupportedModel
+
+_TRANSFORMER = "sentence_transformers.models.Transformer"
+_POOLING = "sentence_transformers.models.Pooling"
+_NORMALIZE = "sentence_transformers.models.Normalize"
+_MODES = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean", "pooling_mode_lasttoken": "last"}
+_OTHER_MODES = ("pooling_mode_max_tokens", "pooling_mode_mean_sqrt_len_tokens", "pooling_mode_weightedmean_tokens")
+
+
+@dataclass(frozen=True)
+class PoolingConfig:
+    pooling: str  # "last", "mean" or "cls"
+    normalize: bool
+    max_seq_length: int | None  # the sentence-transformers length limit, where the checkpoint sets one
+    source: str  # where it was read: "modules.json" or "the default for decoders" / "... for encoders"
+
+
+def pooling_config(folder: Path | None, name: str, encoder: bool) -> PoolingConfig:
+    """The pooling of model `name` (its files in `folder`; None: a hub id not in the cache), `encoder`: whether it
+    is a bidirectional encoder."""
+    kind = "encoders" if encoder else "decoders"
+    default = PoolingConfig("cls" if encoder else "last", True, None, f"the default for {kind}")
+    if folder is None or not (folder / "modules.json").is_file():
+        return default
+    where = f"model {name}: modules.json"
+    try:
+        modules = json.loads((folder / "modules.json").read_text())
+    except (OSError, ValueError) as e:
+        raise UnsupportedModel(f"{where} cannot be read ({e})") from None
+    if not isinstance(modules, list) or not all(isinstance(m, dict) for m in modules):
+        raise UnsupportedModel(f"{where} is not a list of modules")
+    types = [str(m.get("type", "")) for m in modules]
+    other = [t for t in types if t not in (_TRANSFORMER, _POOLING, _NORMALIZE)]
+    if other:
+        raise UnsupportedModel(f"{where}: the sentence-transformers module {other[0].rsplit('.', 1)[-1]} "
+                               f"({other[0]}) is not one conveyor computes (it runs Transformer, Pooling and "
+                               "Normalize)")
+    if types[:1] != [_TRANSFORMER] or types.count(_POOLING) > 1 or types.count(_NORMALIZE) > 1:
+        raise UnsupportedModel(f"{where}: modules {types} are not a Transformer followed by Pooling and Normalize")
+    pooling = default.pooling
+    if _POOLING in types:
+        module = modules[types.index(_POOLING)]
+        pooling = _pooling_mode(folder / str(module.get("path", "")) / "config.json", f"model {name}")
+    max_len = None
+    bert_config = folder / "sentence_bert_config.json"
+    if bert_config.is_file():
+        try:
+            value = json.loads(bert_config.read_text()).get("max_seq_length")
+        except (OSError, ValueError, AttributeError):
+            value = None
+        max_len = value if isinstance(value, int) and value > 0 else None
+    return PoolingConfig(pooling, _NORMALIZE in types, max_len, "modules.json")
+
+
+def _pooling_mode(path: Path, named: str) -> str:
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise UnsupportedModel(f"{named}: its pooling config {path} cannot be read ({e})") from None
+    on = [key for key, value in config.items() if key.startswith("pooling_mode_") and value is True]
+    unknown = [key for key in on if key not in _MODES]
+    if unknown:
+        what = unknown[0].removeprefix("pooling_mode_")
+        hint = "" if unknown[0] in _OTHER_MODES else " (a mode conveyor does not know)"
+        raise UnsupportedModel(f"{named}: its pooling config asks for {what} pooling{hint}; conveyor pools by the "
+                               "last token, the mean or the first token ([CLS])")
+    if len(on) != 1:
+        raise UnsupportedModel(f"{named}: its pooling config {path} turns on {len(on)} pooling modes "
+                               f"({', '.join(on) or 'none'}); conveyor computes one")
+    if config.get("include_prompt", True) is False:
+        raise UnsupportedModel(f"{named}: its pooling config leaves the prompt out of the pooled tokens "
+                               "(include_prompt: false), which conveyor does not do")
+    return _MODES[on[0]]

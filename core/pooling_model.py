@@ -1,0 +1,258 @@
+"""(torch) A model loaded for a pooling task, and how its sequences become results.
+
+What a checkpoint is decides what it can do: an embedder (a base model, or a causal LM whose hidden states are
+pooled) gives a vector per sequence; a sequence classifier (`...ForSequenceClassification`) gives its head's
+logits: a classifier's probabilities, a cross-encoder's score (one label), a reward model's reward. A task the
+checkpoint cannot do is refused before its weights are read, naming both.
+
+Two routes run them:
+- packed (the CPU with conveyor's kernels, the BERT-family encoders and the fused decoder families): many sequences
+  in one pass, exact (`backends/cpu/encoder.py`, `backends/cpu/packed_decoder.py`); the heads' linears are the
+  kernels' too;
+- alone (anything else, and other devices): the model's own transformers forward, one sequence at a time, so a
+  sequence's result never depends on the others (slower: it says so).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from conveyor.core.errors import ConfigError, UnsupportedModel
+from conveyor.core.pooling_config import PoolingConfig, pooling_config
+from conveyor.core.pooling_params import TokenSequence
+
+SEQUENCE_CLASSIFIER = "ForSequenceClassification"
+_SIGMOID = "torch.nn.modules.activation.Sigmoid"
+_IDENTITY = "torch.nn.modules.linear.Identity"
+
+
+@dataclass(frozen=True)
+class ModelKind:
+    """What a checkpoint is, from its config alone."""
+
+    classifier: bool  # has a sequence-classification head
+    encoder: bool  # a bidirectional encoder
+    num_labels: int
+    labels: tuple[str, ...]  # the head's label per class (id2label)
+    score_activation: str  # a cross-encoder's: "sigmoid" or "identity" (sentence-transformers' activation_fn)
+
+
+def model_kind(cfg, name: str) -> ModelKind:
+    from conveyor.core.model_support import ENCODERS
+
+    archs = list(getattr(cfg, "architectures", None) or [])
+    if getattr(cfg, "is_encoder_decoder", False):
+        raise UnsupportedModel(f"model {name} ({', '.join(archs) or cfg.model_type}): an encoder-decoder model; "
+                               "conveyor pools encoders and decoders")
+    classifier = any(a.endswith(SEQUENCE_CLASSIFIER) for a in archs)
+    num_labels = int(getattr(cfg, "num_labels", 0) or 0) if classifier else 0
+    id2label = getattr(cfg, "id2label", None) or {}
+    labels = tuple(str(id2label.get(i, id2label.get(str(i), f"LABEL_{i}"))) for i in range(num_labels))
+    activation = "sigmoid"
+    st = getattr(cfg, "sentence_transformers", None)
+    if isinstance(st, dict) and st.get("activation_fn"):
+        given = st["activation_fn"]
+        if given not in (_SIGMOID, _IDENTITY):
+            raise UnsupportedModel(f"model {name}: its cross-encoder activation {given} is not one conveyor "
+                                   "computes (Sigmoid or Identity)")
+        activation = "sigmoid" if given == _SIGMOID else "identity"
+    return ModelKind(classifier, cfg.model_type in ENCODERS, num_labels, labels, activation)
+
+
+def check_task(kind: ModelKind, task: str, name: str, arch: str) -> None:
+    """UnsupportedModel where `task` is not one the checkpoint can do."""
+    if task in ("classify", "reward") and not kind.classifier:
+        raise UnsupportedModel(f"--task {task} needs a checkpoint with a sequence-classification head "
+                               f"(...{SEQUENCE_CLASSIFIER}); model {name} is {arch}. Use --task embed for its "
+                               "vectors")
+    if task == "embed" and kind.classifier:
+        raise UnsupportedModel(f"--task embed: model {name} is a sequence classifier ({arch}); use --task classify "
+                               "(or score, reward) for its head, or an embedding model")
+    if task in ("score", "rerank") and kind.classifier and kind.num_labels != 1:
+        raise UnsupportedModel(f"--task {task}: model {name} is a classifier of {kind.num_labels} labels; a "
+                               "cross-encoder has one (its score); use --task classify for its labels")
+
+
+class PoolingModel:
+    """A loaded model as the pooling engine runs it: `run(sequences)` gives, per sequence, its pooled hidden state
+    (an embedder) or its head's logits (a classifier), float32."""
+
+    def __init__(self, model: torch.nn.Module, kind: ModelKind, pooling: str, name: str) -> None:
+        self.model = model
+        self.kind = kind
+        self.pooling = pooling
+        self.name = name
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.packed = None
+        self.head = None
+        self.why_alone = "not on the CPU"
+        if self.device.type == "cpu":
+            self._packed_route()
+
+    def _packed_route(self) -> None:
+        from conveyor.core.backends.cpu.kernels import cpu_kernels, kernels_missing_reason
+
+        ops = cpu_kernels()
+        if ops is None:
+            self.why_alone = f"conveyor's C++ kernels are unavailable: {kernels_missing_reason()}"
+            return
+        if self.kind.encoder:
+            from conveyor.core.backends.cpu.encoder import PackedEncoder
+
+            packed, why = PackedEncoder.build(self.model, ops)
+        else:
+            from conveyor.core.backends.cpu.packed_decoder import PackedDecoder
+
+            try:
+                packed, why = PackedDecoder.build(self.model, self.name, ops)
+            except UnsupportedModel as e:  # its own forward computes it as it defines it
+                packed, why = None, str(e)
+            if packed is None:
+                self.model.set_attn_implementation("sdpa")
+        head = None
+        if packed is not None and self.kind.classifier:
+            head, why = _exact_head(self.model, ops)
+            if head is None:
+                packed = None
+        if packed is None:
+            self.why_alone = why
+            return
+        self.packed, self.head = packed, head
+
+    @property
+    def exact_packing(self) -> bool:
+        return self.packed is not None
+
+    def describe(self) -> str:
+        kind = "encoder" if self.kind.encoder else "decoder"
+        if self.packed is not None:
+            return f"cpu (packed {kind} forward)"
+        return f"{self.device.type} (its transformers forward, one sequence at a time: {self.why_alone})"
+
+    @torch.inference_mode()
+    def run(self, sequences: list[TokenSequence]) -> list[torch.Tensor]:
+        if self.packed is None:
+            return [self._alone(s) for s in sequences]
+        starts, at = [], 0
+        for s in sequences:
+            starts.append(at)
+            at += len(s.token_ids)
+        if not self.kind.encoder and (self.kind.classifier or self.pooling == "last"):  # one row per sequence
+            hidden = self.packed(sequences, [start + len(s.token_ids) - 1 for start, s in zip(starts, sequences)])
+            if self.kind.classifier:
+                return list(self.head(hidden).float().unbind(0))
+            return [row.float().clone() for row in hidden.unbind(0)]
+        hidden = self.packed(sequences) if self.kind.encoder else self.packed(sequences, list(range(at)))
+        if self.kind.classifier:  # an encoder's head, on the first token
+            return list(self.head(hidden.index_select(0, torch.tensor(starts))).float().unbind(0))
+        return [_pool(hidden, start, len(s.token_ids), self.pooling) for start, s in zip(starts, sequences)]
+
+    def _alone(self, s: TokenSequence) -> torch.Tensor:
+        ids = torch.tensor([s.token_ids], device=self.device)
+        kwargs = {}
+        if s.token_type_ids is not None and self.kind.encoder:
+            kwargs["token_type_ids"] = torch.tensor([s.token_type_ids], device=self.device)
+        out = self.model(input_ids=ids, **kwargs)
+        if self.kind.classifier:
+            return out.logits[0].float()
+        return _pool(out.last_hidden_state[0], 0, len(s.token_ids), self.pooling)
+
+
+def _pool(hidden: torch.Tensor, first: int, n: int, method: str) -> torch.Tensor:
+    """The pooled vector of a sequence whose rows are hidden[first:first + n], float32. The mean is summed row by row
+    over a copy of its own rows: the order is the sequence's alone."""
+    if method == "cls":
+        return hidden[first].float().clone()
+    if method == "last":
+        return hidden[first + n - 1].float().clone()
+    rows = hidden[first:first + n].float().clone()
+    total = rows[0].clone()
+    for row in rows[1:]:
+        total += row
+    return total / n
+
+
+def _exact_head(model: torch.nn.Module, ops):
+    """(the classification head of `model` with the kernels' linears, None), or (None, why not)."""
+    from conveyor.core.backends.cpu.linears import Linear
+
+    def linear(m):
+        return Linear(m.weight.detach(), None if m.bias is None else m.bias.detach(), ops)
+
+    kids = {n for n, _ in model.named_children()}
+    classifier = getattr(model, "classifier", None)
+    if "score" in kids and isinstance(model.score, torch.nn.Linear):  # a decoder's: on the last token
+        score = linear(model.score)
+        return score, None
+    if "bert" in kids and isinstance(classifier, torch.nn.Linear) and model.bert.pooler is not None:
+        dense, out = linear(model.bert.pooler.dense), linear(classifier)
+        return (lambda x: out(torch.tanh(dense(x)))), None
+    if classifier is not None and {n for n, _ in classifier.named_children()} >= {"dense", "out_proj"}:
+        dense, out = linear(classifier.dense), linear(classifier.out_proj)  # RoBERTa's, on <s>
+        return (lambda x: out(torch.tanh(dense(x)))), None
+    return None, f"a classification head of modules {sorted(kids)}"
+
+
+def load_pooling_model(model: str, task: str, device: str, dtype: str, pooling: str | None
+                       ) -> tuple[PoolingModel, object, PoolingConfig, int]:
+    """(the model for `task`, its tokenizer, its pooling config, its context in tokens). UnsupportedModel before
+    the weights are read where the checkpoint cannot do the task; ConfigError (model) where its weights are not all
+    there."""
+    from transformers import AutoModel, AutoModelForSequenceClassification, AutoTokenizer
+
+    from conveyor.core.backends import resolve_device
+    from conveyor.core.model_loader import _resolve, check_weight_files, load_config, resolve_dtype
+    from conveyor.core.model_support import architecture
+
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, dev)
+    path, gguf_file = _resolve(model)
+    cfg = load_config(model)
+    kind = model_kind(cfg, model)
+    check_task(kind, task, model, architecture(cfg))
+    folder = Path(path).expanduser()
+    config = pooling_config(folder if folder.is_dir() else _snapshot(model), model, kind.encoder)
+    if gguf_file is None:
+        check_weight_files(model, path)
+    loader = AutoModelForSequenceClassification if kind.classifier else AutoModel
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, gguf_file=gguf_file)
+        loaded, info = loader.from_pretrained(path, gguf_file=gguf_file, dtype=torch_dtype, output_loading_info=True)
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError("model", f"model {model}: could not load it ({first}); check the name or path") from e
+    # (a base model's pooler: embeddings pool the hidden states themselves, never through it)
+    missing = sorted(k for k in set(info.get("missing_keys") or ()) if kind.classifier or not k.startswith("pooler."))
+    if missing:
+        raise ConfigError("model", f"model {model}: its weight files do not hold {len(missing)} of the model's "
+                          f"weights ({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}); transformers "
+                          "would fill them with random values")
+    loaded.to(dev).eval()
+    return PoolingModel(loaded, kind, pooling or config.pooling, model), tokenizer, config, _context(cfg, config)
+
+
+def _context(cfg, config: PoolingConfig) -> int:
+    """Tokens a sequence may hold: the position table's (RoBERTa's counts its padding offset), within the
+    sentence-transformers length where the checkpoint sets one."""
+    from conveyor.core.model_shape import context_of
+
+    limit = context_of(cfg)
+    if cfg.model_type in ("roberta", "xlm-roberta", "camembert"):
+        limit -= int(cfg.pad_token_id) + 1
+    if config.max_seq_length is not None:
+        limit = min(limit, config.max_seq_length)
+    return limit
+
+
+def _snapshot(model: str) -> Path | None:
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return None
+    found = try_to_load_from_cache(model, "modules.json")
+    return Path(found).parent if isinstance(found, str) else None
+
