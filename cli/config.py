@@ -1,7 +1,7 @@
 """Options -> RunSpec: a YAML config file merged with command-line flags, checked, and built into io's RunSpec and
 the settings only the CLI reads (`CliSettings`).
 
-An option is a field of one of the options dataclasses (core's SamplingParams and EngineConfig, io's BuildOptions,
+An option is a field of one of the options dataclasses (core's SamplingParams, EngineConfig and PoolingOptions, io's BuildOptions,
 InputOptions, OutputOptions, StateOptions and the RunSpec's own, CliSettings) declared with `core.fields.option`: its
 type annotation, choices and limits are read from there, to type a config file's values (`_checked`), to list the
 choices and the default in `--help` (`choices_text`, `default_text`) and to find which field an option fills
@@ -40,6 +40,7 @@ from conveyor.io.run_spec import (
     BuildOptions,
     InputOptions,
     OutputOptions,
+    PoolingOptions,
     RunSpec,
     StateOptions,
     run_grammar,
@@ -71,7 +72,8 @@ class Invocation:
 
 GRAMMAR_KEYS = ("json_schema", "choice", "regex")  # the run's grammar: each becomes SamplingParams.grammar
 # The dataclasses whose option fields are the options (core.fields.option), and so the config file's keys.
-_OWNERS = (RunSpec, SamplingParams, BuildOptions, EngineConfig, InputOptions, OutputOptions, StateOptions, CliSettings)
+_OWNERS = (RunSpec, SamplingParams, BuildOptions, EngineConfig, InputOptions, OutputOptions, StateOptions,
+           PoolingOptions, CliSettings)
 
 
 def _option_table() -> dict[str, tuple[type, str]]:
@@ -231,12 +233,12 @@ def _invocation(values: dict[str, Any]) -> Invocation:
             fields.setdefault(owner, {})[name] = value
     fields.setdefault(SamplingParams, {})["grammar"] = _grammar(values)
     built = {owner: _built(owner, fields.get(owner, {}))
-             for owner in (SamplingParams, BuildOptions, EngineConfig, StateOptions, CliSettings)}
+             for owner in (SamplingParams, BuildOptions, EngineConfig, StateOptions, PoolingOptions, CliSettings)}
     spec = _built(RunSpec, {
         "input": _built(InputOptions, {"path": values["input"], **fields.get(InputOptions, {})}),
         "output": _built(OutputOptions, {"path": values["output"], **fields.get(OutputOptions, {})}),
         "sampling": built[SamplingParams], "build": built[BuildOptions], "engine": built[EngineConfig],
-        "state": built[StateOptions], **fields.get(RunSpec, {})})
+        "state": built[StateOptions], "pooling": built[PoolingOptions], **fields.get(RunSpec, {})})
     return Invocation(spec, built[CliSettings])
 
 

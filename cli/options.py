@@ -34,6 +34,23 @@ ENG = "Engine"
 DATA = "Input and output"
 RUN = "Run control"
 
+POOL = "Embeddings, classification, scoring"
+
+TaskOpt = Annotated[Optional[str], typer.Option(
+    help=f"What to compute for each record: {choices_text('task')}. auto: a batch line's url says (/v1/embeddings, "
+    "/v1/score, /v1/rerank, /v1/classify), else the model: a sequence classifier classifies, an embedding model "
+    f"embeds, a language model generates. {_d('task')}", rich_help_panel=POOL)]
+PoolingOpt = Annotated[Optional[str], typer.Option(
+    help=f"How --task embed pools the last hidden states: {choices_text('pooling')} (the first token). [default: "
+    "the checkpoint's sentence-transformers config, else last for decoders, cls for encoders]", rich_help_panel=POOL)]
+NormalizeOpt = Annotated[Optional[bool], typer.Option("--normalize", help="L2-normalize the embeddings; "
+                                                      f"--no-normalize keeps them raw. {_d('normalize')}",
+                                                      rich_help_panel=POOL)]
+NoNormalizeOpt = Annotated[bool, typer.Option("--no-normalize", hidden=True)]
+DimensionsOpt = Annotated[Optional[int], typer.Option(
+    help="Keep the embeddings' first N dimensions (Matryoshka), normalized after the cut; a record's own "
+    "`dimensions` replaces it. [default: all]", rich_help_panel=POOL)]
+
 InputArg = Annotated[str, typer.Argument(help="Prompts: .jsonl, .jsonl.gz, .json, .parquet, .csv, a datasets "
                                               "folder, a hub dataset name (with --split), or - for stdin.")]
 OutputOpt = Annotated[str, typer.Option("--output", "-o", help="Output file: .parquet or .jsonl; - writes JSONL to "

@@ -32,6 +32,11 @@ def run_command(
     output: opt.OutputOpt,
     config: opt.ConfigOpt = None,
     model: opt.ModelOpt = None,
+    task: opt.TaskOpt = None,
+    pooling: opt.PoolingOpt = None,
+    normalize: opt.NormalizeOpt = None,
+    no_normalize: opt.NoNormalizeOpt = False,
+    dimensions: opt.DimensionsOpt = None,
     dtype: opt.DtypeOpt = None,
     device: opt.DeviceOpt = None,
     backend: opt.BackendOpt = None,
@@ -97,7 +102,8 @@ def run_command(
     profile: opt.ProfileOpt = None,
     no_profile: opt.NoProfileOpt = False,
 ) -> int:
-    """Generate a completion for every record of INPUT into OUTPUT; resumable: rerun to continue."""
+    """Generate a completion (or an embedding, a label, a score) for every record of INPUT into OUTPUT; resumable:
+    rerun to continue."""
     flags = opt.negatives(dict(locals()))
     config_path = flags.pop("config")
     flags["restart"] = restart or None

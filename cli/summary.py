@@ -26,16 +26,26 @@ def print_summary(summary: RunSummary, message: str, stream=None) -> None:
     table = Table(title="conveyor run summary", show_header=False, title_justify="left")
     table.add_column("metric")
     table.add_column("value", justify="right")
-    rows = [
-        ("records", s.records if s.samples == s.records else f"{s.records} ({s.samples} samples)"),
-        ("ok", s.ok), ("errors", s.errors),
-        *_finish_reason_rows(s),
-        ("prompt tokens", s.prompt_tokens), ("completion tokens", s.completion_tokens),
-        ("model load", f"{s.load_s:.1f} s"), ("generation", f"{s.elapsed_s:.1f} s"),
-        ("output tokens/s", f"{s.output_tokens_per_s:.1f}"), ("preemptions", s.preemptions),
-        ("prefix-cache hit rate", f"{s.prefix_cache_hit_rate:.1%}"),
-        *_figure_rows(s),
-    ]
+    if s.setup.task == "generate":
+        rows = [
+            ("records", s.records if s.samples == s.records else f"{s.records} ({s.samples} samples)"),
+            ("ok", s.ok), ("errors", s.errors),
+            *_finish_reason_rows(s),
+            ("prompt tokens", s.prompt_tokens), ("completion tokens", s.completion_tokens),
+            ("model load", f"{s.load_s:.1f} s"), ("generation", f"{s.elapsed_s:.1f} s"),
+            ("output tokens/s", f"{s.output_tokens_per_s:.1f}"), ("preemptions", s.preemptions),
+            ("prefix-cache hit rate", f"{s.prefix_cache_hit_rate:.1%}"),
+            *_figure_rows(s),
+        ]
+    else:  # a pooling task: records and their tokens, nothing generated
+        rows = [
+            ("task", s.setup.task), ("records", s.records if s.samples == s.records else
+                                     f"{s.records} ({s.samples} rows)"),
+            ("ok", s.ok), ("errors", s.errors), ("tokens", s.prompt_tokens),
+            ("model load", f"{s.load_s:.1f} s"), ("compute", f"{s.elapsed_s:.1f} s"),
+            ("records/s", f"{s.records_per_s:.1f}"), ("tokens/s", f"{s.prompt_tokens_per_s:.1f}"),
+            *_figure_rows(s),
+        ]
     if s.reuse is not None:
         rows.append(("input changed", f"reused {s.reuse['reused']}, new {s.reuse['new']}, changed "
                                       f"{s.reuse['changed']}, removed {s.reuse['removed']}"))
@@ -79,8 +89,9 @@ def _figure_rows(s: RunSummary) -> list[tuple[str, str]]:
     if s.draft_tokens:
         rows.append(("draft tokens accepted", f"{s.accepted_draft_tokens} of {s.draft_tokens} "
                                               f"({s.draft_acceptance_rate:.0%})"))
-    if s.steps:
+    if s.steps and setup.task == "generate":
         rows.append(("mean running (occupancy)", f"{s.mean_running:.1f} ({s.occupancy:.0%})"))
+    if s.steps:
         rows.append(("engine steps", str(s.steps)))
     return rows
 

@@ -21,7 +21,9 @@ from conveyor.core.errors import ConfigError, ModelLoadError
 from conveyor.core.fields import OptionMeta, check_fields, check_value, field_kinds, option, option_fields, option_meta
 from conveyor.core.grammar import Grammars, compiling
 from conveyor.core.loading import (
+    auto_task,
     check_before_loading,
+    check_pooling_model,
     load_engine,
     load_pooling_engine,
     load_tokenizer,
@@ -46,11 +48,11 @@ from conveyor.core.sampling_params import MAX_LOGPROBS, Grammar, SamplingParams
 from conveyor.core.schedule_types import TokenLogprobs
 from conveyor.core.schema_check import schema_error
 
-__all__ = ["BACKENDS", "DEFAULT_KV_CACHE_MEMORY", "DEFAULT_MODEL", "DEFAULT_SPECULATIVE_TOKENS", "DEVICE_DEFAULTS",
+__all__ = ["BACKENDS", "auto_task", "DEFAULT_KV_CACHE_MEMORY", "DEFAULT_MODEL", "DEFAULT_SPECULATIVE_TOKENS", "DEVICE_DEFAULTS",
            "DTYPES", "EMBEDDED_MODELS", "MAX_LOGPROBS", "MIN_WAITING", "REASONING_PARSERS", "SCHEDULES",
            "SPECULATIVE_METHODS", "ConfigError", "EngineConfig", "FinishReason", "GenerationRequest", "Grammar",
            "Grammars", "InFlight", "ModelLimits", "ModelLoadError", "OptionMeta", "POOLING_METHODS", "POOLING_TASKS", "PoolingOptions", "PoolingOutput",
            "PoolingRequest", "RequestOutput", "TASKS", "TokenSequence", "SamplingParams", "TokenLogprobs",
-           "check_before_loading", "check_fields", "check_model", "check_value", "compiling", "field_kinds", "is_embedded_cached", "load_engine", "load_pooling_engine", "load_tokenizer", "model_fingerprint",
+           "check_before_loading", "check_pooling_model", "check_fields", "check_model", "check_value", "compiling", "field_kinds", "is_embedded_cached", "load_engine", "load_pooling_engine", "load_tokenizer", "model_fingerprint",
            "model_fingerprint", "model_report", "models_cache_dir", "option", "option_fields", "option_meta", "parse_memory", "resolve_engine_config", "resolve_reasoning",
            "schema_error"]

@@ -146,6 +146,10 @@ class Engine:
         seconds = self.runner.measure_rows(counts, context=MEASURED_CONTEXT, num_blocks=num_blocks)
         return Speculator(SpeculativeConfig(c.speculative_tokens), CostCurve(list(zip(counts, seconds))))
 
+    def arithmetic(self) -> str:
+        """What decides a row's bits here beyond the model and the settings (`Backend.arithmetic`)."""
+        return self.backend.arithmetic()
+
     def enable_profiling(self) -> None:
         """Also split the runner's time into prepare / forward / sample (waits for the device)."""
         self.runner.enable_profiling()

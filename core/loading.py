@@ -5,6 +5,7 @@ model's tokenizer alone, the embedded models. Imports no torch until a function 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from conveyor.core.config import EngineConfig, parse_memory
@@ -48,6 +49,49 @@ def load_pooling_engine(model: str, task: str, config: EngineConfig, pooling: st
     from conveyor.core.pooling_engine import PoolingEngine
 
     return PoolingEngine.from_pretrained(model, task, config, pooling)
+
+
+def auto_task(model: str) -> str:
+    """What `--task auto` does with `model` when its input says nothing (`pooling_config.default_task`), from its
+    config and files alone (the embedded models generate)."""
+    from conveyor.core.model_loader import EMBEDDED_MODELS, _resolve, load_config
+    from conveyor.core.pooling_config import default_task
+
+    if model in EMBEDDED_MODELS:
+        return "generate"
+    check_model_exists(model)
+    path = Path(_resolve(model)[0]).expanduser()
+    return default_task(load_config(model), (path / "modules.json").is_file())
+
+
+def check_model_exists(model: str) -> None:
+    """ConfigError (model), at once, where `model` names nothing that can load."""
+    from conveyor.core.errors import ModelLoadError
+    from conveyor.core.model_loader import _resolve
+
+    try:
+        _resolve(model)
+    except ModelLoadError as e:
+        raise ConfigError("model", str(e).removeprefix("--")) from None
+
+
+def check_pooling_model(model: str, task: str) -> None:
+    """What the pooling engine would refuse once `model` loads, from its config and files alone: a model not there, a
+    task the checkpoint cannot do, a pooling config conveyor does not compute (UnsupportedModel), weight files
+    missing or cut short (ConfigError model)."""
+    from conveyor.core.model_loader import _resolve, check_weight_files, load_config
+    from conveyor.core.model_support import architecture
+    from conveyor.core.pooling_config import check_task, model_kind, pooling_config
+
+    check_model_exists(model)
+    path, gguf_file = _resolve(model)
+    cfg = load_config(model)
+    kind = model_kind(cfg, model)
+    check_task(kind, task, model, architecture(cfg))
+    folder = Path(path).expanduser()
+    pooling_config(folder if folder.is_dir() else None, model, kind.encoder)
+    if gguf_file is None:
+        check_weight_files(model, path)
 
 
 def load_tokenizer(model: str) -> tuple[Any, int]:

@@ -1,7 +1,9 @@
 """How a checkpoint pools, read from its sentence-transformers files where it has them (`modules.json`, the pooling
 module's `config.json`, `sentence_bert_config.json`), else the default of its kind: the last token for decoders,
 the first ([CLS]) for encoders, normalized. A module conveyor does not compute (a Dense projection, max or weighted
-pooling, a prompt left out of the mean) refuses the model, naming it. Pure Python.
+pooling, a prompt left out of the mean) refuses the model, naming it. And what a checkpoint is (`ModelKind`): an
+embedder or a sequence classifier (a classifier, a cross-encoder, a reward model), which decides the tasks it can do
+(`check_task`) and the one `--task auto` picks (`default_task`). Pure Python.
 """
 
 from __future__ import annotations
@@ -12,6 +14,9 @@ from pathlib import Path
 
 from conveyor.core.errors import UnsupportedModel
 
+SEQUENCE_CLASSIFIER = "ForSequenceClassification"
+_SIGMOID = "torch.nn.modules.activation.Sigmoid"
+_IDENTITY = "torch.nn.modules.linear.Identity"
 _TRANSFORMER = "sentence_transformers.models.Transformer"
 _POOLING = "sentence_transformers.models.Pooling"
 _NORMALIZE = "sentence_transformers.models.Normalize"
@@ -83,3 +88,66 @@ def _pooling_mode(path: Path, named: str) -> str:
         raise UnsupportedModel(f"{named}: its pooling config leaves the prompt out of the pooled tokens "
                                "(include_prompt: false), which conveyor does not do")
     return _MODES[on[0]]
+
+
+@dataclass(frozen=True)
+class ModelKind:
+    """What a checkpoint is, from its config alone."""
+
+    classifier: bool  # has a sequence-classification head
+    encoder: bool  # a bidirectional encoder
+    num_labels: int
+    labels: tuple[str, ...]  # the head's label per class (id2label)
+    score_activation: str  # a cross-encoder's: "sigmoid" or "identity" (sentence-transformers' activation_fn)
+
+
+def model_kind(cfg, name: str) -> ModelKind:
+    from conveyor.core.model_support import ENCODERS
+
+    archs = list(getattr(cfg, "architectures", None) or [])
+    if getattr(cfg, "is_encoder_decoder", False):
+        raise UnsupportedModel(f"model {name} ({', '.join(archs) or cfg.model_type}): an encoder-decoder model; "
+                               "conveyor pools encoders and decoders")
+    classifier = any(a.endswith(SEQUENCE_CLASSIFIER) for a in archs)
+    num_labels = int(getattr(cfg, "num_labels", 0) or 0) if classifier else 0
+    id2label = getattr(cfg, "id2label", None) or {}
+    labels = tuple(str(id2label.get(i, id2label.get(str(i), f"LABEL_{i}"))) for i in range(num_labels))
+    activation = "sigmoid"
+    st = getattr(cfg, "sentence_transformers", None)
+    if isinstance(st, dict) and st.get("activation_fn"):
+        given = st["activation_fn"]
+        if given not in (_SIGMOID, _IDENTITY):
+            raise UnsupportedModel(f"model {name}: its cross-encoder activation {given} is not one conveyor "
+                                   "computes (Sigmoid or Identity)")
+        activation = "sigmoid" if given == _SIGMOID else "identity"
+    return ModelKind(classifier, cfg.model_type in ENCODERS, num_labels, labels, activation)
+
+
+def check_task(kind: ModelKind, task: str, name: str, arch: str) -> None:
+    """UnsupportedModel where `task` is not one the checkpoint can do."""
+    if task in ("classify", "reward") and not kind.classifier:
+        raise UnsupportedModel(f"--task {task} needs a checkpoint with a sequence-classification head "
+                               f"(...{SEQUENCE_CLASSIFIER}); model {name} is {arch}. Use --task embed for its "
+                               "vectors")
+    if task == "embed" and kind.classifier:
+        raise UnsupportedModel(f"--task embed: model {name} is a sequence classifier ({arch}); use --task classify "
+                               "(or score, reward) for its head, or an embedding model")
+    if task == "reward" and kind.num_labels != 1:
+        raise UnsupportedModel(f"--task reward: model {name} has a head of {kind.num_labels} labels; a reward model "
+                               "gives one score. Use --task classify for its labels")
+    if task in ("score", "rerank") and kind.classifier and kind.num_labels != 1:
+        raise UnsupportedModel(f"--task {task}: model {name} is a classifier of {kind.num_labels} labels; a "
+                               "cross-encoder has one (its score); use --task classify for its labels")
+
+
+def default_task(cfg, has_pooling_config: bool) -> str:
+    """What `--task auto` does with a checkpoint whose input is not batch lines: a sequence classifier classifies, an
+    encoder or a model with a sentence-transformers pooling config embeds, anything else generates."""
+    from conveyor.core.model_support import ENCODERS
+
+    archs = list(getattr(cfg, "architectures", None) or [])
+    if any(a.endswith(SEQUENCE_CLASSIFIER) for a in archs):
+        return "classify"
+    if has_pooling_config or (cfg.model_type in ENCODERS and not getattr(cfg, "is_decoder", False)):
+        return "embed"
+    return "generate"

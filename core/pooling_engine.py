@@ -47,7 +47,9 @@ class PoolingEngine:
         self.max_model_len = max_model_len
         vocab = int(getattr(model.model.config, "vocab_size", 0) or len(tokenizer))
         self.limits = ModelLimits(max_model_len, vocab)
-        self.labels = model.kind.labels
+        self.labels = model.kind.labels  # a classifier's, per class
+        self.cross_encoder = model.kind.classifier  # a score pair is one sequence (else two embeddings compared)
+        self.vector_size = None if model.kind.classifier else int(model.model.config.hidden_size)
         self.exact = model.exact_packing
         self._pending: dict[str, _Pending] = {}
         self._waiting = 0

@@ -15,65 +15,13 @@ Two routes run them:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from conveyor.core.errors import ConfigError, UnsupportedModel
-from conveyor.core.pooling_config import PoolingConfig, pooling_config
+from conveyor.core.pooling_config import ModelKind, PoolingConfig, check_task, model_kind, pooling_config
 from conveyor.core.pooling_params import TokenSequence
-
-SEQUENCE_CLASSIFIER = "ForSequenceClassification"
-_SIGMOID = "torch.nn.modules.activation.Sigmoid"
-_IDENTITY = "torch.nn.modules.linear.Identity"
-
-
-@dataclass(frozen=True)
-class ModelKind:
-    """What a checkpoint is, from its config alone."""
-
-    classifier: bool  # has a sequence-classification head
-    encoder: bool  # a bidirectional encoder
-    num_labels: int
-    labels: tuple[str, ...]  # the head's label per class (id2label)
-    score_activation: str  # a cross-encoder's: "sigmoid" or "identity" (sentence-transformers' activation_fn)
-
-
-def model_kind(cfg, name: str) -> ModelKind:
-    from conveyor.core.model_support import ENCODERS
-
-    archs = list(getattr(cfg, "architectures", None) or [])
-    if getattr(cfg, "is_encoder_decoder", False):
-        raise UnsupportedModel(f"model {name} ({', '.join(archs) or cfg.model_type}): an encoder-decoder model; "
-                               "conveyor pools encoders and decoders")
-    classifier = any(a.endswith(SEQUENCE_CLASSIFIER) for a in archs)
-    num_labels = int(getattr(cfg, "num_labels", 0) or 0) if classifier else 0
-    id2label = getattr(cfg, "id2label", None) or {}
-    labels = tuple(str(id2label.get(i, id2label.get(str(i), f"LABEL_{i}"))) for i in range(num_labels))
-    activation = "sigmoid"
-    st = getattr(cfg, "sentence_transformers", None)
-    if isinstance(st, dict) and st.get("activation_fn"):
-        given = st["activation_fn"]
-        if given not in (_SIGMOID, _IDENTITY):
-            raise UnsupportedModel(f"model {name}: its cross-encoder activation {given} is not one conveyor "
-                                   "computes (Sigmoid or Identity)")
-        activation = "sigmoid" if given == _SIGMOID else "identity"
-    return ModelKind(classifier, cfg.model_type in ENCODERS, num_labels, labels, activation)
-
-
-def check_task(kind: ModelKind, task: str, name: str, arch: str) -> None:
-    """UnsupportedModel where `task` is not one the checkpoint can do."""
-    if task in ("classify", "reward") and not kind.classifier:
-        raise UnsupportedModel(f"--task {task} needs a checkpoint with a sequence-classification head "
-                               f"(...{SEQUENCE_CLASSIFIER}); model {name} is {arch}. Use --task embed for its "
-                               "vectors")
-    if task == "embed" and kind.classifier:
-        raise UnsupportedModel(f"--task embed: model {name} is a sequence classifier ({arch}); use --task classify "
-                               "(or score, reward) for its head, or an embedding model")
-    if task in ("score", "rerank") and kind.classifier and kind.num_labels != 1:
-        raise UnsupportedModel(f"--task {task}: model {name} is a classifier of {kind.num_labels} labels; a "
-                               "cross-encoder has one (its score); use --task classify for its labels")
 
 
 class PoolingModel:

@@ -31,8 +31,11 @@ from conveyor.core import (
     DEFAULT_KV_CACHE_MEMORY,
     ConfigError,
     EngineConfig,
+    auto_task,
     check_before_loading,
+    check_pooling_model,
     load_engine,
+    load_pooling_engine,
     load_tokenizer,
     model_fingerprint,
     resolve_engine_config,
@@ -40,11 +43,12 @@ from conveyor.core import (
 )
 from conveyor.io.errors import SpecError
 from conveyor.io.records.pending import PendingRecords
+from conveyor.io.records.pooling_builder import PoolingRequestBuilder
 from conveyor.io.records.readers import fingerprint, fingerprints_content, open_reader
 from conveyor.io.records.readers.spool import spool
 from conveyor.io.records.request_builder import RequestBuilder
 from conveyor.io.records_run import run_records
-from conveyor.io.rows.rows import SAMPLE_INDEX, without_errors
+from conveyor.io.rows.rows import SAMPLE_INDEX, vector_size, without_errors
 from conveyor.io.rows.sink import BadRecordStop, JournalSink, RunTotals
 from conveyor.io.rows.sink_options import CommitPolicy
 from conveyor.io.rows.writers import write_output
@@ -53,6 +57,8 @@ from conveyor.io.run_checks import (
     check_chat_template,
     check_named_fields,
     check_output,
+    check_task_options,
+    first_batch_task,
     no_chat_template_note,
 )
 from conveyor.io.run_progress import RunProgress, run_progress
@@ -124,8 +130,16 @@ class Run:
         spec = self.spec
         self.engine_config = self._resolved_engine_config()
         self.output_format = check_output(spec)
+        if spec.task == "auto":  # recorded as resolved: a resume compares what ran
+            first = first_batch_task(spec, open_reader(spec.input.path, spec.input.format, spec.input.split,
+                                                       spec.input.max_record_bytes))
+            self.spec = spec = dataclasses.replace(spec, task=first or auto_task(spec.model))
+        check_task_options(spec)
+        if spec.task != "generate":
+            check_pooling_model(spec.model, spec.task)
         try:
-            check_before_loading(spec.model, self.engine_config, spec.sampling.grammar)
+            if spec.task == "generate":
+                check_before_loading(spec.model, self.engine_config, spec.sampling.grammar)
         except ConfigError as e:
             if e.field != "grammar":
                 raise
@@ -269,8 +283,13 @@ class Run:
 
     def load_engine(self) -> None:
         start = time.monotonic()
+        spec = self.spec
+        if spec.task != "generate":
+            self._load_pooling()
+            self.totals.load_s = time.monotonic() - start
+            return
         self.engine = load_engine(self.spec.model, self.engine_config)
-        self._check_arithmetic(self.engine.backend.arithmetic())
+        self._check_arithmetic(self.engine.arithmetic())
         if self.spec.profile:
             self.engine.enable_profiling()
         self.totals.load_s = time.monotonic() - start
@@ -280,6 +299,16 @@ class Run:
         self.builder = RequestBuilder(self.engine.tokenizer, self.spec.build, sampling, self.engine.limits,
                                       self.spec.model, priorities=self.spec.engine.schedule == "priority")
         no_chat_template_note(self.spec, self.engine.tokenizer, self.say)
+
+    def _load_pooling(self) -> None:
+        """The pooling engine of the run's task, and the builder of its requests."""
+        spec = self.spec
+        self.engine = engine = load_pooling_engine(spec.model, spec.task, self.engine_config, spec.pooling.pooling)
+        self._check_arithmetic(engine.arithmetic())
+        if spec.profile:
+            engine.enable_profiling()
+        self.builder = PoolingRequestBuilder(engine.tokenizer, spec.build, spec.pooling, spec.task, engine.limits,
+                                             spec.model, engine.cross_encoder, engine.vector_size)
 
     def _reasoning(self, tokenizer):
         """The run's reasoning section (core.reasoning.Reasoning) for the model's tokenizer; SpecError naming
@@ -313,7 +342,7 @@ class Run:
         state = self.spec.state
         sink = JournalSink(self.journal, CommitPolicy(state.checkpoint_every, state.checkpoint_seconds),
                            self.spec.output.on_error, self._token_text, self.totals, self.engine.in_flight,
-                           self.partials)
+                           self.partials, self.spec.task, getattr(self.engine, "labels", ()))
         records = self._noting_keep_fields(self._pending)
         if run_records(records, self.builder, self.engine, sink, should_stop, on_progress) == "stopped":
             return self._result(Outcome.STOPPED, "run the same command again to resume")
@@ -322,7 +351,7 @@ class Run:
     def progress(self) -> RunProgress:
         """Where the run is now: records done of the total, the token rate, the engine's queue, the ETA."""
         return run_progress(self.totals, self.engine.stats() if self.engine else None, self.spec.build.n,
-                            self.spec.sampling.max_tokens)
+                            self.spec.sampling.max_tokens, pooling=self.spec.task != "generate")
 
     def _token_text(self, token: int) -> str:
         """A token's own text, as logprobs name it (decoded alone, special tokens kept); cached."""
@@ -347,8 +376,11 @@ class Run:
                         continue
                 yield row
 
+        size = vector_size(self.journal.iter_rows()) if spec.task == "embed" and self.output_format == "parquet" \
+            else None
         write_output(rows(), spec.output.path, self.output_format, spec.build.keep_fields, model_name=spec.model,
-                     optional=self.journal.columns() | ({SAMPLE_INDEX} if spec.build.n > 1 else set()))
+                     optional=self.journal.columns() | ({SAMPLE_INDEX} if spec.build.n > 1 else set()),
+                     task=spec.task, vector_size=size)
         return self._result(outcome, "", output_written=True)
 
     def _result(self, outcome: Outcome, message: str, output_written: bool = False) -> RunResult:
@@ -366,9 +398,9 @@ class Run:
     def _setup(self) -> RunSetup:
         """The model as given and where it loaded from (a .gguf file, an embedded model's cache folder, a folder, or
         a hub id), and the dtype, backend and max_num_seqs it ran with (auto resolved)."""
-        model = self.spec.model
+        model, task = self.spec.model, self.spec.task
         if self.engine is None:
-            return RunSetup(model)
+            return RunSetup(model, task=task)
         info = self.engine.info()
         if model.endswith(".gguf"):
             path = str(Path(model).expanduser().resolve())
@@ -376,7 +408,7 @@ class Run:
             path = info.model_path or model
             if Path(path).expanduser().exists():
                 path = str(Path(path).expanduser().resolve())
-        return RunSetup(model, path, info.dtype, info.backend, info.max_num_seqs)
+        return RunSetup(model, path, info.dtype, info.backend, info.max_num_seqs, task)
 
     def _noting_keep_fields(self, records):
         """`records`, noting which --keep-fields they have (one no record has is said in the summary)."""

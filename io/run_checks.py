@@ -4,13 +4,15 @@ name, and a chat option for a model without a chat template. Each raises SpecErr
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import itertools
 import os
 from collections.abc import Callable
 
+from conveyor.core import option_fields, option_meta
 from conveyor.io.errors import SpecError
-from conveyor.io.records.batch_lines import is_batch_line
+from conveyor.io.records.batch_lines import is_batch_line, url_task
 from conveyor.io.records.build_options import BuildOptions
 from conveyor.io.records.prompt_template import PromptTemplate
 from conveyor.io.records.prompts import has_chat_template
@@ -106,3 +108,62 @@ def check_named_fields(spec: RunSpec, reader: Reader) -> None:
             where = (f"none of the first {len(records)} records of {source} has a field {name!r}{hint}; their fields: "
                      f"{', '.join(seen[:20])}{', ...' if len(seen) > 20 else ''}")
         raise SpecError(f"{option} {name}: {where}")
+
+
+def _option(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _changed(part, fields=None) -> list[str]:
+    """The option fields of dataclass instance `part` (of `fields` where given) that differ from their defaults."""
+    out = []
+    for f in option_fields(type(part)):
+        if fields is not None and f.name not in fields:
+            continue
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        if getattr(part, f.name) != default:
+            out.append(option_meta(f).name or f.name)
+    return out
+
+
+def check_task_options(spec: RunSpec) -> None:
+    """An option that changes nothing for the run's task (resolved: not auto) is a usage error naming it: a
+    pooling option where the run generates, a generation setting where it pools."""
+    task = spec.task
+    if task == "generate":
+        given = _changed(spec.pooling)
+        if given:
+            raise SpecError(f"{_option(given[0])} applies to --task embed (and score, rerank: the pooling tasks); "
+                            "this run generates text. Drop it, or give the task")
+        return
+    given = _changed(spec.sampling)
+    if spec.sampling.grammar is not None:
+        given.append({"regex": "regex", "choice": "choice"}.get(spec.sampling.grammar.kind, "json_schema"))
+    given += [name for name in ("n", "seed") if getattr(spec.build, name) != getattr(BuildOptions(), name)]
+    if spec.reasoning_parser is not None:
+        given.append("reasoning_parser")
+    given += _changed(spec.engine, ("speculative", "num_speculative_tokens"))
+    if spec.engine.schedule != "fcfs":
+        given.append("schedule")
+    if task != "embed":
+        given += _changed(spec.pooling, ("normalize", "dimensions"))
+    if task in ("classify", "reward"):
+        given += _changed(spec.pooling, ("pooling",))
+    if task in ("score", "rerank") and spec.build.system_prompt:
+        raise SpecError(f"--system-prompt: --task {task} scores pairs of raw texts, with no chat template to hold "
+                        "a system message; drop it")
+    if given:
+        what = "generation" if given[0] not in ("normalize", "dimensions", "pooling") else "embeddings"
+        raise SpecError(f"{_option(given[0])} is a setting of {what}, which --task {task} does not use; drop it")
+
+
+def first_batch_task(spec: RunSpec, reader: Reader) -> str | None:
+    """The task the input's first OpenAI batch line asks for by its url (None: the input is not batch lines, or
+    cannot be read twice)."""
+    source = spec.input.path
+    if source == "-" or not (os.path.isfile(source) or os.path.isdir(source)):
+        return None
+    for raw in itertools.islice(reader, FIELD_SAMPLE):
+        if raw.record is not None:
+            return url_task(raw.record) if is_batch_line(raw.record) else None
+    return None

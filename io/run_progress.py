@@ -35,12 +35,20 @@ class RunProgress:
     preemptions: int
 
 
-def run_progress(totals: RunTotals, stats, n: int, tokens_cap: int, now: float | None = None) -> RunProgress:
+def run_progress(totals: RunTotals, stats, n: int, tokens_cap: int, now: float | None = None,
+                 pooling: bool = False) -> RunProgress:
     """The progress of a run of `totals` whose engine reports `stats` (its EngineStats; None before it loads);
-    `n` requests per record, each of at most `tokens_cap` tokens (--max-tokens)."""
+    `n` requests per record, each of at most `tokens_cap` tokens (--max-tokens). A `pooling` task's token rate is
+    its input tokens' (it generates none), and its ETA by records."""
     t = totals
     now = time.monotonic() if now is None else now
     elapsed = now - t.first_admit if t.first_admit else 0.0
+    if pooling:
+        rate = (stats.num_computed_prompt_tokens if stats else 0) / elapsed if elapsed > 0 else 0.0
+        left = None if t.total is None else t.total - t.done
+        return RunProgress(done=t.done, total=t.total, errors=t.errors, tokens_per_s=rate,
+                           eta_s=records_eta_seconds(left, t.done - t.resumed_from, elapsed),
+                           running=0, waiting=stats.num_waiting if stats else 0, kv_usage=0.0, preemptions=0)
     generated = stats.num_generated_tokens if stats else 0
     in_flight = -(-(stats.num_running + stats.num_waiting) // n) if stats else 0  # (records: a request per sample)
     left = None if t.total is None else t.total - t.done

@@ -47,6 +47,7 @@ class RunSetup:
     dtype: str | None = None
     backend: str | None = None
     max_num_seqs: int | None = None
+    task: str = "generate"  # or the pooling task it ran (embed, classify, score, rerank, reward)
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,17 @@ class RunSummary:
         return cls(**fields, **run_figures(list(figures_states)), figures_states=tuple(figures_states))
 
     @property
+    def records_per_s(self) -> float:
+        """Records this process (or, merged, the workers together) gave a row, per second of generation."""
+        done = self.records - self.resumed_from
+        return round(done / self.elapsed_s, 2) if self.elapsed_s > 0 else 0.0
+
+    @property
+    def prompt_tokens_per_s(self) -> float:
+        """The prompt tokens of this process's ok rows per second of generation (a pooling task's speed)."""
+        return round(self.prompt_tokens / self.elapsed_s, 1) if self.elapsed_s > 0 else 0.0
+
+    @property
     def draft_acceptance_rate(self) -> float | None:
         return draft_acceptance_rate(self.draft_tokens, self.accepted_draft_tokens)
 
@@ -114,6 +126,7 @@ class RunSummary:
             "resumed_from": self.resumed_from, "continued": self.continued,
             "tokens_carried_over": self.tokens_carried_over, "in_flight_saved": self.in_flight_saved,
             "keep_fields_missing": list(self.keep_fields_missing), "wall_s": self.wall_s,
+            "task": s.task, "records_per_s": self.records_per_s, "prompt_tokens_per_s": self.prompt_tokens_per_s,
             "model": s.model, "model_path": s.model_path, "dtype": s.dtype, "backend": s.backend,
             "ttft_s": self.ttft_s, "latency_s": self.latency_s, "queue_s": self.queue_s, "tpot_s": self.tpot_s,
             "mean_running": self.mean_running, "occupancy": self.occupancy, "steps": self.steps,

@@ -16,7 +16,9 @@ from typing import Any
 from conveyor.core import (
     DEFAULT_MODEL,
     REASONING_PARSERS,
+    TASKS,
     EngineConfig,
+    PoolingOptions,
     SamplingParams,
     check_fields,
     option,
@@ -30,7 +32,7 @@ from conveyor.io.rows.sink_options import ON_ERROR, CommitPolicy
 from conveyor.io.rows.writers import OUTPUT_FORMATS
 
 # What building a spec takes besides the dataclasses below: the request options and the run's grammar.
-__all__ = ["BuildOptions", "InputOptions", "OutputOptions", "RunSpec", "StateOptions", "run_grammar"]
+__all__ = ["BuildOptions", "InputOptions", "OutputOptions", "PoolingOptions", "RunSpec", "StateOptions", "run_grammar"]
 CONFIG_VERSION = 2  # of generation_config: which settings a manifest records (io/state/run_dir.Manifest)
 
 
@@ -82,6 +84,10 @@ class RunSpec:
     build: BuildOptions = field(default_factory=BuildOptions)
     engine: EngineConfig = field(default_factory=EngineConfig)
     state: StateOptions = field(default_factory=StateOptions)
+    # what the run computes: generate, or a pooling task (core.pooling_params); auto: a batch line's url, else what
+    # the checkpoint is (a classifier: classify; an embedding model: embed; else generate). `Run` resolves it.
+    task: str = option(TASKS[0], choices=TASKS)
+    pooling: PoolingOptions = field(default_factory=PoolingOptions)  # the pooling tasks' settings
     profile: bool = option(False)  # split the engine's step time into its phases
     # core.reasoning.REASONING_PARSERS: the output's reasoning in its own column
     reasoning_parser: str | None = option(None, choices=REASONING_PARSERS)
@@ -110,9 +116,10 @@ class RunSpec:
         """("part.name", key, value, default, whether its option is a switch) of every field of the spec and its parts (but the input's and output's
         paths and the parts themselves; the run directory's options are no part of it). The key is the field's name,
         or "part.name" for a field that is no option (SamplingParams' own seed is not the run's)."""
-        parts = {"input", "output", "sampling", "build", "engine", "state"}
+        parts = {"input", "output", "sampling", "build", "engine", "state", "pooling"}
         for group, part in (("engine", self.engine), ("sampling", self.sampling), ("build", self.build),
-                            ("input", self.input), ("output", self.output), ("spec", self)):
+                            ("input", self.input), ("output", self.output), ("pooling", self.pooling),
+                            ("spec", self)):
             for f in dataclasses.fields(part):
                 if f.name == "path" or (group == "spec" and f.name in parts):
                     continue
@@ -160,6 +167,8 @@ def _recorded(key: str, value: Any, switch: bool) -> dict[str, Any]:
         return {key: value is not None}
     if key == "schedule":  # the other schedules give the same rows; this one reads a record's priority field
         return {key: value} if value == "priority" else {}
+    if key == "task":  # recorded as it ran (`Run` resolves auto); a generation run's manifest as before it existed
+        return {} if value in ("auto", "generate") else {key: value}
     if key == "chat_template" and value is not None:
         return {key: hashlib.sha256(value.encode()).hexdigest()[:16]}
     return {key: list(value) if isinstance(value, tuple) else value}

@@ -13,6 +13,10 @@ from conveyor.io.records.readers.record import describe
 from conveyor.io.records.reject import Reject
 
 OPENAI_URLS = ("/v1/chat/completions", "/v1/completions")
+# The pooling endpoints (OpenAI's and vLLM's), and the task each asks for.
+POOLING_URLS = {"/v1/embeddings": "embed", "/embeddings": "embed", "/v1/score": "score", "/score": "score",
+                "/v1/rerank": "rerank", "/rerank": "rerank", "/v2/rerank": "rerank", "/v1/classify": "classify",
+                "/classify": "classify"}
 # What an OpenAI batch body may hold: the request itself, its generation settings (OpenAI's and vLLM's names)
 # and fields that do not change the output ("model": the run's --model answers; "user", "metadata", "store").
 _BODY_FIELDS = frozenset({"messages", "prompt", "stream", *request_options.REQUEST_METADATA,
@@ -43,10 +47,27 @@ def served_names(model: str | None) -> tuple[str, ...]:
     return tuple(dict.fromkeys(n for n in (model, name, name.removesuffix(".gguf")) if n))
 
 
-def batch_body(record: dict, served_model_names: tuple[str, ...], priorities: bool) -> dict:
-    """The body of batch line `record`, checked: the line's custom_id, method and url, and the body's fields.
-    `served_model_names`: the names body.model may give ((): any); `priorities` (--schedule priority): body.priority
-    orders the requests, else it must be 0."""
+def url_task(record: dict) -> str | None:
+    """The task a batch line's url asks for ("generate", "embed", ...), None where it names no endpoint conveyor
+    knows."""
+    url = record.get("url")
+    if url in OPENAI_URLS:
+        return "generate"
+    return POOLING_URLS.get(url) if isinstance(url, str) else None
+
+
+def wrong_task(url: str, task: str) -> Reject:
+    """The error of a line whose url asks for another task than the run's."""
+    asked = POOLING_URLS.get(url, "generate")
+    fix = "run these lines on their own with a model of that kind" if asked == "generate" else \
+        f"run these lines on their own with --task {asked}"
+    return Reject(f"url {url} asks for {'generation' if asked == 'generate' else '--task ' + asked}, but this run "
+                  f"does {'generation' if task == 'generate' else '--task ' + task}; {fix}")
+
+
+def line_body(record: dict, served_model_names: tuple[str, ...], task: str) -> tuple[dict, str]:
+    """(the body, the url) of batch line `record`, checked as every endpoint's are: its custom_id, method, url (one
+    of the run's task) and body.model."""
     if record.get("custom_id") is None:
         raise Reject("the line is an OpenAI batch request (it has 'url' or 'body') but no 'custom_id'; give every "
                      "line a unique custom_id (its result line carries it)")
@@ -59,14 +80,13 @@ def batch_body(record: dict, served_model_names: tuple[str, ...], priorities: bo
     if method is not None and method != "POST":
         raise Reject(f"method {method!r} is not supported; batch lines are POST requests (\"method\": \"POST\")")
     url = record.get("url")
+    urls = OPENAI_URLS if task == "generate" else tuple(u for u, t in POOLING_URLS.items() if t == task)
     if url is None:
-        raise Reject(f"the line has no 'url'; give the endpoint it calls: {' or '.join(OPENAI_URLS)}")
-    if url not in OPENAI_URLS:
-        raise Reject(f"url {url!r} is not supported; use {' or '.join(OPENAI_URLS)}")
-    takes, other = ("messages", "prompt") if url == OPENAI_URLS[0] else ("prompt", "messages")
-    if other in body and takes not in body:
-        raise Reject(f"url {url} takes body.{takes}, not body.{other}; use {OPENAI_URLS[url == OPENAI_URLS[0]]} "
-                     f"for a {other}, or send body.{takes}")
+        raise Reject(f"the line has no 'url'; give the endpoint it calls: {' or '.join(urls)}")
+    if url_task(record) is None:
+        raise Reject(f"url {url!r} is not supported; use {' or '.join(urls)}")
+    if url_task(record) != task:
+        raise wrong_task(url, task)
     if body.get("stream") not in (None, False):
         raise Reject("body.stream is not supported in a batch; remove it")
     model = body.get("model")
@@ -74,6 +94,18 @@ def batch_body(record: dict, served_model_names: tuple[str, ...], priorities: bo
         raise Reject(f"body.model {json.dumps(model, ensure_ascii=False)} is not the model this run serves "
                      f"({', '.join(served_model_names)}); to answer it with this run's model, add "
                      f"--served-model-name {model if isinstance(model, str) else 'NAME'}, or fix body.model")
+    return body, url
+
+
+def batch_body(record: dict, served_model_names: tuple[str, ...], priorities: bool) -> dict:
+    """The body of generation batch line `record`, checked: the line's custom_id, method and url, and the body's
+    fields. `served_model_names`: the names body.model may give ((): any); `priorities` (--schedule priority):
+    body.priority orders the requests, else it must be 0."""
+    body, url = line_body(record, served_model_names, "generate")
+    takes, other = ("messages", "prompt") if url == OPENAI_URLS[0] else ("prompt", "messages")
+    if other in body and takes not in body:
+        raise Reject(f"url {url} takes body.{takes}, not body.{other}; use {OPENAI_URLS[url == OPENAI_URLS[0]]} "
+                     f"for a {other}, or send body.{takes}")
     unknown = [key for key in body if key not in _BODY_FIELDS]
     if unknown:
         at_default = request_options.AT_DEFAULT.keys()

@@ -27,9 +27,10 @@ class PromptTokens:
     """Builds the prompt of a record (or of a batch line's body) as token ids, by `options`' fields and templates.
     `template`: the parsed --prompt-template, where one is given."""
 
-    def __init__(self, tokenizer: Any, options: BuildOptions) -> None:
+    def __init__(self, tokenizer: Any, options: BuildOptions, generation_prompt: bool = True) -> None:
         self.tokenizer = tokenizer
         self.options = options
+        self.generation_prompt = generation_prompt  # a chat ends with the assistant's turn opened (generation)
         self.template = PromptTemplate(options.prompt_template) if options.prompt_template is not None else None
 
     def tokens(self, fields: dict, prefix: str) -> tuple[str, list[int]]:
@@ -101,7 +102,8 @@ class PromptTokens:
         if system_prompt and not any(m["role"] == "system" for m in messages):
             messages = [{"role": "system", "content": system_prompt}, *messages]
         try:
-            out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+            out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=self.generation_prompt,
+                                                     tokenize=True,
                                                      chat_template=template)
         except Exception as e:  # templates raise what they like (jinja errors, ValueError, ...)
             raise Reject(f"the chat template rejected '{field}' ({first_line(e)}); check the messages' "

@@ -73,7 +73,7 @@ def _as_float(field: str, value: Any) -> float:
     return float(value)
 
 
-def _as_int(field: str, value: Any) -> int:
+def as_int(field: str, value: Any) -> int:
     if isinstance(value, int) and not isinstance(value, bool):
         return value
     if isinstance(value, float) and math.isfinite(value) and value.is_integer():
@@ -95,7 +95,7 @@ def _as_token_ids(field: str, value: Any) -> tuple[int, ...]:
     raise Reject(f"{field} must be a list of integers, got {describe(value)}")
 
 
-def _as_bool(field: str, value: Any) -> bool:
+def as_bool(field: str, value: Any) -> bool:
     if isinstance(value, bool):
         return value
     raise Reject(f"{field} must be true or false, got {describe(value)} ({value!r})")
@@ -103,17 +103,17 @@ def _as_bool(field: str, value: Any) -> bool:
 
 # record key -> (SamplingParams field, converter); "seed" is handled apart (it has a derived default).
 _OVERRIDES: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
-    "max_tokens": ("max_tokens", _as_int),
-    "max_completion_tokens": ("max_tokens", _as_int),
-    "max_new_tokens": ("max_tokens", _as_int),
+    "max_tokens": ("max_tokens", as_int),
+    "max_completion_tokens": ("max_tokens", as_int),
+    "max_new_tokens": ("max_tokens", as_int),
     "temperature": ("temperature", _as_float),
     "top_p": ("top_p", _as_float),
-    "top_k": ("top_k", _as_int),
+    "top_k": ("top_k", as_int),
     "min_p": ("min_p", _as_float),
-    "min_tokens": ("min_tokens", _as_int),
+    "min_tokens": ("min_tokens", as_int),
     "stop": ("stop", _as_stop),
     "stop_token_ids": ("stop_token_ids", _as_token_ids),
-    "ignore_eos": ("ignore_eos", _as_bool),
+    "ignore_eos": ("ignore_eos", as_bool),
 }
 # The fields this module applies (a batch body may hold them; a plain record's are never read as data).
 APPLIED = frozenset({"seed", "n", "truncate_prompt_tokens", *_OVERRIDES, *FIELDS})
@@ -156,7 +156,7 @@ def record_seed(fields: dict, prefix: str, run_seed: int, record_id: str | None,
     value = fields.get("seed")
     if value is None:
         return derive_seed(run_seed, record_id) if record_id is not None else index_seed(run_seed, index)
-    seed = _as_int(prefix + "seed", value)
+    seed = as_int(prefix + "seed", value)
     if not -2**63 <= seed < 2**63:
         raise Reject(f"{prefix}seed must fit in 64 bits (-2**63 <= seed < 2**63), got {seed}")
     return seed
@@ -167,7 +167,7 @@ def samples(fields: dict, prefix: str, run_n: int) -> int:
     value = fields.get("n")
     if value is None:
         return run_n
-    n = _as_int(prefix + "n", value)
+    n = as_int(prefix + "n", value)
     if not 1 <= n <= MAX_SAMPLES:
         raise Reject(f"{prefix}n must be from 1 to {MAX_SAMPLES} (completions per record), got {n}; give a count "
                      f"in that range (for more, repeat the record under other ids)")
@@ -179,7 +179,7 @@ def priority(fields: dict, prefix: str) -> int:
     value = fields.get("priority")
     if value is None:
         return 0
-    number = _as_int(prefix + "priority", value)
+    number = as_int(prefix + "priority", value)
     if not -2**63 <= number < 2**63:
         raise Reject(f"{prefix}priority must fit in 64 bits, got {number}; lower numbers run first")
     return number
@@ -221,7 +221,7 @@ def truncation(fields: dict, prefix: str, run_default: int | str | None, max_tok
             raise Reject(f"{name} auto: max_tokens ({max_tokens}) leaves no room for a prompt in the model's "
                          f"context of {max_model_len}; lower max_tokens")
         return max_model_len - max_tokens
-    keep = _as_int(name, value)
+    keep = as_int(name, value)
     if keep < 1:
         raise Reject(f"{name} must be at least 1 (the prompt tokens to keep), got {keep}")
     return keep

@@ -7,6 +7,8 @@ module level.
 
 from __future__ import annotations
 
+import base64
+import struct
 from collections.abc import Callable
 from typing import Any
 
@@ -25,10 +27,82 @@ OUTPUT_COLUMNS = ("id", "index", "status", "output", "finish_reason", "prompt_to
                   "error", "seed", "queue_s", "ttft_s", "latency_s")
 # Columns a run has where its records asked for them (the caller says which), between the fixed ones and the
 # keep fields: per token {token, id, logprob, top: [{token, id, logprob}]}.
-OPTIONAL_COLUMNS = ("logprobs", "prompt_logprobs", "prompt_logprob_sum", "sample_index", "reasoning",
+OPTIONAL_COLUMNS = ("logprobs", "prompt_logprobs", "prompt_logprob_sum", "sample_index", "input_index", "reasoning",
                     "prompt_tokens_truncated",  # the prompt tokens truncation cut
                     "draft_tokens", "accepted_draft_tokens")  # --speculative: fed to the model, and accepted
 SAMPLE_INDEX = "sample_index"  # 0 to n - 1; a run's files have it where some record has n > 1, or --n > 1
+
+# The pooling tasks' rows: their own columns instead of a completion's. A record with several inputs (a list of
+# texts, documents to score) is a group row (SAMPLES_KEY) of one row per input, numbered by INPUT_INDEX.
+POOLING_COLUMNS = ("id", "index", "status", "prompt_tokens", "error", "queue_s", "latency_s")
+TASK_VALUES = {"embed": ("embedding",), "classify": ("label", "probs"), "score": ("score",), "rerank": ("score",),
+               "reward": ("reward",)}
+INPUT_INDEX = "input_index"  # 0 to k - 1: which input of its record a row answers (where a record had several)
+# Beside a pooling row, for its OpenAI batch result line: how its embeddings are encoded, a rerank line's
+# document and the number of best results it asked for. Not output columns.
+ENCODING_KEY = "__conveyor_encoding"
+DOCUMENT_KEY = "__conveyor_document"
+TOP_N_KEY = "__conveyor_top_n"
+
+
+def output_columns(task: str) -> tuple[str, ...]:
+    """The fixed columns of a run's output: a completion's, or a pooling task's (its values after the status)."""
+    if task in TASK_VALUES:
+        return (*POOLING_COLUMNS[:3], *TASK_VALUES[task], *POOLING_COLUMNS[3:])
+    return OUTPUT_COLUMNS
+
+
+def pack_vector(values) -> str:
+    """A float32 vector as the journal keeps it: its little-endian bytes in base64 (exact, and a quarter of its
+    JSON's size); OpenAI's `encoding_format: base64` is the same text."""
+    return base64.b64encode(struct.pack(f"<{len(values)}f", *values)).decode("ascii")
+
+
+def unpack_vector(text: str) -> list[float]:
+    data = base64.b64decode(text)
+    return list(struct.unpack(f"<{len(data) // 4}f", data))
+
+
+def vector_size(rows) -> int | None:
+    """The length of every embedding in `rows` (journal rows), where they all have one; None where none has one or
+    their lengths differ (a record's own `dimensions`)."""
+    sizes = {len(base64.b64decode(r["embedding"])) // 4 for row in rows for r in output_rows(row)
+             if r.get("embedding") is not None}
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+def pooled_row(b, out, task: str, labels: tuple[str, ...], where: str | None = None) -> dict[str, Any]:
+    """The row of a finished pooling request: `b` the record's `pooling_builder.BuiltPooling`, `out` the engine's
+    PoolingOutput, `labels` a classifier's. One row per input where the record had several (a group row)."""
+    base = {"id": b.id, "index": b.index, "status": "ok", "prompt_tokens": out.num_prompt_tokens, "error": None,
+            "queue_s": round(out.queue_s, 6), "latency_s": round(out.latency_s, 6), KIND_KEY: b.kind, **b.kept}
+    if b.prompt_tokens_truncated is not None:
+        base["prompt_tokens_truncated"] = b.prompt_tokens_truncated
+    if b.batch_line and task == "embed":
+        base[ENCODING_KEY] = b.encoding_format
+    values = [_task_values(task, v, labels) for v in out.results]
+    if not b.multiple:
+        row = {**base, **values[0]}
+    else:
+        rows = [{**base, **v, INPUT_INDEX: i, "prompt_tokens": out.num_prompt_tokens if i == 0 else 0}
+                for i, v in enumerate(values)]
+        for row, document in zip(rows, b.documents):
+            row[DOCUMENT_KEY] = document
+        row = {"id": b.id, "index": b.index, "status": "ok", SAMPLES_KEY: rows}
+        if b.top_n is not None:
+            row[TOP_N_KEY] = b.top_n
+    if where is not None and b.id_given:
+        row[WHERE_KEY] = where
+    return row
+
+
+def _task_values(task: str, values: tuple[float, ...], labels: tuple[str, ...]) -> dict[str, Any]:
+    if task == "embed":
+        return {"embedding": pack_vector(values)}
+    if task == "classify":
+        best = max(range(len(values)), key=values.__getitem__)
+        return {"label": labels[best] if best < len(labels) else str(best), "probs": list(values)}
+    return {TASK_VALUES[task][0]: values[0]}
 
 
 def base_schema():
@@ -40,6 +114,21 @@ def base_schema():
     return pa.schema(list(zip(OUTPUT_COLUMNS, types)))
 
 
+def column_schema(name: str, vector_size: int | None = None):
+    """The Arrow type of a pooling task's column (an embedding: `vector_size` floats, or a list where they vary)."""
+    import pyarrow as pa
+
+    if name == "embedding":
+        return pa.list_(pa.float32(), vector_size) if vector_size else pa.list_(pa.float32())
+    if name == "probs":
+        return pa.list_(pa.float32())
+    if name in ("score", "reward", "queue_s", "latency_s"):
+        return pa.float64()
+    if name in ("index", "prompt_tokens"):
+        return pa.int64()
+    return pa.string()
+
+
 def optional_schema(name: str):
     """The Arrow type of an optional column."""
     import pyarrow as pa
@@ -48,7 +137,7 @@ def optional_schema(name: str):
         return pa.float64()
     if name == "reasoning":  # the output's reasoning section (--reasoning-parser), null where it had none
         return pa.string()
-    if name in (SAMPLE_INDEX, "prompt_tokens_truncated", "draft_tokens", "accepted_draft_tokens"):
+    if name in (SAMPLE_INDEX, INPUT_INDEX, "prompt_tokens_truncated", "draft_tokens", "accepted_draft_tokens"):
         return pa.int64()
     alternative = pa.struct([("token", pa.string()), ("id", pa.int64()), ("logprob", pa.float64())])
     return pa.list_(pa.struct([("token", pa.string()), ("id", pa.int64()), ("logprob", pa.float64()),

@@ -24,14 +24,25 @@ from dataclasses import dataclass
 from typing import Any
 
 from conveyor.core import GenerationRequest, InFlight, TokenLogprobs
+from conveyor.io.records.pooling_builder import BuiltPooling
 from conveyor.io.records.readers import RawRecord
 from conveyor.io.records.readers.record import location
 from conveyor.io.records.request_builder import BuiltRequest, ErrorRow
 from conveyor.io.records.seeds import sample_seed
 from conveyor.io.rows.figures import LatencyFigures
-from conveyor.io.rows.rows import SAMPLE_INDEX, duplicate_id_message, error_row, group_row, ok_row, output_rows
+from conveyor.io.rows.rows import (
+    SAMPLE_INDEX,
+    duplicate_id_message,
+    error_row,
+    group_row,
+    ok_row,
+    output_rows,
+    pooled_row,
+)
 from conveyor.io.rows.sink_options import ON_ERROR, CommitPolicy
 from conveyor.io.state.journal import Journal
+
+BUILT = (BuiltRequest, BuiltPooling)  # a record that became a request (generation's, or a pooling task's)
 
 
 class BadRecordStop(Exception):
@@ -104,7 +115,7 @@ class JournalSink(RecordSink):
     def __init__(self, journal: Journal, policy: CommitPolicy = CommitPolicy(), on_error: str = ON_ERROR[0],
                  token_text: Callable[[int], str] = str, totals: RunTotals | None = None,
                  engine_in_flight: Callable[[], dict[str, InFlight]] | None = None,
-                 partials: dict[int, dict] | None = None) -> None:
+                 partials: dict[int, dict] | None = None, task: str = "generate", labels: tuple[str, ...] = ()) -> None:
         if on_error not in ON_ERROR:
             raise ValueError(f"on_error must be one of {', '.join(ON_ERROR)}, got {on_error!r}")
         self.journal = journal
@@ -114,19 +125,24 @@ class JournalSink(RecordSink):
         self.totals = totals if totals is not None else RunTotals()
         self.engine_in_flight = engine_in_flight
         self.partials = dict(partials or {})  # index -> a partial not yet continued
+        self.task = task  # a pooling task's rows are its own (rows.pooled_row); `labels`: a classifier's
+        self.labels = labels
         self.in_flight: dict[str, tuple[BuiltRequest, str, int]] = {}  # request id -> (record, where read, sample)
         self.samples: dict[int, dict[int, dict]] = {}  # index of a record with n > 1 -> its finished samples' rows
         self._last_commit = time.monotonic()
 
     def admit(self, raw: RawRecord, built: BuiltRequest | ErrorRow):
         where = location(raw.index, raw.line)
-        if isinstance(built, BuiltRequest) and built.id_given and not self.journal.claim_id(built.id, built.index):
+        if isinstance(built, BUILT) and built.id_given and not self.journal.claim_id(built.id, built.index):
             self._bad(built.error_row(duplicate_id_message(where, built.id)), "duplicate", where)
             return None
-        if isinstance(built, BuiltRequest):
+        if isinstance(built, BUILT):
             if self.totals.first_admit is None:
                 self.totals.first_admit = time.monotonic()
             partial = self.partials.pop(built.index, None)
+            if isinstance(built, BuiltPooling):  # (nothing of it is ever half-done: it runs whole)
+                self.in_flight[str(built.index)] = (built, where, 0)
+                return built.to_generation_request()
             if built.n > 1:
                 return self._admit_samples(built, where, partial)
             self.in_flight[str(built.index)] = (built, where, 0)
@@ -207,6 +223,10 @@ class JournalSink(RecordSink):
         if out.error is not None:  # it could not run (refused, or its grammar), or its own data broke a step
             self._failed(built, where, k, built.error_row(f"{where}: {out.error}", out.num_prompt_tokens))
             return
+        if isinstance(built, BuiltPooling):
+            self._add(pooled_row(built, out, self.task, self.labels, where), built.digest, place=where)
+            self.totals.last_active = time.monotonic()
+            return
         row = ok_row(built, out, self.token_text, where)
         if built.n == 1:
             self._add(row, built.digest, built.sampling.grammar is not None, place=where)
@@ -229,9 +249,10 @@ class JournalSink(RecordSink):
             t.samples += 1
             if sample["status"] == "ok":
                 t.prompt_tokens += sample["prompt_tokens"]
-                t.completion_tokens += sample["completion_tokens"]
+                t.completion_tokens += sample.get("completion_tokens") or 0
                 t.latency.add_row(sample)
-                t.finish_reasons[sample["finish_reason"]] += 1
+                if sample.get("finish_reason") is not None:  # (a pooling row has none)
+                    t.finish_reasons[sample["finish_reason"]] += 1
                 if structured:
                     t.structured_outputs += 1
                     # an ok row's error column holds its note: here, that its grammar did not complete

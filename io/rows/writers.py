@@ -7,6 +7,7 @@ removed and the error propagates unchanged (ENOSPC included). pyarrow is importe
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
@@ -15,14 +16,18 @@ import time
 from typing import IO, Any, Iterable, Iterator
 
 from conveyor.io.errors import SpecError
+from conveyor.io.rows.openai_lines import pooling_line
 from conveyor.io.rows.rows import (
     KIND_KEY,
     OPTIONAL_COLUMNS,
     OUTPUT_COLUMNS,
     SAMPLE_INDEX,
     base_schema,
+    column_schema,
     optional_schema,
+    output_columns,
     output_rows,
+    unpack_vector,
 )
 from conveyor.io.state.atomic import atomic_file
 
@@ -62,27 +67,32 @@ def check_keep_fields(keep_fields: tuple[str, ...]) -> None:
 
 
 def write_output(rows: Iterable[dict], path: str, output_format: str, keep_fields: tuple[str, ...] = (),
-                 model_name: str = "", row_group_size: int = 4096, optional: Iterable[str] = ()) -> int:
+                 model_name: str = "", row_group_size: int = 4096, optional: Iterable[str] = (),
+                 task: str = "generate", vector_size: int | None = None) -> int:
     """Stream `rows` (output-row dicts, input order) to `path` atomically; returns the rows written.
 
     `optional`: which OPTIONAL_COLUMNS the file has (those some row of the run holds). Keys beyond the columns
     (such as `kind`) are ignored, except that openai-batch reads `kind` ("completion" -> a text_completion
-    body; anything else -> chat).
+    body; anything else -> chat). `task`: the run's (its rows' columns: `rows.output_columns`); an embedding
+    run's Parquet column holds `vector_size` floats a row (None: a list whose length varies).
     """
     if output_format not in OUTPUT_FORMATS:
         raise SpecError(f"--output-format {output_format!r} is not one of {', '.join(OUTPUT_FORMATS)}")
     keep_fields = tuple(keep_fields)
     check_keep_fields(keep_fields)
     extra = tuple(c for c in OPTIONAL_COLUMNS if c in set(optional))
+    columns = output_columns(task)
     if output_format != "openai-batch":  # a row per sample; openai-batch: a line per record, its n choices
         rows = _sample_rows(rows, SAMPLE_INDEX in extra)
     if output_format == "parquet":
         with atomic_file(path, "wb") as f:
-            return _write_parquet(rows, f, keep_fields, row_group_size, extra)
+            return _write_parquet(rows, f, keep_fields, row_group_size, extra, columns, vector_size)
     with (_stdout() if path == STDOUT else atomic_file(path, "w")) as f:
         if output_format == "jsonl":
-            return _write_jsonl(rows, f, OUTPUT_COLUMNS + extra + keep_fields)
-        return _write_openai_batch(rows, f, model_name)
+            return _write_jsonl(rows, f, columns + extra + keep_fields)
+        if task != "generate":
+            return _write_lines(rows, f, lambda row, created: pooling_line(row, task, model_name, created))
+        return _write_lines(rows, f, lambda row, created: _openai_record_line(row, model_name, created))
 
 
 @contextlib.contextmanager
@@ -113,16 +123,20 @@ def _sample_rows(rows: Iterable[dict], numbered: bool) -> Iterator[dict]:
 def _write_jsonl(rows: Iterable[dict], f: IO[str], columns: tuple[str, ...]) -> int:
     num_rows = 0
     for row in rows:
-        f.write(json_line({c: row.get(c) for c in columns}, default=str))
+        out = {c: row.get(c) for c in columns}
+        if out.get("embedding") is not None:
+            out["embedding"] = unpack_vector(out["embedding"])
+        f.write(json_line(out, default=str))
         num_rows += 1
     return num_rows
 
 
-def _write_openai_batch(rows: Iterable[dict], f: IO[str], model_name: str) -> int:
+def _write_lines(rows: Iterable[dict], f: IO[str], line) -> int:
+    """One OpenAI batch output line per record, `line(row, created)`."""
     created = int(time.time())
     num_rows = 0
     for row in rows:
-        f.write(json_line(_openai_record_line(row, model_name, created)))
+        f.write(json_line(line(row, created)))
         num_rows += 1
     return num_rows
 
@@ -198,7 +212,8 @@ def _completion_logprobs(entries: list[dict] | None) -> dict | None:
 
 
 def _write_parquet(rows: Iterable[dict], f: IO[bytes], keep_fields: tuple[str, ...], row_group_size: int,
-                   extra: tuple[str, ...] = ()) -> int:
+                   extra: tuple[str, ...] = (), fixed: tuple[str, ...] = OUTPUT_COLUMNS,
+                   vector_size: int | None = None) -> int:
     import pyarrow.parquet as pq
 
     writer = None
@@ -209,12 +224,12 @@ def _write_parquet(rows: Iterable[dict], f: IO[bytes], keep_fields: tuple[str, .
             if writer is None:
                 columns = [_KeepColumn.from_first_chunk(name, [row.get(name) for row in chunk])
                            for name in keep_fields]
-                writer = pq.ParquetWriter(f, _schema(columns, extra))
-            writer.write_table(_table(chunk, columns, writer.schema, extra), row_group_size=row_group_size)
+                writer = pq.ParquetWriter(f, _schema(columns, extra, fixed, vector_size))
+            writer.write_table(_table(chunk, columns, writer.schema, extra, fixed), row_group_size=row_group_size)
             num_rows += len(chunk)
         if writer is None:  # no rows: still a valid file with the full schema
             columns = [_KeepColumn(name, "str") for name in keep_fields]
-            writer = pq.ParquetWriter(f, _schema(columns, extra))
+            writer = pq.ParquetWriter(f, _schema(columns, extra, fixed, vector_size))
     except BaseException:
         if writer is not None:
             with contextlib.suppress(Exception):
@@ -235,10 +250,12 @@ def _chunks(rows: Iterable[dict], size: int) -> Iterator[list[dict]]:
         yield chunk
 
 
-def _schema(columns: list[_KeepColumn], extra: tuple[str, ...] = ()):
+def _schema(columns: list[_KeepColumn], extra: tuple[str, ...] = (), fixed: tuple[str, ...] = OUTPUT_COLUMNS,
+            vector_size: int | None = None):
     import pyarrow as pa
 
-    schema = base_schema()
+    schema = base_schema() if fixed == OUTPUT_COLUMNS else \
+        pa.schema([pa.field(name, column_schema(name, vector_size)) for name in fixed])
     for name in extra:
         schema = schema.append(pa.field(name, optional_schema(name)))
     for column in columns:
@@ -246,13 +263,34 @@ def _schema(columns: list[_KeepColumn], extra: tuple[str, ...] = ()):
     return schema
 
 
-def _table(chunk: list[dict], columns: list[_KeepColumn], schema, extra: tuple[str, ...] = ()):
+def _table(chunk: list[dict], columns: list[_KeepColumn], schema, extra: tuple[str, ...] = (),
+           fixed: tuple[str, ...] = OUTPUT_COLUMNS):
     import pyarrow as pa
 
-    arrays = [pa.array([row.get(name) for row in chunk], type=schema.field(name).type)
-              for name in OUTPUT_COLUMNS + extra]
+    arrays = [_vectors(chunk, schema.field(name).type, name) if name == "embedding" else
+              pa.array([row.get(name) for row in chunk], type=schema.field(name).type) for name in fixed + extra]
     arrays += [pa.array(column.convert(chunk), type=column.arrow_type()) for column in columns]
     return pa.Table.from_arrays(arrays, schema=schema)
+
+
+def _vectors(chunk: list[dict], arrow_type, name: str):
+    """The embeddings of a row group as one Arrow array, decoded from the rows' packed floats at once (null for an
+    error row); ValueError naming the row where one's length is not the column's."""
+    import numpy as np
+    import pyarrow as pa
+
+    packed = [row.get(name) for row in chunk]
+    vectors = [np.frombuffer(base64.b64decode(p), dtype="<f4") if p is not None else None for p in packed]
+    size = arrow_type.list_size if isinstance(arrow_type, pa.FixedSizeListType) else None
+    if size is None:
+        return pa.array([None if v is None else v for v in vectors], type=arrow_type)
+    for row, v in zip(chunk, vectors):
+        if v is not None and len(v) != size:
+            raise ValueError(f"row {row.get('index')}: an embedding of {len(v)} floats in a column of {size}")
+    flat = np.concatenate([v if v is not None else np.zeros(size, dtype="<f4") for v in vectors]) if vectors \
+        else np.zeros(0, dtype="<f4")
+    mask = pa.array([v is None for v in vectors], type=pa.bool_())
+    return pa.FixedSizeListArray.from_arrays(pa.array(flat, type=pa.float32()), size, mask=mask)
 
 
 class _KeepColumn:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from conveyor.io.errors import SpecError
-from conveyor.io.rows.rows import SAMPLE_INDEX, SAMPLES_KEY, duplicate_id_row, without_errors
+from conveyor.io.rows.rows import SAMPLE_INDEX, SAMPLES_KEY, duplicate_id_row, vector_size, without_errors
 from conveyor.io.state.atomic import atomic_write_text
 from conveyor.io.state.journal import Journal, JournalCorrupt
 from conveyor.io.state.run_dir import Manifest, RunDir, RunDirError
@@ -271,7 +271,11 @@ def merge(run_dir: str | Path, output: str, output_format: str | None = None) ->
             counts["rows"] += 1
             yield row
 
-    write_output(rows(), output, output_format or first.manifest.output_format,
-                 tuple(first.manifest.generation_config.get("keep_fields") or ()), model_name=first.manifest.model,
-                 optional=shards.columns(members) | ({SAMPLE_INDEX} if "n" in first.manifest.generation_config else set()))
+    config = first.manifest.generation_config
+    fmt = output_format or first.manifest.output_format
+    task = config.get("task", "generate")
+    size = vector_size(shards.rows(members)) if task == "embed" and fmt == "parquet" else None
+    write_output(rows(), output, fmt, tuple(config.get("keep_fields") or ()), model_name=first.manifest.model,
+                 optional=shards.columns(members) | ({SAMPLE_INDEX} if "n" in config else set()), task=task,
+                 vector_size=size)
     return MergeResult(counts["rows"], counts["errors"], len(members), skip)
