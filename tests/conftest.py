@@ -76,3 +76,21 @@ def think_model(tmp_path_factory):
         tokenizer.chat_template = THINK_TEMPLATE
 
     return _tiny_llama(tmp_path_factory.mktemp("think-model"), with_think_tags)
+
+
+@pytest.fixture(scope="session")
+def pooling_models(tmp_path_factory):
+    """The tiny pooling checkpoints of `pooling_models.py`, each built on first use: name -> its folder."""
+    import pooling_models as built
+
+    makers = {"bert-mean": lambda f: built.bert_embedder(f, "mean"), "bert-cls": lambda f: built.bert_embedder(f, "cls"),
+              "qwen3": built.qwen3_embedder, "classifier": built.bert_classifier, "cross-encoder": built.cross_encoder,
+              "reward": built.llama_reward}
+    folders = {}
+
+    def get(name):
+        if name not in folders:
+            folders[name] = makers[name](tmp_path_factory.mktemp(name))
+        return folders[name]
+
+    return get
