@@ -10,6 +10,7 @@ served_model_name  # so does --served-model-name (BuildOptions.served_model_name
 no_ignore_eos  # and the hidden --no-NAME of a switch (cli/options.py `negatives`)
 no_prompt_logprobs
 no_quiet
+no_normalize
 no_profile
 _root  # the app's callback: --version
 

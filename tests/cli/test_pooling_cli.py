@@ -22,7 +22,7 @@ QUERY = "What is the capital of France?"
 F32 = ["--dtype", "float32"]
 
 
-def _texts(tmp_path, n=len(TEXTS)):
+def _texts(tmp_path, n=7):
     return write_jsonl(tmp_path / "texts.jsonl", [{"id": f"t{i}", "prompt": TEXTS[i % len(TEXTS)], "topic": i % 3}
                                                   for i in range(n)])
 
