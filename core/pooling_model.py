@@ -15,6 +15,7 @@ Two routes run them:
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 import torch
@@ -38,6 +39,8 @@ class PoolingModel:
         self.packed = None
         self.head = None
         self.why_alone = "not on the CPU"
+        # (a BERT-style pair's token types, where the model's forward takes them: DistilBERT's does not)
+        self._takes_types = "token_type_ids" in inspect.signature(model.forward).parameters
         if self.device.type == "cpu":
             self._packed_route()
 
@@ -102,7 +105,7 @@ class PoolingModel:
     def _alone(self, s: TokenSequence) -> torch.Tensor:
         ids = torch.tensor([s.token_ids], device=self.device)
         kwargs = {}
-        if s.token_type_ids is not None and self.kind.encoder:
+        if s.token_type_ids is not None and self._takes_types:
             kwargs["token_type_ids"] = torch.tensor([s.token_type_ids], device=self.device)
         out = self.model(input_ids=ids, **kwargs)
         if self.kind.classifier:
