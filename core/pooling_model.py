@@ -72,7 +72,7 @@ class PoolingModel:
         if packed is None:
             self.why_alone = why
             return
-        self.packed, self.head = packed, head
+        self.packed, self.head, self.ops = packed, head, ops
 
     @property
     def exact_packing(self) -> bool:
@@ -100,6 +100,8 @@ class PoolingModel:
         hidden = self.packed(sequences) if self.kind.encoder else self.packed(sequences, list(range(at)))
         if self.kind.classifier:  # an encoder's head, on the first token
             return list(self.head(hidden.index_select(0, torch.tensor(starts))).float().unbind(0))
+        if self.pooling == "mean":  # each sequence's rows summed in order by the kernel
+            return list(self.ops.mean_pool(hidden, torch.tensor([*starts, at])).unbind(0))
         return [_pool(hidden, start, len(s.token_ids), self.pooling) for start, s in zip(starts, sequences)]
 
     def _alone(self, s: TokenSequence) -> torch.Tensor:

@@ -14,6 +14,7 @@ The run itself (this folder):
 records/: the input side (imports neither state/ nor rows/)
     readers/           a file, stdin or a dataset as RawRecords, bad ones as errors; the input's fingerprint
     request_builder.py RequestBuilder: a RawRecord -> a BuiltRequest or an ErrorRow
+    pooling_builder.py PoolingRequestBuilder: a RawRecord -> a pooling task's request or an ErrorRow
     build_options.py   BuildOptions: which fields hold what, the run seed, n, templates
     batch_lines.py     OpenAI batch lines (custom_id, url, body, model)
     request_options.py what a record's own fields may set (sampling, seed, n, priority, truncation)
@@ -36,5 +37,6 @@ rows/: the output side
     sink.py            where records become rows: the in-flight join, totals, commits
     sink_options.py    ON_ERROR and CommitPolicy: the choices and defaults the options take
     writers.py         Parquet, JSONL and OpenAI-batch writers, in input order
+    openai_lines.py    the pooling tasks' OpenAI / vLLM batch result lines
     figures.py         latency percentiles in bounded memory
 """

@@ -2,6 +2,7 @@
 
 - readers/: RawRecords from JSONL, JSON arrays, Parquet, CSV and datasets; the input's fingerprint; locations
 - request_builder: RequestBuilder, a RawRecord -> BuiltRequest or ErrorRow
+- pooling_builder: PoolingRequestBuilder, a RawRecord -> BuiltPooling (embed, classify, score, rerank, reward)
 - build_options: BuildOptions, the run's settings for building requests
 - batch_lines: OpenAI batch lines (custom_id, url, body, model names)
 - request_options: what a record's own fields may set (sampling, seed, n, priority, truncation)

@@ -2,10 +2,9 @@
 
 Many sequences run in one pass as one [tokens, hidden] block, with no padding: the linears are conveyor's exact
 kernels (`linears.Linear`: one fixed chain over k per output, whatever the row count), the embeddings, layer norms
-and activation are row-wise, and the attention is the paged kernel over a scratch pool of one layer: each sequence's
-keys sit in blocks of their own and every row sees all of its sequence's keys (`token_ctx` = its length), so the
-attention is bidirectional within a sequence and never crosses into another. A sequence's hidden states are the
-same bits alone or packed with any others (the exactness contract, `conveyor.core.exactness`).
+and activation are row-wise, and the attention (`csrc/encoder_attention.cpp`) runs one task per sequence and head:
+every row sees all of its own sequence's keys, in a fixed order, and none of another's. A sequence's hidden states
+are the same bits alone or packed with any others (the exactness contract, `conveyor.core.exactness`).
 
 `PackedEncoder.build(model, ops)` returns (None, why) for what it does not cover; the pooling engine then runs the
 model's own forward one sequence at a time.
@@ -15,14 +14,11 @@ from __future__ import annotations
 
 import torch
 
-from conveyor.core.backends.cpu.backend import LAYOUTS, kv_layout
 from conveyor.core.backends.cpu.linears import Linear
 from conveyor.core.backends.decoder_plan import concat_linears
-from conveyor.core.kv_cache import KVCache
 from conveyor.core.pooling_params import TokenSequence
 
 ENCODER_TYPES = ("bert", "roberta", "xlm-roberta", "camembert")
-BLOCK = 16  # tokens per block of the scratch pool
 
 
 class PackedEncoder:
@@ -41,6 +37,7 @@ class PackedEncoder:
         self.head_dim = cfg.hidden_size // cfg.num_attention_heads
         self.scale = self.head_dim ** -0.5
         self.act = ACT2FN[cfg.hidden_act]
+        self.erf_gelu = cfg.hidden_act == "gelu"  # BERT's own GELU: a kernel of ours, in place
         self.dtype = next(model.parameters()).dtype
         self.layers = []
         for layer in base.encoder.layer:
@@ -49,8 +46,6 @@ class PackedEncoder:
             self.layers.append((qkv, self._linear(attn.output.dense), attn.output.LayerNorm,
                                 self._linear(layer.intermediate.dense), self._linear(layer.output.dense),
                                 layer.output.LayerNorm))
-        self.layout = LAYOUTS[kv_layout(self.dtype, self.head_dim, BLOCK, 1)]
-        self.pool: KVCache | None = None
 
     def _linear(self, m: torch.nn.Linear) -> Linear:
         return Linear(m.weight.detach(), None if m.bias is None else m.bias.detach(), self.ops)
@@ -74,49 +69,32 @@ class PackedEncoder:
             return None, f"activation {cfg.hidden_act!r} or heads that do not divide the hidden size"
         return cls(model, ops), None
 
-    def _scratch(self, blocks: int) -> KVCache:
-        """A one-layer pool of at least `blocks` blocks (grown as the steps need, never shrunk)."""
-        if self.pool is None or self.pool.num_blocks < blocks:
-            self.pool = KVCache(1, self.heads, self.head_dim, max(blocks, 64), BLOCK, self.dtype,
-                                torch.device("cpu"), self.layout)
-        return self.pool
-
     @torch.inference_mode()
     def __call__(self, sequences: list[TokenSequence]) -> torch.Tensor:
         ids: list[int] = []
         types: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
-        token_req: list[int] = []
-        token_ctx: list[int] = []
-        tables: list[list[int]] = []
-        block = 0
-        width = max(-(-len(s.token_ids) // BLOCK) for s in sequences)
-        for r, s in enumerate(sequences):
+        starts = [0]
+        for s in sequences:
             n = len(s.token_ids)
             ids.extend(s.token_ids)
             types.extend(s.token_type_ids if s.token_type_ids is not None else [0] * n)
             positions.extend(range(self.position_offset, self.position_offset + n))
-            slots.extend(range(block * BLOCK, block * BLOCK + n))
-            token_req.extend([r] * n)
-            token_ctx.extend([n] * n)  # every key of its own sequence: bidirectional
-            used = -(-n // BLOCK)
-            tables.append(list(range(block, block + used)) + [0] * (width - used))
-            block += used
-        pool = self._scratch(block)
+            starts.append(starts[-1] + n)
         long = torch.long
         emb = self.embeddings
         h = emb.word_embeddings(torch.tensor(ids, dtype=long)) + emb.token_type_embeddings(torch.tensor(types,
                                                                                                    dtype=long))
         h = emb.LayerNorm(h + emb.position_embeddings(torch.tensor(positions, dtype=long)))
-        slot_t, table_t = torch.tensor(slots, dtype=long), torch.tensor(tables, dtype=long)
-        req_t, ctx_t = torch.tensor(token_req, dtype=long), torch.tensor(token_ctx, dtype=long)
-        t, hidden = h.shape
-        keys, values = pool.keys[0], pool.values[0]
+        bounds = torch.tensor(starts, dtype=long)
+        ops = self.ops
         for qkv, out, norm1, up, down, norm2 in self.layers:
-            q, k, v = qkv(h).view(t, 3, self.heads, self.head_dim).unbind(1)
-            self.ops.store_kv(k.contiguous(), v.contiguous(), slot_t, keys, values)
-            attended = self.ops.paged_attention(q, keys, values, table_t, req_t, ctx_t, BLOCK, self.scale)
-            h = norm1(out(attended.reshape(t, hidden)) + h)
-            h = norm2(down(self.act(up(h))) + h)
+            attended = ops.packed_attention(qkv(h), bounds, self.heads, self.scale).to(h.dtype)
+            h = ops.add_layer_norm(h, out(attended), norm1.weight, norm1.bias, norm1.eps)
+            inner = up(h)
+            if self.erf_gelu:
+                ops.gelu_erf(inner)
+            else:
+                inner = self.act(inner)
+            h = ops.add_layer_norm(h, down(inner), norm2.weight, norm2.bias, norm2.eps)
         return h

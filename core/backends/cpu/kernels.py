@@ -33,7 +33,7 @@ from conveyor.core.cache_build import cache_dir, cached_build
 
 _NAME = "conveyor_cpu_kernels"
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ("paged_attention.cpp", "fused_ops.cpp", "sampling.cpp", "panel_gemm.cpp", "pair_gemm.cpp", "amx_gemm.cpp", "peak.cpp",
+_SOURCES = ("paged_attention.cpp", "encoder_attention.cpp", "encoder_ops.cpp", "fused_ops.cpp", "sampling.cpp", "panel_gemm.cpp", "pair_gemm.cpp", "amx_gemm.cpp", "peak.cpp",
             "decoder.cpp", "bindings.cpp")
 _module = None
 _tried = False

@@ -27,6 +27,10 @@ at::Tensor act_mul(at::Tensor gu, int64_t act);
 void norm_runs_inplace(at::Tensor x, int64_t offset, int64_t groups, int64_t n, at::Tensor w, double eps);
 void softcap_inplace(at::Tensor x, double cap);
 bool peak_bf16_available();
+at::Tensor packed_attention(at::Tensor qkv, at::Tensor starts, int64_t heads, double scale);
+void gelu_erf_inplace(at::Tensor x);
+at::Tensor mean_pool(at::Tensor h, at::Tensor starts);
+at::Tensor add_layer_norm(at::Tensor h, at::Tensor delta, at::Tensor w, at::Tensor b, double eps);
 
 // Whether the compiler had 16-float registers (AVX-512F) for the kernels' 16-lane vectors (vec16.h).
 // Narrower targets spill each vector through the stack: 4-40x slower than torch (an AVX2 build).
@@ -48,6 +52,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("kv_pairs", &kv_pairs,
         "whether a KV pool of this shape (bf16?, head_dim, block_size, query heads per KV head) is laid out in "
         "bf16 pairs and attended to with bf16 products (AMX tiles or AVX512-BF16)");
+  m.def("packed_attention", &packed_attention,
+        "bidirectional attention within packed whole sequences (an encoder's step): qkv [T, 3 H D], starts [S + 1] "
+        "-> [T, H D] (CPU)");
+  m.def("mean_pool", &mean_pool, "float32 mean of each sequence's rows of h, sequence s: rows starts[s] .. "
+        "starts[s + 1] (CPU)");
+  m.def("gelu_erf", &gelu_erf_inplace, "in place: x <- GELU(x) in its erf form, as BERT's (CPU)");
+  m.def("add_layer_norm", &add_layer_norm, "LayerNorm(h + delta) * w + b per row (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally adding a residual delta in place first (CPU)");
   m.def("rope_store", &rope_store, "rotary embedding on q/k in place, then k/v stored into the paged pool (CPU)");
   m.def("store_kv", &store_kv, "k, v [T, Hkv, D] stored into the paged pool at slots, in its layout (CPU)");

@@ -37,6 +37,51 @@ static inline v16f load16(const scalar_t* __restrict__ p) {
 }
 
 
+// Round 16 floats through scalar_t (round to nearest even for bf16), as a store then a load would.
+template <typename scalar_t>
+static inline v16f round16(v16f x) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return x;
+  } else if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+#ifdef __AVX512BF16__  // one conversion instruction, round to nearest even (bf16 subnormals flushed)
+    const __m512i w = _mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(reinterpret_cast<__m512>(x)))), 16);
+    return reinterpret_cast<v16f>(_mm512_castsi512_ps(w));
+#else
+    v16u32 bits;
+    std::memcpy(&bits, &x, sizeof(bits));
+    bits = (bits + (((bits >> 16) & 1u) + 0x7FFFu)) & 0xFFFF0000u;
+    v16f r;
+    std::memcpy(&r, &bits, sizeof(r));
+    return r;
+#endif
+  } else {
+    for (int i = 0; i < 16; ++i) x[i] = static_cast<float>(static_cast<scalar_t>(x[i]));
+    return x;
+  }
+}
+
+// Store 16 floats as scalar_t (bf16: rounded to nearest even, packed without scalar conversions).
+template <typename scalar_t>
+static inline void store16(scalar_t* __restrict__ dst, v16f x) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    std::memcpy(dst, &x, sizeof(x));
+  } else if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+#ifdef __AVX512BF16__
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),
+                        reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(reinterpret_cast<__m512>(x))));
+#else
+    const v16f r = round16<scalar_t>(x);
+    v16u32 bits;
+    std::memcpy(&bits, &r, sizeof(bits));
+    const v16u16 h = __builtin_convertvector(bits >> 16, v16u16);
+    std::memcpy(dst, &h, sizeof(h));
+#endif
+  } else {
+    for (int i = 0; i < 16; ++i) dst[i] = static_cast<scalar_t>(x[i]);
+  }
+}
+
 // a * b + c rounded once (a fused multiply-add) in every lane, on every target: the exact kernels
 // spell their multiply-adds with it, never leaving the choice between one rounding and two to the
 // compiler's contraction of `c += a * b`.
