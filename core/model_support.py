@@ -88,10 +88,13 @@ def refusal(cfg: Any) -> str | None:
         kind = next((h for h in heads if archs[0].endswith(h)), None)
         what = {"ForMaskedLM": "a masked language model", "Model": "a base model without a language-model head",
                 None: "not a causal language model"}.get(kind, f"a {kind.removeprefix('For')} model")
+        task = "--task classify (or score, reward)" if kind == "ForSequenceClassification" else \
+            "--task embed for its embeddings"
         return (f"its checkpoint is {what} ({', '.join(archs)}), not a causal language model: it cannot generate "
-                "text")
+                f"text; run it with {task}")
     if model_type in ENCODERS and not getattr(cfg, "is_decoder", False):
-        return f"a bidirectional encoder ({model_type}), not a causal language model: it cannot generate text"
+        return (f"a bidirectional encoder ({model_type}), not a causal language model: it cannot generate text; run "
+                "it with --task embed for its embeddings")
     if getattr(cfg, "kv_lora_rank", None):
         return (f"multi-head latent attention (kv_lora_rank={cfg.kv_lora_rank}): its cache is a compressed latent, "
                 "not the per-head K/V conveyor's pool holds")

@@ -141,13 +141,13 @@ def check_task(kind: ModelKind, task: str, name: str, arch: str) -> None:
 
 
 def default_task(cfg, has_pooling_config: bool) -> str:
-    """What `--task auto` does with a checkpoint whose input is not batch lines: a sequence classifier classifies, an
-    encoder or a model with a sentence-transformers pooling config embeds, anything else generates."""
-    from conveyor.core.model_support import ENCODERS
-
+    """What `--task auto` does with a checkpoint whose input is not batch lines: a sequence classifier classifies; a
+    model with a sentence-transformers pooling config, or a base model without a head (BertModel, Qwen3Model: what
+    it can do is embed), embeds; anything else generates (a masked or causal LM: generation runs it or refuses it,
+    saying which task would)."""
     archs = list(getattr(cfg, "architectures", None) or [])
     if any(a.endswith(SEQUENCE_CLASSIFIER) for a in archs):
         return "classify"
-    if has_pooling_config or (cfg.model_type in ENCODERS and not getattr(cfg, "is_decoder", False)):
+    if has_pooling_config or (archs and all(a.endswith("Model") for a in archs)):
         return "embed"
     return "generate"

@@ -134,6 +134,9 @@ class Run:
             first = first_batch_task(spec, open_reader(spec.input.path, spec.input.format, spec.input.split,
                                                        spec.input.max_record_bytes))
             self.spec = spec = dataclasses.replace(spec, task=first or auto_task(spec.model))
+            if first is None and spec.task != "generate":
+                self.say(f"--task auto: {spec.model} is no generation model; this run does --task {spec.task}, "
+                         "what its checkpoint is for (give --task to choose)")
         check_task_options(spec)
         if spec.task != "generate":
             check_pooling_model(spec.model, spec.task)
