@@ -22,6 +22,8 @@ _SHOWN = {  # defaults that depend on the device, or read better than the field'
     "lookahead": f"max(2 x --max-num-seqs, {MIN_WAITING})",
     "speculative": "off",
     "num_speculative_tokens": DEFAULT_SPECULATIVE_TOKENS,
+    "pooling": "the checkpoint's sentence-transformers config, else last for decoders, cls for encoders",
+    "dimensions": "all",
 }
 
 
@@ -41,15 +43,15 @@ TaskOpt = Annotated[Optional[str], typer.Option(
     "/v1/score, /v1/rerank, /v1/classify), else the model: a sequence classifier classifies, an embedding model "
     f"embeds, a language model generates. {_d('task')}", rich_help_panel=POOL)]
 PoolingOpt = Annotated[Optional[str], typer.Option(
-    help=f"How --task embed pools the last hidden states: {choices_text('pooling')} (the first token). [default: "
-    "the checkpoint's sentence-transformers config, else last for decoders, cls for encoders]", rich_help_panel=POOL)]
-NormalizeOpt = Annotated[Optional[bool], typer.Option("--normalize", help="L2-normalize the embeddings; "
-                                                      f"--no-normalize keeps them raw. {_d('normalize')}",
+    help=f"How --task embed pools the last hidden states: {choices_text('pooling')} (the first token). "
+    f"{_d('pooling')}", rich_help_panel=POOL)]
+NormalizeOpt = Annotated[Optional[bool], typer.Option("--normalize", help="L2-normalize the embeddings (the "
+                                                      "default); --no-normalize keeps them raw.",
                                                       rich_help_panel=POOL)]
 NoNormalizeOpt = Annotated[bool, typer.Option("--no-normalize", hidden=True)]
 DimensionsOpt = Annotated[Optional[int], typer.Option(
     help="Keep the embeddings' first N dimensions (Matryoshka), normalized after the cut; a record's own "
-    "`dimensions` replaces it. [default: all]", rich_help_panel=POOL)]
+    f"`dimensions` replaces it. {_d('dimensions')}", rich_help_panel=POOL)]
 
 InputArg = Annotated[str, typer.Argument(help="Prompts: .jsonl, .jsonl.gz, .json, .parquet, .csv, a datasets "
                                               "folder, a hub dataset name (with --split), or - for stdin.")]

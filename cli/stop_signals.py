@@ -44,6 +44,10 @@ def release_held_signals() -> None:
     said), and the process ends with that work's exit code."""
     if _controlled:
         _held.clear()
+        # Ignored from here to the process's end: the interpreter's finalization puts a Python handler back to the
+        # default action, and a signal in that window would end a finished run with -15 instead of its exit code.
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
         return
     for sig in dict.fromkeys(_held):
         signal.signal(sig, signal.SIG_DFL)

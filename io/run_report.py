@@ -126,13 +126,13 @@ class RunSummary:
             "resumed_from": self.resumed_from, "continued": self.continued,
             "tokens_carried_over": self.tokens_carried_over, "in_flight_saved": self.in_flight_saved,
             "keep_fields_missing": list(self.keep_fields_missing), "wall_s": self.wall_s,
-            "task": s.task, "records_per_s": self.records_per_s, "prompt_tokens_per_s": self.prompt_tokens_per_s,
             "model": s.model, "model_path": s.model_path, "dtype": s.dtype, "backend": s.backend,
             "ttft_s": self.ttft_s, "latency_s": self.latency_s, "queue_s": self.queue_s, "tpot_s": self.tpot_s,
             "mean_running": self.mean_running, "occupancy": self.occupancy, "steps": self.steps,
             "finish_reasons": dict(self.finish_reasons), "structured_outputs": self.structured_outputs,
             "structured_outputs_cut": self.structured_outputs_cut,
             "reuse": self.reuse, "retried_errors": self.retried_errors,
+            "task": s.task, "records_per_s": self.records_per_s, "prompt_tokens_per_s": self.prompt_tokens_per_s,
             "status": self.outcome.value,
         }
 

@@ -20,7 +20,7 @@ from conveyor.core import (
 )
 from conveyor.io.records.build_options import BuildOptions
 from conveyor.io.records.readers.record import DEFAULT_MAX_RECORD_BYTES
-from conveyor.io.run_spec import OutputOptions, StateOptions
+from conveyor.io.run_spec import InputOptions, OutputOptions, PoolingOptions, RunSpec, StateOptions
 
 CPU, GPU = DEVICE_DEFAULTS["cpu"], DEVICE_DEFAULTS["cuda"]
 # option -> its default as the source holds it
@@ -56,6 +56,10 @@ SOURCES = {
     "--lookahead": f"max(2 x --max-num-seqs, {MIN_WAITING})",
     "--speculative": "off" if EngineConfig().speculative is None else EngineConfig().speculative,
     "--num-speculative-tokens": EngineConfig(speculative="ngram").speculative_tokens,
+    "--task": RunSpec(InputOptions("x"), OutputOptions("y")).task,
+    "--pooling": "the checkpoint's sentence-transformers config, else last for decoders, cls for encoders"
+    if PoolingOptions().pooling is None else PoolingOptions().pooling,
+    "--dimensions": "all" if PoolingOptions().dimensions is None else PoolingOptions().dimensions,
 }
 SHOWN = re.compile(r"\\?\[default: ([^\]]*)\]")
 

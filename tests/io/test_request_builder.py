@@ -179,7 +179,9 @@ def test_openai_completion_line_and_errors(tokenizer):
     built = build(tokenizer, line, prompt_field="text")  # OpenAI bodies always use 'prompt'
     assert (built.kind, built.sampling.max_tokens) == ("completion", 4)
     assert error_of(build(tokenizer, {"custom_id": "c", "url": "/v1/embeddings", "body": {"input": "x"}})
-                    ).startswith("line 5: url '/v1/embeddings' is not supported")
+                    ).startswith("line 5: url /v1/embeddings asks for --task embed, but this run does generation")
+    assert error_of(build(tokenizer, {"custom_id": "c", "url": "/v1/images", "body": {"prompt": "x"}})
+                    ).startswith("line 5: url '/v1/images' is not supported")
     url = "/v1/completions"
     assert "field 'body' must be an object" in error_of(build(tokenizer, {"custom_id": "c", "body": "x"}))
     assert build(tokenizer, {"custom_id": "c", "url": url, "body": {"prompt": "x", "n": 2}}).n == 2
