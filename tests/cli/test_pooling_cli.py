@@ -171,7 +171,7 @@ def test_task_auto_follows_the_batch_lines_url_and_the_checkpoint(pooling_models
 @pytest.mark.skipif(cpu_kernels() is None, reason="the same vectors across a resume need the exact packed route")
 def test_kill_9_and_resume_give_the_same_vectors_bit_for_bit(pooling_models, tmp_path):
     model = pooling_models("qwen3")
-    source = _texts(tmp_path, 3000)
+    source = _texts(tmp_path, 1500)
     options = ["--model", model, "--dtype", "float32", "--max-num-batched-tokens", "32", "--checkpoint-every", "20"]
     reference = run_in_process("run", source, "-o", tmp_path / "reference.parquet", *options, "-q")
     assert reference.code == 0, reference.err

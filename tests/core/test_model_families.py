@@ -72,12 +72,12 @@ def test_greedy_float32_equals_transformers(name, route, references):
 CUDA_PROMPTS = ("p4", "p5", "p6", "p7")
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gemma3", "qwen3-moe", "phi3-partial-window", "olmo2"])
+@pytest.mark.parametrize("name", ["gemma3", "qwen3-moe", "phi3-partial-window", "olmo2"])
 def test_greedy_float32_equals_transformers_on_the_cuda_route(name, references):
     """The Triton attention and the lean forward (in Triton's interpreter here, which takes seconds a family:
-    benchmarks/gpu_check.sh runs every family on a GPU): windows and softcaps (Gemma 2), two rotaries and q/k norms
-    (Gemma 3), MoE, partial rotary, norms after the sublayers; Mistral's all-sliding layers in the test of blocks
-    going back; sinks at the kernel (tests/core/test_cuda_backend.py)."""
+    benchmarks/gpu_check.sh runs every family on a GPU): windows, sandwich norms, the final softcap, two rotaries
+    and q/k norms (Gemma 3), MoE, partial rotary, norms after the sublayers; Mistral's all-sliding layers in the
+    test of blocks going back; attention softcaps and sinks at the kernel (tests/core/test_cuda_backend.py)."""
     config = route_config("cuda", CROWDED)
     # Half the prompts (the interpreter's seconds): two sharing the cached prefix, every one longer than the window
     # and the token budget, so chunked.
