@@ -111,3 +111,17 @@ def test_a_linear_takes_one_kernel_for_every_row_count():
         for m in (1, 200, 1100):
             x = torch.randn(m, 96, generator=g).to(w.dtype)
             assert torch.equal(lin(x), lin.gemm(x, lin.packed, 64, None))
+
+
+@pytest.mark.skipif(cpu_kernels() is None, reason="conveyor's C++ kernels do not run on this CPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gelu_in_the_linear_is_torchs_gelu_of_its_output_and_row_invariant(dtype):
+    """BERT's up projection with its GELU (erf form) applied as the kernel stores: close to torch's GELU of the
+    linear's own output, and each row the same bits alone."""
+    torch.manual_seed(0)
+    linear = Linear((torch.randn(100, 96) * 0.1).to(dtype), torch.randn(100).to(dtype), cpu_kernels())
+    x = torch.randn(37, 96).to(dtype)
+    fused = linear(x, Linear.GELU)
+    want = torch.nn.functional.gelu(linear(x).float())
+    torch.testing.assert_close(fused.float(), want, rtol=0, atol=1e-6 if dtype == torch.float32 else 2e-2)
+    assert all(torch.equal(linear(x[i:i + 1], Linear.GELU)[0], fused[i]) for i in range(37))

@@ -37,7 +37,7 @@ class PackedEncoder:
         self.head_dim = cfg.hidden_size // cfg.num_attention_heads
         self.scale = self.head_dim ** -0.5
         self.act = ACT2FN[cfg.hidden_act]
-        self.erf_gelu = cfg.hidden_act == "gelu"  # BERT's own GELU: a kernel of ours, in place
+        self.erf_gelu = cfg.hidden_act == "gelu"  # BERT's own GELU: in the up projection's kernel, as it stores
         self.dtype = next(model.parameters()).dtype
         self.layers = []
         for layer in base.encoder.layer:
@@ -91,10 +91,6 @@ class PackedEncoder:
         for qkv, out, norm1, up, down, norm2 in self.layers:
             attended = ops.packed_attention(qkv(h), bounds, self.heads, self.scale).to(h.dtype)
             h = ops.add_layer_norm(h, out(attended), norm1.weight, norm1.bias, norm1.eps)
-            inner = up(h)
-            if self.erf_gelu:
-                ops.gelu_erf(inner)
-            else:
-                inner = self.act(inner)
+            inner = up(h, Linear.GELU) if self.erf_gelu else self.act(up(h))
             h = ops.add_layer_norm(h, down(inner), norm2.weight, norm2.bias, norm2.eps)
         return h

@@ -62,8 +62,10 @@ class Linear:
         else:
             self.packed, self.gemm, self.route = pack_panels(weight), ops.panel_gemm, self.PANELS
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.gemm(x, self.packed, self.out_features, self.bias)
+    GELU = 1  # `act`: the output's GELU (erf form), applied as each block is stored (the bits of gelu after it)
+
+    def __call__(self, x: torch.Tensor, act: int = 0) -> torch.Tensor:
+        return self.gemm(x, self.packed, self.out_features, self.bias, act)
 
     def native(self, ops):
         """The same linear as the C++ decoder holds it (`ops.Linear`)."""

@@ -24,6 +24,7 @@
 #include <cstring>
 
 #include "amx_tiles.h"
+#include "vec16.h"
 
 #ifdef CONVEYOR_AMX
 #include <sys/syscall.h>
@@ -75,7 +76,7 @@ inline void block(const c10::BFloat16* a0, const c10::BFloat16* a1, int64_t lda,
 
 // c [rows][32] float (+ bias) -> y rows, bf16, columns [c0, c0 + cw).
 inline void write_rows(const float* c, int64_t rows, const c10::BFloat16* bias, c10::BFloat16* y, int64_t N,
-                       int64_t c0, int64_t cw) {
+                       int64_t c0, int64_t cw, bool gelu) {
   const __mmask32 mask = cw >= 32 ? ~__mmask32(0) : ((__mmask32(1) << cw) - 1);
   __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
   if (bias != nullptr) {
@@ -85,15 +86,19 @@ inline void write_rows(const float* c, int64_t rows, const c10::BFloat16* bias, 
     b1 = _mm512_load_ps(bf + 16);
   }
   for (int64_t r = 0; r < rows; ++r) {
-    const __m512 lo = _mm512_add_ps(_mm512_loadu_ps(c + r * PANEL), b0);
-    const __m512 hi = _mm512_add_ps(_mm512_loadu_ps(c + r * PANEL + 16), b1);
+    __m512 lo = _mm512_add_ps(_mm512_loadu_ps(c + r * PANEL), b0);
+    __m512 hi = _mm512_add_ps(_mm512_loadu_ps(c + r * PANEL + 16), b1);
+    if (gelu) {  // GELU of the output as stored (rounded to bf16), as gelu_erf on the stored row
+      lo = reinterpret_cast<__m512>(gelu_erf16(round16<c10::BFloat16>(reinterpret_cast<v16f>(lo))));
+      hi = reinterpret_cast<__m512>(gelu_erf16(round16<c10::BFloat16>(reinterpret_cast<v16f>(hi))));
+    }
     const __m512bh packed = _mm512_cvtne2ps_pbh(hi, lo);  // round to nearest even, as torch's casts
     _mm512_mask_storeu_epi16(y + r * N + c0, mask, reinterpret_cast<__m512i>(packed));
   }
 }
 
 void amx_gemm_impl(const c10::BFloat16* x, const c10::BFloat16* tail, const c10::BFloat16* packed,
-                   const c10::BFloat16* bias, c10::BFloat16* y, int64_t M, int64_t N, int64_t K) {
+                   const c10::BFloat16* bias, c10::BFloat16* y, int64_t M, int64_t N, int64_t K, bool gelu) {
   const int64_t ksteps = K / KSTEP, panels = (N + PANEL - 1) / PANEL;
   const int64_t panel_elems = ksteps * 2 * 512;
   const int64_t full_rows = M / 16 * 16;  // rows read from x; the rest (M % 16) from `tail`, zero-padded
@@ -121,7 +126,7 @@ void amx_gemm_impl(const c10::BFloat16* x, const c10::BFloat16* tail, const c10:
           } else {
             block<false>(rows_at(m0), nullptr, lda, panel, ksteps, c, pf, per_k);
           }
-          write_rows(c, rows, bias, y + m0 * N, N, c0, cw);
+          write_rows(c, rows, bias, y + m0 * N, N, c0, cw, gelu);
         }
       }
     }
@@ -150,8 +155,8 @@ bool amx_gemm_available() {
 }
 
 // x [M, K] bf16 (K a multiple of 32), packed [ceil(N / 32), K / 32, 2, 16, 16, 2] (linears.pack_amx),
-// bias [N] or None -> y [M, N] bf16.
-at::Tensor amx_gemm(at::Tensor x, at::Tensor packed, int64_t N, c10::optional<at::Tensor> bias) {
+// bias [N] or None -> y [M, N] bf16; act 1: GELU (erf) of it, applied as each block is stored.
+at::Tensor amx_gemm(at::Tensor x, at::Tensor packed, int64_t N, c10::optional<at::Tensor> bias, int64_t act) {
   TORCH_CHECK(amx_gemm_available(), "amx_gemm: this CPU or build has no AMX tiles");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16,
               "amx_gemm: x [M, K] and packed weights in bfloat16");
@@ -177,7 +182,8 @@ at::Tensor amx_gemm(at::Tensor x, at::Tensor packed, int64_t N, c10::optional<at
   }
   amx_gemm_impl(xc.data_ptr<c10::BFloat16>(), tail.defined() ? tail.data_ptr<c10::BFloat16>() : nullptr,
                 packed.data_ptr<c10::BFloat16>(),
-                b.has_value() ? b->data_ptr<c10::BFloat16>() : nullptr, y.data_ptr<c10::BFloat16>(), M, N, K);
+                b.has_value() ? b->data_ptr<c10::BFloat16>() : nullptr, y.data_ptr<c10::BFloat16>(), M, N, K,
+                act == 1);
 #endif
   return y;
 }

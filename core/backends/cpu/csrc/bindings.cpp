@@ -17,10 +17,13 @@ at::Tensor argmax_rows(at::Tensor x);
 void apply_token_bitmask(at::Tensor logits, at::Tensor bitmask, at::Tensor rows);
 at::Tensor sample_rows(at::Tensor logits, at::Tensor rows, at::Tensor temps, at::Tensor u, at::Tensor top_k,
                        at::Tensor top_p, at::Tensor min_p);
-at::Tensor panel_gemm(at::Tensor x, at::Tensor packed, int64_t N, c10::optional<at::Tensor> bias);
-at::Tensor pair_gemm(at::Tensor x, at::Tensor packed, int64_t N, c10::optional<at::Tensor> bias);
+at::Tensor panel_gemm(at::Tensor x, at::Tensor packed, int64_t N, c10::optional<at::Tensor> bias,
+                      int64_t act);
+at::Tensor pair_gemm(at::Tensor x, at::Tensor packed, int64_t N, c10::optional<at::Tensor> bias,
+                     int64_t act);
 bool pair_gemm_available();
-at::Tensor amx_gemm(at::Tensor x, at::Tensor packed, int64_t N, c10::optional<at::Tensor> bias);
+at::Tensor amx_gemm(at::Tensor x, at::Tensor packed, int64_t N, c10::optional<at::Tensor> bias,
+                    int64_t act);
 bool amx_gemm_available();
 double fma_peak_gflops(double seconds, bool bf16);
 at::Tensor act_mul(at::Tensor gu, int64_t act);
@@ -28,7 +31,6 @@ void norm_runs_inplace(at::Tensor x, int64_t offset, int64_t groups, int64_t n, 
 void softcap_inplace(at::Tensor x, double cap);
 bool peak_bf16_available();
 at::Tensor packed_attention(at::Tensor qkv, at::Tensor starts, int64_t heads, double scale);
-void gelu_erf_inplace(at::Tensor x);
 at::Tensor mean_pool(at::Tensor h, at::Tensor starts);
 at::Tensor add_layer_norm(at::Tensor h, at::Tensor delta, at::Tensor w, at::Tensor b, double eps);
 
@@ -57,16 +59,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "-> [T, H D] (CPU)");
   m.def("mean_pool", &mean_pool, "float32 mean of each sequence's rows of h, sequence s: rows starts[s] .. "
         "starts[s + 1] (CPU)");
-  m.def("gelu_erf", &gelu_erf_inplace, "in place: x <- GELU(x) in its erf form, as BERT's (CPU)");
   m.def("add_layer_norm", &add_layer_norm, "LayerNorm(h + delta) * w + b per row (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally adding a residual delta in place first (CPU)");
   m.def("rope_store", &rope_store, "rotary embedding on q/k in place, then k/v stored into the paged pool (CPU)");
   m.def("store_kv", &store_kv, "k, v [T, Hkv, D] stored into the paged pool at slots, in its layout (CPU)");
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up over [rows, 2I] (CPU)");
-  m.def("panel_gemm", &panel_gemm, "x @ W.T (+ bias) by float multiply-adds in k order, W prepacked in 32-column panels (CPU)");
-  m.def("pair_gemm", &pair_gemm, "x @ W.T (+ bias) in bf16 by AVX512-BF16 pair products, W prepacked by linears.pack_pairs (CPU)");
+  m.def("panel_gemm", &panel_gemm, "x @ W.T (+ bias) by float multiply-adds in k order, W prepacked in 32-column panels; "
+        "act 1: GELU (erf) of it (CPU)", pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("N"),
+        pybind11::arg("bias"), pybind11::arg("act") = 0);
+  m.def("pair_gemm", &pair_gemm, "x @ W.T (+ bias) in bf16 by AVX512-BF16 pair products, W prepacked by linears.pack_pairs; "
+        "act 1: GELU (erf) of it (CPU)", pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("N"),
+        pybind11::arg("bias"), pybind11::arg("act") = 0);
   m.def("pair_gemm_available", &pair_gemm_available, "whether pair_gemm is built in (AVX512-BF16)");
-  m.def("amx_gemm", &amx_gemm, "x @ W.T (+ bias) in bf16 on AMX tiles, W prepacked by linears.pack_amx (CPU)");
+  m.def("amx_gemm", &amx_gemm, "x @ W.T (+ bias) in bf16 on AMX tiles, W prepacked by linears.pack_amx; act 1: GELU "
+        "(erf) of it (CPU)", pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("N"), pybind11::arg("bias"),
+        pybind11::arg("act") = 0);
   m.def("amx_gemm_available", &amx_gemm_available, "whether amx_gemm can run here (AMX built in and permitted)");
   m.def("act_mul", &act_mul, "act(gate) * up over [rows, 2I]: act 0 SiLU, 1 GELU-tanh (CPU)");
   m.def("norm_runs", &norm_runs_inplace,

@@ -22,15 +22,18 @@ void norm_runs_inplace(at::Tensor x, int64_t offset, int64_t groups, int64_t n, 
 void rope_store(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor slots, at::Tensor k_cache,
                 at::Tensor v_cache, int64_t num_heads);
 at::Tensor act_mul(at::Tensor gu, int64_t act);
-at::Tensor panel_gemm(at::Tensor x, at::Tensor packed, int64_t N, c10::optional<at::Tensor> bias);
-at::Tensor pair_gemm(at::Tensor x, at::Tensor packed, int64_t N, c10::optional<at::Tensor> bias);
-at::Tensor amx_gemm(at::Tensor x, at::Tensor packed, int64_t N, c10::optional<at::Tensor> bias);
+at::Tensor panel_gemm(at::Tensor x, at::Tensor packed, int64_t N, c10::optional<at::Tensor> bias,
+                      int64_t act);
+at::Tensor pair_gemm(at::Tensor x, at::Tensor packed, int64_t N, c10::optional<at::Tensor> bias,
+                     int64_t act);
+at::Tensor amx_gemm(at::Tensor x, at::Tensor packed, int64_t N, c10::optional<at::Tensor> bias,
+                    int64_t act);
 
 at::Tensor Linear::operator()(const at::Tensor& x) const {
   switch (route) {
-    case 1: return pair_gemm(x, packed, n, bias);
-    case 2: return amx_gemm(x, packed, n, bias);
-    default: return panel_gemm(x, packed, n, bias);
+    case 1: return pair_gemm(x, packed, n, bias, 0);
+    case 2: return amx_gemm(x, packed, n, bias, 0);
+    default: return panel_gemm(x, packed, n, bias, 0);
   }
 }
 

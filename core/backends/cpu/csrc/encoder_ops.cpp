@@ -1,7 +1,7 @@
-// The element-wise and row-wise work of the BERT-family encoder forward (backends/cpu/encoder.py) in one pass each:
-// GELU as BERT defines it (with erf, not the tanh form), in place; a residual add followed by LayerNorm; and the
-// mean pooling of each sequence's rows. Each row (each element, each sequence) is computed on its own, in a fixed
-// order: the same bits whatever rows share the step.
+// The row-wise work of the BERT-family encoder forward (backends/cpu/encoder.py) in one pass each: a residual add
+// followed by LayerNorm, and the mean pooling of each sequence's rows (BERT's GELU runs in the up projection's
+// kernel as it stores: `act` of the linears). Each row (each sequence) is computed on its own, in a fixed order:
+// the same bits whatever rows share the step.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
@@ -17,45 +17,7 @@
 
 namespace {
 
-// erfc(z) for z >= 0 on 16 lanes (Numerical Recipes' erfcc: relative error below 1.2e-7 everywhere).
-inline v16f erfc16(v16f z) {
-  const v16f t = 1.f / (z * 0.5f + 1.f);
-  v16f p = splat16(0.17087277f);
-  p = p * t - 0.82215223f;
-  p = p * t + 1.48851587f;
-  p = p * t - 1.13520398f;
-  p = p * t + 0.27886807f;
-  p = p * t - 0.18628806f;
-  p = p * t + 0.09678418f;
-  p = p * t + 0.37409196f;
-  p = p * t + 1.00002368f;
-  p = p * t - 1.26551223f;
-  return t * exp16(p - z * z);
-}
-
-// GELU(x) = x / 2 * (1 + erf(x / sqrt 2)): x (1 - erfc(z) / 2) for x >= 0, x erfc(z) / 2 below, z = |x| / sqrt 2.
-inline v16f gelu16(v16f x) {
-  const v16f ax = x < 0.f ? -x : x;
-  const v16f c = erfc16(ax * 0.70710678118654752f);
-  return x < 0.f ? x * c * 0.5f : x * (1.f - c * 0.5f);
-}
-
 inline int64_t grain(int64_t row_elems) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(row_elems, 1)); }
-
-template <typename scalar_t>
-void gelu_rows(scalar_t* x, int64_t T, int64_t N) {
-  at::parallel_for(0, T, grain(N), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      scalar_t* row = x + t * N;
-      int64_t i = 0;
-      for (; i + 16 <= N; i += 16) store16(row + i, gelu16(load16(row + i)));
-      for (; i < N; ++i) {
-        v16f one = splat16(static_cast<float>(row[i]));
-        row[i] = static_cast<scalar_t>(gelu16(one)[0]);
-      }
-    }
-  });
-}
 
 // y = LayerNorm(h + delta) * w + b per row: the sum rounded to scalar_t first (as torch adds the residual), then
 // the row's mean and variance in float (16-lane sums, then the lanes in order), y rounded once.
@@ -122,14 +84,6 @@ void check(const at::Tensor& x, const char* name) {
 }
 
 }  // namespace
-
-// In place: x <- GELU(x) (erf form), in x's dtype.
-void gelu_erf_inplace(at::Tensor x) {
-  check(x, "x");
-  AT_DISPATCH_V2(x.scalar_type(), "gelu_erf", AT_WRAP([&] {
-    gelu_rows<scalar_t>(x.data_ptr<scalar_t>(), x.size(0), x.size(1));
-  }), at::kFloat, at::kBFloat16, at::kHalf);
-}
 
 // LayerNorm(h + delta) * w + b, row by row (w, b in h's dtype).
 at::Tensor add_layer_norm(at::Tensor h, at::Tensor delta, at::Tensor w, at::Tensor b, double eps) {

@@ -59,7 +59,7 @@ inline void block(const c10::BFloat16* __restrict__ x, int64_t ldx, const c10::B
 }
 
 void pair_gemm_impl(const c10::BFloat16* x, const c10::BFloat16* packed, const c10::BFloat16* bias,
-                    c10::BFloat16* y, int64_t M, int64_t N, int64_t K) {
+                    c10::BFloat16* y, int64_t M, int64_t N, int64_t K, bool gelu) {
   const int64_t num_panels = (N + PW - 1) / PW, pairs = K / 2;
   const int64_t chunk = std::max<int64_t>(MR, CHUNK_BYTES / (K * 2) / MR * MR);
   at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
@@ -79,8 +79,12 @@ void pair_gemm_impl(const c10::BFloat16* x, const c10::BFloat16* packed, const c
           const PanelPrefetch pf(next, PW * 2 * sizeof(c10::BFloat16), pairs, m0 - c0, rows, c1 - c0);
           with_rows<MR>(rows, [&](auto R) { block<R.value>(x + m0 * K, K, panel, pairs, pf, out); });
           for (int r = 0; r < rows; ++r) {
-            const __m512 lo = _mm512_add_ps(_mm512_loadu_ps(out + r * PW), _mm512_load_ps(b));
-            const __m512 hi = _mm512_add_ps(_mm512_loadu_ps(out + r * PW + 16), _mm512_load_ps(b + 16));
+            __m512 lo = _mm512_add_ps(_mm512_loadu_ps(out + r * PW), _mm512_load_ps(b));
+            __m512 hi = _mm512_add_ps(_mm512_loadu_ps(out + r * PW + 16), _mm512_load_ps(b + 16));
+            if (gelu) {  // GELU of the output as stored (rounded to bf16), as gelu_erf on the stored row
+              lo = reinterpret_cast<__m512>(gelu_erf16(round16<c10::BFloat16>(reinterpret_cast<v16f>(lo))));
+              hi = reinterpret_cast<__m512>(gelu_erf16(round16<c10::BFloat16>(reinterpret_cast<v16f>(hi))));
+            }
             const __m512bh packed16 = _mm512_cvtne2ps_pbh(hi, lo);  // round to nearest even, as torch's casts
             _mm512_mask_storeu_epi16(y + (m0 + r) * N + col, mask, reinterpret_cast<__m512i>(packed16));
           }
@@ -103,8 +107,8 @@ bool pair_gemm_available() {
 }
 
 // x [M, K] bf16 (K even), packed [ceil(N / 32), K / 2, 32, 2] (linears.pack_pairs), bias [N] or None
-// -> y [M, N] bf16.
-at::Tensor pair_gemm(at::Tensor x, at::Tensor packed, int64_t N, c10::optional<at::Tensor> bias) {
+// -> y [M, N] bf16; act 1: GELU (erf) of it, applied as each block is stored.
+at::Tensor pair_gemm(at::Tensor x, at::Tensor packed, int64_t N, c10::optional<at::Tensor> bias, int64_t act) {
   TORCH_CHECK(pair_gemm_available(), "pair_gemm: this build has no AVX512-BF16");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16,
               "pair_gemm: x [M, K] and packed weights in bfloat16");
@@ -122,7 +126,8 @@ at::Tensor pair_gemm(at::Tensor x, at::Tensor packed, int64_t N, c10::optional<a
     b = bias->contiguous();
   }
   pair_gemm_impl(xc.data_ptr<c10::BFloat16>(), packed.data_ptr<c10::BFloat16>(),
-                 b.has_value() ? b->data_ptr<c10::BFloat16>() : nullptr, y.data_ptr<c10::BFloat16>(), M, N, K);
+                 b.has_value() ? b->data_ptr<c10::BFloat16>() : nullptr, y.data_ptr<c10::BFloat16>(), M, N, K,
+                 act == 1);
 #endif
   return y;
 }

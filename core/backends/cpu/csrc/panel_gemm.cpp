@@ -58,7 +58,7 @@ inline void block(const float* __restrict__ x, int64_t ldx, const scalar_t* __re
 
 template <typename scalar_t>
 void panel_gemm_impl(const float* xf, const scalar_t* packed, const scalar_t* bias, scalar_t* y, int64_t M,
-                     int64_t N, int64_t K) {
+                     int64_t N, int64_t K, bool gelu) {
   const int64_t num_panels = (N + PW - 1) / PW;
   const int64_t chunk = std::max<int64_t>(MR, CHUNK_BYTES / (K * 4) / MR * MR);
   at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
@@ -76,6 +76,18 @@ void panel_gemm_impl(const float* xf, const scalar_t* packed, const scalar_t* bi
           for (int r = 0; r < rows; ++r) {
             scalar_t* dst = y + (m0 + r) * N + col;
             const float* src = out + r * PW;
+            if (gelu) {  // GELU of the output as stored (rounded to scalar_t), as gelu_erf on the stored row
+              alignas(64) float v[PW];
+              for (int64_t j = 0; j < PW; ++j)
+                v[j] = static_cast<float>(static_cast<scalar_t>(
+                    bias != nullptr && j < width ? src[j] + static_cast<float>(bias[col + j]) : src[j]));
+              for (int64_t j = 0; j < PW; j += 16) {
+                const v16f g = gelu_erf16(load16(v + j));
+                std::memcpy(v + j, &g, sizeof(g));
+              }
+              for (int64_t j = 0; j < width; ++j) dst[j] = static_cast<scalar_t>(v[j]);
+              continue;
+            }
             for (int64_t j = 0; j < width; ++j)
               dst[j] = static_cast<scalar_t>(bias != nullptr ? src[j] + static_cast<float>(bias[col + j]) : src[j]);
           }
@@ -87,8 +99,9 @@ void panel_gemm_impl(const float* xf, const scalar_t* packed, const scalar_t* bi
 
 }  // namespace
 
-// x [M, K], packed [ceil(N / 32), K, 32] (see linears.pack_panels), bias [N] or None -> [M, N].
-at::Tensor panel_gemm(at::Tensor x, at::Tensor packed, int64_t N, c10::optional<at::Tensor> bias) {
+// x [M, K], packed [ceil(N / 32), K, 32] (see linears.pack_panels), bias [N] or None -> [M, N]; act 1: GELU
+// (erf) of it, applied as each block is stored.
+at::Tensor panel_gemm(at::Tensor x, at::Tensor packed, int64_t N, c10::optional<at::Tensor> bias, int64_t act) {
   TORCH_CHECK(x.dim() == 2 && packed.dim() == 3 && packed.size(2) == PW && x.size(1) == packed.size(1),
               "panel_gemm: x [M, K] with packed [N/32, K, 32]");
   TORCH_CHECK(packed.size(0) == (N + PW - 1) / PW, "panel_gemm: packed panels do not match N");
@@ -105,7 +118,8 @@ at::Tensor panel_gemm(at::Tensor x, at::Tensor packed, int64_t N, c10::optional<
   }
   AT_DISPATCH_V2(x.scalar_type(), "panel_gemm", AT_WRAP([&] {
     panel_gemm_impl<scalar_t>(xf.data_ptr<float>(), packed.data_ptr<scalar_t>(),
-                              b.has_value() ? b->data_ptr<scalar_t>() : nullptr, y.data_ptr<scalar_t>(), M, N, K);
+                              b.has_value() ? b->data_ptr<scalar_t>() : nullptr, y.data_ptr<scalar_t>(), M, N, K,
+                              act == 1);
   }), at::kFloat, at::kBFloat16, at::kHalf);
   return y;
 }
