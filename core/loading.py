@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from conveyor.core.config import EngineConfig, parse_memory
 from conveyor.core.errors import ConfigError
 from conveyor.core.model_shape import ModelShape
+from conveyor.core.outputs import ModelLimits
 from conveyor.core.sampling_params import Grammar
 
 if TYPE_CHECKING:
@@ -73,6 +74,25 @@ def check_model_exists(model: str) -> None:
         _resolve(model)
     except ModelLoadError as e:
         raise ConfigError("model", str(e).removeprefix("--")) from None
+
+
+def load_pooling_tokenizer(model: str, task: str) -> tuple[Any, ModelLimits, bool, int | None]:
+    """(tokenizer, limits, whether a score pair is one sequence (a cross-encoder), the embedding's size or None) of
+    `model` doing pooling `task`, from its config and files alone (`conveyor validate`)."""
+    from transformers import AutoTokenizer
+
+    from conveyor.core.model_loader import _resolve, load_config
+    from conveyor.core.pooling_config import context_limit, model_kind, pooling_config
+
+    check_pooling_model(model, task)
+    path, gguf_file = _resolve(model)
+    cfg = load_config(model)
+    kind = model_kind(cfg, model)
+    folder = Path(path).expanduser()
+    config = pooling_config(folder if folder.is_dir() else None, model, kind.encoder)
+    tokenizer = AutoTokenizer.from_pretrained(path, gguf_file=gguf_file)
+    limits = ModelLimits(context_limit(cfg, config), int(getattr(cfg, "vocab_size", 0) or len(tokenizer)))
+    return tokenizer, limits, kind.classifier, None if kind.classifier else int(cfg.hidden_size)
 
 
 def check_pooling_model(model: str, task: str) -> None:

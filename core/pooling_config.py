@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from conveyor.core.errors import UnsupportedModel
+from conveyor.core.model_shape import context_of
 
 SEQUENCE_CLASSIFIER = "ForSequenceClassification"
 _SIGMOID = "torch.nn.modules.activation.Sigmoid"
@@ -151,3 +152,14 @@ def default_task(cfg, has_pooling_config: bool) -> str:
     if has_pooling_config or (archs and all(a.endswith("Model") for a in archs)):
         return "embed"
     return "generate"
+
+
+def context_limit(cfg, config: PoolingConfig) -> int:
+    """Tokens a sequence may hold: the position table's (RoBERTa's counts its padding offset), within the
+    sentence-transformers length where the checkpoint sets one."""
+    limit = context_of(cfg)
+    if cfg.model_type in ("roberta", "xlm-roberta", "camembert"):
+        limit -= int(cfg.pad_token_id) + 1
+    if config.max_seq_length is not None:
+        limit = min(limit, config.max_seq_length)
+    return limit

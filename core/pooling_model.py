@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from conveyor.core.errors import ConfigError, UnsupportedModel
-from conveyor.core.pooling_config import ModelKind, PoolingConfig, check_task, model_kind, pooling_config
+from conveyor.core.pooling_config import ModelKind, PoolingConfig, check_task, context_limit, model_kind, pooling_config
 from conveyor.core.pooling_params import TokenSequence
 
 
@@ -185,20 +185,7 @@ def load_pooling_model(model: str, task: str, device: str, dtype: str, pooling: 
                           f"weights ({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}); transformers "
                           "would fill them with random values")
     loaded.to(dev).eval()
-    return PoolingModel(loaded, kind, pooling or config.pooling, model), tokenizer, config, _context(cfg, config)
-
-
-def _context(cfg, config: PoolingConfig) -> int:
-    """Tokens a sequence may hold: the position table's (RoBERTa's counts its padding offset), within the
-    sentence-transformers length where the checkpoint sets one."""
-    from conveyor.core.model_shape import context_of
-
-    limit = context_of(cfg)
-    if cfg.model_type in ("roberta", "xlm-roberta", "camembert"):
-        limit -= int(cfg.pad_token_id) + 1
-    if config.max_seq_length is not None:
-        limit = min(limit, config.max_seq_length)
-    return limit
+    return PoolingModel(loaded, kind, pooling or config.pooling, model), tokenizer, config, context_limit(cfg, config)
 
 
 def _snapshot(model: str) -> Path | None:

@@ -3,17 +3,25 @@ the spec would, none generated; no run directory, no engine (the sink is `valida
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from conveyor.core import check_model, load_tokenizer
+from conveyor.core import auto_task, check_model, load_pooling_tokenizer, load_tokenizer
+from conveyor.io.records.pooling_builder import PoolingRequestBuilder
 from conveyor.io.records.readers import open_reader
 from conveyor.io.records.request_builder import RequestBuilder
 from conveyor.io.records_run import run_records
-from conveyor.io.run_checks import check_chat_template, check_named_fields, no_chat_template_note
+from conveyor.io.run_checks import (
+    check_chat_template,
+    check_named_fields,
+    check_task_options,
+    first_batch_task,
+    no_chat_template_note,
+)
 from conveyor.io.run_spec import RunSpec
 from conveyor.io.state.journal import Journal
 from conveyor.io.validation import ValidationSink
@@ -29,12 +37,21 @@ def validate_run(spec: RunSpec, show_errors: int, say: Callable[[str], None]) ->
     """The records of `spec` built and checked; the first `show_errors` error messages kept."""
     reader = open_reader(spec.input.path, spec.input.format, spec.input.split, spec.input.max_record_bytes)
     check_named_fields(spec, reader)
-    check_model(spec.model)  # a model conveyor refuses, or whose weight files are not whole: refused here too
-    tokenizer, limits = load_tokenizer(spec.model)
+    if spec.task == "auto":  # as the run would resolve it
+        spec = dataclasses.replace(spec, task=first_batch_task(spec, reader) or auto_task(spec.model))
+    check_task_options(spec)
+    if spec.task == "generate":
+        check_model(spec.model)  # a model conveyor refuses, or whose weight files are not whole: refused here too
+        tokenizer, limits = load_tokenizer(spec.model)
+        builder = RequestBuilder(tokenizer, spec.build, spec.sampling, limits, spec.model,
+                                 priorities=spec.engine.schedule == "priority")
+    else:
+        tokenizer, limits, cross_encoder, size = load_pooling_tokenizer(spec.model, spec.task)
+        builder = PoolingRequestBuilder(tokenizer, spec.build, spec.pooling, spec.task, limits, spec.model,
+                                        cross_encoder, size)
     check_chat_template(spec, tokenizer)
-    no_chat_template_note(spec, tokenizer, say)
-    builder = RequestBuilder(tokenizer, spec.build, spec.sampling, limits, spec.model,
-                             priorities=spec.engine.schedule == "priority")
+    if spec.task == "generate":
+        no_chat_template_note(spec, tokenizer, say)
     limit = spec.input.limit
     records = itertools.takewhile(lambda raw: limit is None or raw.index < limit, reader)
     with tempfile.TemporaryDirectory(prefix="conveyor-validate-") as scratch, \

@@ -7,8 +7,9 @@ from __future__ import annotations
 from collections import Counter
 
 from conveyor.core import EngineConfig, Grammars
+from conveyor.io.records.pooling_builder import BuiltPooling
 from conveyor.io.records.readers.record import location
-from conveyor.io.records.request_builder import BuiltRequest
+from conveyor.io.records.request_builder import ErrorRow
 from conveyor.io.rows.rows import duplicate_id_message
 from conveyor.io.rows.sink import RecordSink
 from conveyor.io.state.journal import Journal
@@ -35,8 +36,10 @@ class ValidationSink(RecordSink):
 
     def admit(self, raw, built):
         self.records += 1
-        if not isinstance(built, BuiltRequest):
+        if isinstance(built, ErrorRow):
             return self._error(built.error)
+        prompts = [s.token_ids for s in built.request.sequences] if isinstance(built, BuiltPooling) else \
+            [built.prompt_token_ids]
         if built.sampling.grammar is not None:
             self.grammars = self.grammars or Grammars(self.tokenizer, len(self.tokenizer),
                                                       self.engine.max_grammar_compile_s, self.engine.max_grammar_bytes)
@@ -49,10 +52,11 @@ class ValidationSink(RecordSink):
                 return self._error(duplicate_id_message(location(raw.index, raw.line), built.id))
             if self.records % self.COMMIT_EVERY == 0:
                 self.ids.commit()
-        self.lengths[len(built.prompt_token_ids)] += 1
+        for tokens in prompts:
+            self.lengths[len(tokens)] += 1
         if self.first_prompt is None:
             self.first_prompt = (location(raw.index, raw.line),
-                                 self.tokenizer.decode(built.prompt_token_ids, skip_special_tokens=False))
+                                 self.tokenizer.decode(prompts[0], skip_special_tokens=False))
         return None  # built and checked; nothing to generate
 
     def _error(self, message: str) -> None:
@@ -63,11 +67,12 @@ class ValidationSink(RecordSink):
 
     @property
     def num_ok(self) -> int:
-        return sum(self.lengths.values())
+        return self.records - self.num_errors
 
     def percentile(self, q: float) -> int:
-        """The prompt length below which a fraction q of the ok records fall (as sorted(lengths)[int(q * n)])."""
-        n = self.num_ok
+        """The prompt length below which a fraction q of the ok prompts fall (as sorted(lengths)[int(q * n)]); a
+        pooling record's several inputs count one each."""
+        n = sum(self.lengths.values())
         rank = min(n - 1, int(q * n))
         for length in sorted(self.lengths):
             rank -= self.lengths[length]

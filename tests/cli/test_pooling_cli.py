@@ -112,6 +112,8 @@ def test_vllm_run_batch_embedding_lines_in_its_output_shape(pooling_models, tmp_
     assert [d["index"] for d in two] == [0, 1]
     vector = struct.unpack("<8f", base64.b64decode(two[0]["embedding"]))
     assert abs(sum(v * v for v in vector) - 1) < 1e-5  # cut to 8, then normalized
+    checked = run_in_process("validate", source, "--model", model)  # the same checks, no model run
+    assert checked.code == 3 and "5 records, 4 ok, 1 errors" in checked.out and "NonExistModel" in checked.out
     parquet = run_in_process("run", source, "-o", tmp_path / "r.parquet", "--model", model, *F32)
     rows = pq.read_table(tmp_path / "r.parquet").to_pylist()  # per-record dimensions: a list column, a row per input
     assert parquet.code == 3 and [r["input_index"] for r in rows] == [None, None, None, None, 0, 1]
