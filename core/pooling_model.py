@@ -51,6 +51,7 @@ class PoolingModel:
         if ops is None:
             self.why_alone = f"conveyor's C++ kernels are unavailable: {kernels_missing_reason()}"
             return
+        before = self.model.config._attn_implementation  # (a decoder's probe switches it to conveyor's)
         if self.kind.encoder:
             from conveyor.core.backends.cpu.encoder import PackedEncoder
 
@@ -62,14 +63,14 @@ class PoolingModel:
                 packed, why = PackedDecoder.build(self.model, self.name, ops)
             except UnsupportedModel as e:  # its own forward computes it as it defines it
                 packed, why = None, str(e)
-            if packed is None:
-                self.model.set_attn_implementation("sdpa")
         head = None
         if packed is not None and self.kind.classifier:
             head, why = _exact_head(self.model, ops)
             if head is None:
                 packed = None
-        if packed is None:
+        if packed is None:  # its own forward, with its own attention
+            if self.model.config._attn_implementation != before:
+                self.model.set_attn_implementation(before)
             self.why_alone = why
             return
         self.packed, self.head, self.ops = packed, head, ops

@@ -142,7 +142,10 @@ def check_task_options(spec: RunSpec) -> None:
     given += [name for name in ("n", "seed") if getattr(spec.build, name) != getattr(BuildOptions(), name)]
     if spec.reasoning_parser is not None:
         given.append("reasoning_parser")
-    given += _changed(spec.engine, ("speculative", "num_speculative_tokens"))
+    # (the KV cache's sizes, speculation and the grammar limits: a pooling step keeps no cache and samples nothing)
+    given += _changed(spec.engine, ("speculative", "num_speculative_tokens", "kv_cache_memory", "num_kv_blocks",
+                                    "block_size", "gpu_memory_utilization", "max_grammar_compile_s",
+                                    "max_grammar_bytes"))
     if spec.engine.schedule != "fcfs":
         given.append("schedule")
     if task != "embed":
