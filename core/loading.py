@@ -81,6 +81,7 @@ def load_pooling_tokenizer(model: str, task: str) -> tuple[Any, ModelLimits, boo
     `model` doing pooling `task`, from its config and files alone (`conveyor validate`)."""
     from transformers import AutoTokenizer
 
+    from conveyor.core.model_fingerprint import hub_snapshot
     from conveyor.core.model_loader import _resolve, load_config
     from conveyor.core.pooling_config import context_limit, model_kind, pooling_config
 
@@ -89,7 +90,7 @@ def load_pooling_tokenizer(model: str, task: str) -> tuple[Any, ModelLimits, boo
     cfg = load_config(model)
     kind = model_kind(cfg, model)
     folder = Path(path).expanduser()
-    config = pooling_config(folder if folder.is_dir() else None, model, kind.encoder)
+    config = pooling_config(folder if folder.is_dir() else hub_snapshot(model), model, kind.encoder)
     tokenizer = AutoTokenizer.from_pretrained(path, gguf_file=gguf_file)
     limits = ModelLimits(context_limit(cfg, config), int(getattr(cfg, "vocab_size", 0) or len(tokenizer)))
     return tokenizer, limits, kind.classifier, None if kind.classifier else int(cfg.hidden_size)
@@ -99,6 +100,7 @@ def check_pooling_model(model: str, task: str) -> None:
     """What the pooling engine would refuse once `model` loads, from its config and files alone: a model not there, a
     task the checkpoint cannot do, a pooling config conveyor does not compute (UnsupportedModel), weight files
     missing or cut short (ConfigError model)."""
+    from conveyor.core.model_fingerprint import hub_snapshot
     from conveyor.core.model_loader import _resolve, check_weight_files, load_config
     from conveyor.core.model_support import architecture
     from conveyor.core.pooling_config import check_task, model_kind, pooling_config
@@ -109,7 +111,7 @@ def check_pooling_model(model: str, task: str) -> None:
     kind = model_kind(cfg, model)
     check_task(kind, task, model, architecture(cfg))
     folder = Path(path).expanduser()
-    pooling_config(folder if folder.is_dir() else None, model, kind.encoder)
+    pooling_config(folder if folder.is_dir() else hub_snapshot(model), model, kind.encoder)
     if gguf_file is None:
         check_weight_files(model, path)
 

@@ -32,7 +32,7 @@ def model_fingerprint(model: str, embedded: dict[str, str]) -> str | None:
     if path.is_file():
         return _digest([(path.name, path)])
     if not path.is_dir():
-        path = _hub_snapshot(model)
+        path = hub_snapshot(model)
         if path is None:
             return None
     files = []
@@ -46,7 +46,7 @@ def model_fingerprint(model: str, embedded: dict[str, str]) -> str | None:
     return _digest(files)
 
 
-def _hub_snapshot(model: str) -> Path | None:
+def hub_snapshot(model: str) -> Path | None:
     """The Hugging Face cache's snapshot folder of hub id `model`, where it is there."""
     try:
         from huggingface_hub import try_to_load_from_cache

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from conveyor.core.errors import ConfigError, UnsupportedModel
+from conveyor.core.model_fingerprint import hub_snapshot
 from conveyor.core.pooling_config import ModelKind, PoolingConfig, check_task, context_limit, model_kind, pooling_config
 from conveyor.core.pooling_params import TokenSequence
 
@@ -169,7 +170,7 @@ def load_pooling_model(model: str, task: str, device: str, dtype: str, pooling: 
     kind = model_kind(cfg, model)
     check_task(kind, task, model, architecture(cfg))
     folder = Path(path).expanduser()
-    config = pooling_config(folder if folder.is_dir() else _snapshot(model), model, kind.encoder)
+    config = pooling_config(folder if folder.is_dir() else hub_snapshot(model), model, kind.encoder)
     if gguf_file is None:
         check_weight_files(model, path)
     loader = AutoModelForSequenceClassification if kind.classifier else AutoModel
@@ -187,13 +188,3 @@ def load_pooling_model(model: str, task: str, device: str, dtype: str, pooling: 
                           "would fill them with random values")
     loaded.to(dev).eval()
     return PoolingModel(loaded, kind, pooling or config.pooling, model), tokenizer, config, context_limit(cfg, config)
-
-
-def _snapshot(model: str) -> Path | None:
-    try:
-        from huggingface_hub import try_to_load_from_cache
-    except ImportError:
-        return None
-    found = try_to_load_from_cache(model, "modules.json")
-    return Path(found).parent if isinstance(found, str) else None
-

@@ -27,7 +27,7 @@ from conveyor.io.records.prompt_template import PromptTemplate
 from conveyor.io.records.prompts import PromptTokens
 from conveyor.io.records.readers.record import RawRecord, describe, location
 from conveyor.io.records.reject import Reject
-from conveyor.io.records.request_builder import ErrorRow, own_id
+from conveyor.io.records.request_builder import ErrorRow, own_id, unreadable
 
 # What a pooling batch body may hold, by task, beside `model` and `user` (which change nothing).
 _BODY_FIELDS = {
@@ -97,9 +97,7 @@ class PoolingRequestBuilder:
     def build(self, raw: RawRecord) -> BuiltPooling | ErrorRow:
         where = location(raw.index, raw.line)
         if raw.record is None:
-            kept = dict.fromkeys(self.options.keep_fields)
-            return ErrorRow(raw.index, str(raw.index), raw.error or f"{where}: the record could not be read",
-                            kept, None, digest=raw.digest)
+            return unreadable(raw, self.options.keep_fields)
         record = raw.record
         kept = {name: record.get(name) for name in self.options.keep_fields}
         record_id, id_given, num_tokens, cut = error_id(record, raw.index), False, None, None

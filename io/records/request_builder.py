@@ -20,7 +20,7 @@ from conveyor.io.records.readers.record import RawRecord, describe, location
 from conveyor.io.records.reject import Reject
 from conveyor.io.records.seeds import sample_seed
 
-__all__ = ["BuiltRequest", "ErrorRow", "RequestBuilder", "own_id"]
+__all__ = ["BuiltRequest", "ErrorRow", "RequestBuilder", "own_id", "unreadable"]
 
 
 def own_id(record: dict, id_field: str) -> str | None:
@@ -50,6 +50,13 @@ class ErrorRow:
     prompt_tokens: int | None = None  # known when the error came after tokenizing
     digest: str | None = None  # the input record's digest, where the reader gave one
     prompt_tokens_truncated: int | None = None  # tokens cut from the prompt's start, where it was truncated
+
+
+def unreadable(raw: RawRecord, keep_fields: tuple[str, ...]) -> ErrorRow:
+    """The error row of a record its reader could not read (its kept fields null)."""
+    where = location(raw.index, raw.line)
+    return ErrorRow(raw.index, str(raw.index), raw.error or f"{where}: the record could not be read",
+                    dict.fromkeys(keep_fields), None, digest=raw.digest)
 
 
 @dataclass(frozen=True)
@@ -111,9 +118,7 @@ class RequestBuilder:
     def build(self, raw: RawRecord) -> BuiltRequest | ErrorRow:
         where = location(raw.index, raw.line)
         if raw.record is None:
-            kept = dict.fromkeys(self.options.keep_fields)
-            return ErrorRow(raw.index, str(raw.index), raw.error or f"{where}: the record could not be read",
-                            kept, None, digest=raw.digest)
+            return unreadable(raw, self.options.keep_fields)
         record = raw.record
         kept = {name: record.get(name) for name in self.options.keep_fields}
         record_id, id_given = error_id(record, raw.index), False

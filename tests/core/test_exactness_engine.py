@@ -1,6 +1,6 @@
 """The exactness contract end to end, on the real embedded model (SmolLM2-135M-Instruct, CPU): 18 records
 (chat and raw, short and long, five sharing a system prompt) give bitwise the same first-token logits, and
-then the same seeded-sampled tokens and text, alone, among 46 others in shuffled order, with a 48-token
+then the same seeded-sampled tokens and text, alone, among 47 others in shuffled order, with a 48-token
 budget (chunked prompts), with their shared prefix served from the cache, and under forced preemption;
 and so do their logprobs (each token's and its top two alternatives').
 float32 everywhere; bfloat16 where the CPU has native bf16 (AMX or AVX512-BF16), skipped elsewhere."""
@@ -76,10 +76,10 @@ def records(smollm):
                                                          max_tokens=MAX_TOKENS, logprobs=2))
                for i, (n, p) in enumerate(prompts.items())}
     fillers = {}
-    for i, line in enumerate(SAMPLE.read_text(encoding="utf-8").splitlines()[:46]):
+    for i, line in enumerate(SAMPLE.read_text(encoding="utf-8").splitlines()[:30]):
         name = f"fill{i}"
         sampling = SamplingParams(temperature=0 if i % 4 == 0 else 1.0, top_k=40 if i % 3 == 0 else 0, seed=i,
-                                  max_tokens=4 + i % 24)
+                                  max_tokens=4 + i % 16)
         fillers[name] = GenerationRequest(name, _chat(tok, json.loads(line)["messages"]), sampling)
     return targets, fillers
 
@@ -150,7 +150,7 @@ def test_the_records_are_varied(records, alone):
     assert len({tuple(o.output_token_ids) for o in outs.values()}) == len(targets)
 
 
-def test_among_63_others_in_shuffled_order(smollm, records, alone):
+def test_among_47_others_in_shuffled_order(smollm, records, alone):
     engine, capture = _engine(smollm, num_kv_blocks=600)
     outs, logits = _results(engine, capture, _shuffled(records, seed=1))
     _assert_as_alone(alone, outs, logits, records[0])
