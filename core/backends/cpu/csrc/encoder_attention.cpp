@@ -24,9 +24,24 @@ namespace {
 static inline v16f max16(v16f a, v16f b) { return a > b ? a : b; }
 
 static inline float hmax16(v16f v) {
+#ifdef __AVX512F__
+  return _mm512_reduce_max_ps(reinterpret_cast<__m512>(v));
+#else
   float m = v[0];
   for (int lane = 1; lane < 16; ++lane) m = v[lane] > m ? v[lane] : m;
   return m;
+#endif
+}
+
+// The 16 lanes' sum, in one fixed order (a tree on AVX-512, the lanes in order elsewhere).
+static inline float hsum16(v16f v) {
+#ifdef __AVX512F__
+  return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v));
+#else
+  float total = 0.f;
+  for (int lane = 0; lane < 16; ++lane) total += v[lane];
+  return total;
+#endif
 }
 
 // The scratch of one task, kept per thread: its keys transposed, its values, a row's scores.
@@ -50,9 +65,18 @@ void attend_sequence(const scalar_t* qkv, float* out, int64_t first, int64_t L, 
   float* vv = w.vv.data();
   float* scores = w.scores.data();
   float* q = w.q.data();
+  const bool vectors = D % 16 == 0;
   for (int64_t j = 0; j < L; ++j) {
     const scalar_t* k = qkv + (first + j) * row + H * D + h * D;
     const scalar_t* v = qkv + (first + j) * row + 2 * H * D + h * D;
+    if (vectors) {  // widened 16 at a time
+      for (int64_t d0 = 0; d0 < D; d0 += 16) {
+        const v16f kv = load16(k + d0), vv16 = load16(v + d0);
+        std::memcpy(vv + j * D + d0, &vv16, sizeof(vv16));
+        for (int lane = 0; lane < 16; ++lane) kt[(d0 + lane) * Lp + j] = kv[lane];
+      }
+      continue;
+    }
     for (int64_t d = 0; d < D; ++d) {
       kt[d * Lp + j] = static_cast<float>(k[d]);
       vv[j * D + d] = static_cast<float>(v[d]);
@@ -67,7 +91,14 @@ void attend_sequence(const scalar_t* qkv, float* out, int64_t first, int64_t L, 
     // order as alone, so the blocking changes no bit.
     for (int64_t r = 0; r < R; ++r) {
       const scalar_t* qi = qkv + (first + (i0 + r < L ? i0 + r : i0)) * row + h * D;
-      for (int64_t d = 0; d < D; ++d) q[r * D + d] = static_cast<float>(qi[d]);
+      if (vectors) {
+        for (int64_t d0 = 0; d0 < D; d0 += 16) {
+          const v16f qv = load16(qi + d0);
+          std::memcpy(q + r * D + d0, &qv, sizeof(qv));
+        }
+      } else {
+        for (int64_t d = 0; d < D; ++d) q[r * D + d] = static_cast<float>(qi[d]);
+      }
     }
     v16f top[R];
     for (int64_t r = 0; r < R; ++r) top[r] = neg_inf;
@@ -95,9 +126,7 @@ void attend_sequence(const scalar_t* qkv, float* out, int64_t first, int64_t L, 
         std::memcpy(scores + r * Lp + c * 16, &p, sizeof(p));
         sums = sums + p;
       }
-      float total = 0.f;
-      for (int lane = 0; lane < 16; ++lane) total += sums[lane];
-      inv[r] = 1.f / total;
+      inv[r] = 1.f / hsum16(sums);
     }
     const int64_t rows = L - i0 < R ? L - i0 : R;
     if (D % 16 == 0) {
