@@ -381,7 +381,8 @@ class Run:
 
         size = vector_size(self.journal.iter_rows()) if spec.task == "embed" and self.output_format == "parquet" \
             else None
-        write_output(rows(), spec.output.path, self.output_format, spec.build.keep_fields, model_name=spec.model,
+        write_output(rows(), spec.output.path, self.output_format, spec.build.keep_fields,
+                     model_name=(spec.build.served_model_names or (spec.model,))[0],
                      optional=self.journal.columns() | ({SAMPLE_INDEX} if spec.build.n > 1 else set()),
                      task=spec.task, vector_size=size)
         return self._result(outcome, "", output_written=True)

@@ -275,7 +275,8 @@ def merge(run_dir: str | Path, output: str, output_format: str | None = None) ->
     fmt = output_format or first.manifest.output_format
     task = config.get("task", "generate")
     size = vector_size(shards.rows(members)) if task == "embed" and fmt == "parquet" else None
-    write_output(rows(), output, fmt, tuple(config.get("keep_fields") or ()), model_name=first.manifest.model,
+    served = config.get("served_model_names") or [first.manifest.model]  # (the name result lines give, as a run's)
+    write_output(rows(), output, fmt, tuple(config.get("keep_fields") or ()), model_name=served[0],
                  optional=shards.columns(members) | ({SAMPLE_INDEX} if "n" in config else set()), task=task,
                  vector_size=size)
     return MergeResult(counts["rows"], counts["errors"], len(members), skip)
