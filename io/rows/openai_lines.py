@@ -36,7 +36,7 @@ def pooling_line(row: dict, task: str, model_name: str, created: int) -> dict:
                    for k, p in enumerate(ordered)]
         results.sort(key=lambda r: -r["relevance_score"])
         top_n = row.get(TOP_N_KEY)
-        body = {"id": f"rerank-{index}", "model": model_name, "usage": {"total_tokens": tokens},
+        body = {"id": f"rerank-{index}", "model": model_name, "usage": usage,
                 "results": results[:top_n] if top_n else results}
     elif task == "reward":
         body = {"id": f"reward-{index}", "object": "list", "created": created, "model": model_name,

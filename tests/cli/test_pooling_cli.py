@@ -144,6 +144,7 @@ def test_vllm_run_batch_score_and_rerank_lines_in_its_output_shape(pooling_model
                 scores.append([d["score"] for d in body["data"]])
             else:
                 results = body["results"]
+                assert body["usage"]["prompt_tokens"] == body["usage"]["total_tokens"] > 0  # (vLLM's RerankUsage)
                 assert len(results) == (1 if k == 1 else 2) and {"index", "document", "relevance_score"} <= set(
                     results[0])
                 ranked = sorted(scores[0], reverse=True)
