@@ -14,6 +14,7 @@ from conveyor.cli.options import (
     ChatFieldOpt,
     ChatTemplateOpt,
     ConfigOpt,
+    DimensionsOpt,
     IdFieldOpt,
     InputArg,
     InputFormatOpt,
@@ -29,6 +30,7 @@ from conveyor.cli.options import (
     ServedModelNameOpt,
     SplitOpt,
     SystemPromptOpt,
+    TaskOpt,
     TruncatePromptTokensOpt,
 )
 from conveyor.cli.run import EXAMPLES, run_command
@@ -65,6 +67,8 @@ def validate_command(
     input: InputArg,
     config: ConfigOpt = None,
     model: ModelOpt = None,
+    task: TaskOpt = None,
+    dimensions: DimensionsOpt = None,
     max_tokens: MaxTokensOpt = None,
     system_prompt: SystemPromptOpt = None,
     chat_field: ChatFieldOpt = None,

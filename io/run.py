@@ -55,6 +55,7 @@ from conveyor.io.rows.writers import write_output
 from conveyor.io.run_checks import (
     chat_option,
     check_chat_template,
+    check_dimensions,
     check_named_fields,
     check_output,
     check_task_options,
@@ -310,6 +311,7 @@ class Run:
         self._check_arithmetic(engine.arithmetic())
         if spec.profile:
             engine.enable_profiling()
+        check_dimensions(spec, engine.vector_size)
         self.builder = PoolingRequestBuilder(engine.tokenizer, spec.build, spec.pooling, spec.task, engine.limits,
                                              spec.model, engine.cross_encoder, engine.vector_size)
 

@@ -170,3 +170,11 @@ def first_batch_task(spec: RunSpec, reader: Reader) -> str | None:
         if raw.record is not None:
             return url_task(raw.record) if is_batch_line(raw.record) else None
     return None
+
+
+def check_dimensions(spec: RunSpec, vector_size: int | None) -> None:
+    """--dimensions above the model's embedding size is a usage error before any record runs."""
+    wanted = spec.pooling.dimensions
+    if wanted is not None and vector_size is not None and wanted > vector_size:
+        raise SpecError(f"--dimensions {wanted} is more than {spec.model}'s embedding size, {vector_size}; give at "
+                        f"most {vector_size}")

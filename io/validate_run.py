@@ -17,6 +17,7 @@ from conveyor.io.records.request_builder import RequestBuilder
 from conveyor.io.records_run import run_records
 from conveyor.io.run_checks import (
     check_chat_template,
+    check_dimensions,
     check_named_fields,
     check_task_options,
     first_batch_task,
@@ -47,6 +48,7 @@ def validate_run(spec: RunSpec, show_errors: int, say: Callable[[str], None]) ->
                                  priorities=spec.engine.schedule == "priority")
     else:
         tokenizer, limits, cross_encoder, size = load_pooling_tokenizer(spec.model, spec.task)
+        check_dimensions(spec, size)
         builder = PoolingRequestBuilder(tokenizer, spec.build, spec.pooling, spec.task, limits, spec.model,
                                         cross_encoder, size)
     check_chat_template(spec, tokenizer)

@@ -76,6 +76,9 @@ def test_options_that_change_nothing_for_the_task_are_refused(pooling_models, tm
     assert embed.code == 2 and "--temperature" in embed.err and "--task embed" in embed.err
     generate = run_in_process("run", source, "-o", tmp_path / "g.jsonl", "--model", tiny_model, "--dimensions", "8")
     assert generate.code == 2 and "--dimensions" in generate.err
+    wide = run_in_process("run", source, "-o", tmp_path / "w.jsonl", "--model", pooling_models("bert-mean"),
+                          "--dimensions", "100")
+    assert wide.code == 2 and "--dimensions 100" in wide.err and "64" in wide.err
     classify = run_in_process("run", source, "-o", tmp_path / "c.jsonl", "--model", pooling_models("bert-mean"),
                               "--task", "classify")
     assert classify.code == 2 and "sequence-classification head" in classify.err
