@@ -6,16 +6,20 @@ the decoder families' fused forward (`fused_ops.cpp`, `decoder.cpp`), the sample
 pair products (`pair_gemm.cpp`, compiled in where the compiler targets AVX512-BF16) and bf16 on AMX
 tiles (`amx_gemm.cpp`, where it targets AMX). The build needs a C++
 compiler and ninja; where either is missing, `cpu_kernels()` returns None and the engine takes the torch
-backend (`core/backends/sdpa.py`: correct, slower, not batch-invariant). CPUs without AVX-512 take it too
-(`kernels_pay_off`).
-The build is tuned for the CPU it runs on (`-march=native`), so it is cached per CPU, torch version
-and source (`kernels/py311-<build tag>`): a cache directory shared between machines (a home
-directory on a cluster) never hands one CPU a build with another's instructions, which would die of
-SIGILL. It is built once under a lock that a killed builder cannot leave behind (`cache_build.py`),
-and later runs import the cached library directly.
-Set CONVEYOR_NO_KERNELS=1 to force the torch backend, CONVEYOR_KERNEL_ARCH to build for a named -march
-instead of this CPU, CONVEYOR_NO_AMX=1 to run the routes of CPUs without AMX tiles on one that has them. The kernel sources include only the ATen headers
-they use, not torch/extension.h: the first build takes ~35 s on 2 cores instead of ~80.
+backend (`core/backends/sdpa.py`: correct, slower, not batch-invariant).
+
+Two routes (`cpu_route`): "native", built for this CPU (`-march=native`), where it has AVX-512; and "avx2",
+built for AVX2 + FMA (`-march=x86-64-v3`), where it has those but no AVX-512, or where CONVEYOR_CPU_ISA=avx2
+(`--cpu-isa avx2`) asks for it on an AVX-512 CPU. Both are exact (one order per output, whatever the batch);
+their bits differ from each other (`cpu_isa` names the one that ran). CPUs with neither take the torch backend.
+A build is cached per CPU, route, torch version and source (`kernels/py311-<build tag>`): a cache directory
+shared between machines (a home directory on a cluster) never hands one CPU a build with another's
+instructions, which would die of SIGILL. It is built once under a lock that a killed builder cannot leave
+behind (`cache_build.py`), and later runs import the cached library directly.
+Set CONVEYOR_NO_KERNELS=1 to force the torch backend, CONVEYOR_KERNEL_ARCH to build the native route for a named
+-march instead of this CPU, CONVEYOR_NO_AMX=1 to run the routes of CPUs without AMX tiles on one that has them. The
+kernel sources include only the ATen headers they use, not torch/extension.h: the first build takes ~35 s on 2
+cores instead of ~80.
 """
 
 from __future__ import annotations
@@ -41,8 +45,9 @@ _why_not: str | None = None  # why cpu_kernels() is None, once it is
 
 
 def cpu_kernels():
-    """The compiled module (paged_attention, kv_pairs, rms_norm, rope_store, store_kv, silu_mul, argmax_rows,
-    sample_rows, panel_gemm, pair_gemm, pair_gemm_available, amx_gemm, amx_gemm_available), or None."""
+    """The compiled module of this process's route (paged_attention, kv_pairs, rms_norm, rope_store, store_kv,
+    silu_mul, argmax_rows, sample_rows, panel_gemm, pair_gemm, pair_gemm_available, amx_gemm, amx_gemm_available,
+    build_isa, ...), or None."""
     global _module, _tried, _why_not
     if _tried:
         return _module
@@ -50,12 +55,13 @@ def cpu_kernels():
     if os.environ.get("CONVEYOR_NO_KERNELS") == "1":
         _why_not = "CONVEYOR_NO_KERNELS=1 is set"
         return None
-    if kernel_arch() == "native" and not kernels_pay_off(cpu_identity()[1]):
-        _why_not = "this CPU has no AVX-512, where they would be slower than torch"
+    route, _why_not = cpu_route()
+    if route is None:
         return None
     try:
         import torch  # noqa: F401 - the module links against torch's libraries
 
+        name = _NAME if route == "native" else f"{_NAME}_{route}"
         folder = cache_dir() / "kernels" / f"py{sys.version_info.major}{sys.version_info.minor}-{build_tag()}"
         built: list = []
 
@@ -63,15 +69,15 @@ def cpu_kernels():
             from torch.utils.cpp_extension import load
 
             sys.stderr.write(f"conveyor: compiling the C++ CPU kernels once (about 30 s on 2 cores; cached in {folder})\n")
-            built.append(load(name=_NAME, sources=[str(_CSRC / s) for s in _SOURCES], build_directory=str(scratch),
+            built.append(load(name=name, sources=[str(_CSRC / s) for s in _SOURCES], build_directory=str(scratch),
                               extra_cflags=_cflags(), extra_ldflags=["-fopenmp"], verbose=False))
-            return scratch / f"{_NAME}.so"
+            return scratch / f"{name}.so"
 
-        library = cached_build(folder, f"{_NAME}.so", build)
-        _module = built[0] if built else _import_extension(library)
-        if not _module.wide_vectors():  # a named -march without AVX-512: torch is faster there
+        library = cached_build(folder, f"{name}.so", build)
+        _module = built[0] if built else _import_extension(name, library)
+        if _module.build_isa() == "generic":  # a named -march with neither AVX-512 nor AVX2: torch is faster there
             _module = None
-            _why_not = f"CONVEYOR_KERNEL_ARCH={kernel_arch()} has no AVX-512"
+            _why_not = f"CONVEYOR_KERNEL_ARCH={kernel_arch()} has neither AVX-512 nor AVX2 + FMA"
     except Exception as e:  # noqa: BLE001 - any build failure means: use the fallback
         _why_not = f"their build failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
         warnings.warn(f"conveyor: C++ CPU kernels unavailable ({_why_not}); using the slower torch fallback",
@@ -92,17 +98,66 @@ def native_bf16() -> bool:
     return ops is not None and bool(ops.amx_gemm_available() or ops.pair_gemm_available())
 
 
-def kernels_pay_off(flags: list[str]) -> bool:
-    """Whether the kernels beat torch on a CPU with these /proc/cpuinfo flags: only with AVX-512F.
-    They are written for 16-float vectors (`vec16.h`); where registers are narrower (AVX2, Arm's
-    NEON) the compiler moves every vector through the stack, and an AVX2 build measured 4-40x
-    slower than torch per op (its panel matmul 11x at 1 row) and 4.1x slower on a whole run than
-    the torch fallback. Such CPUs run the fallback, and skip the build."""
-    return platform.machine().lower() in ("x86_64", "amd64") and "avx512f" in flags
+CPU_ISA_CHOICES = ("auto", "avx2")  # CONVEYOR_CPU_ISA / --cpu-isa
 
 
-def _import_extension(library: Path):
-    spec = importlib.util.spec_from_file_location(_NAME, library)
+def requested_isa() -> str:
+    """CONVEYOR_CPU_ISA as given ("auto" where unset); the CLI refuses a value outside CPU_ISA_CHOICES before
+    anything loads (`check_cpu_isa`)."""
+    return os.environ.get("CONVEYOR_CPU_ISA", "").strip().lower() or "auto"
+
+
+def check_cpu_isa() -> str | None:
+    """What is wrong with CONVEYOR_CPU_ISA here (None where nothing is): a value outside CPU_ISA_CHOICES, avx2 on a
+    CPU without AVX2 + FMA, or avx2 beside CONVEYOR_KERNEL_ARCH (both would name the kernels' instructions)."""
+    isa = requested_isa()
+    if isa not in CPU_ISA_CHOICES:
+        return f"CONVEYOR_CPU_ISA={isa} is not one of {', '.join(CPU_ISA_CHOICES)}"
+    if isa == "avx2":
+        if not route_for(cpu_identity()[1]):
+            return "--cpu-isa avx2 (CONVEYOR_CPU_ISA=avx2) needs AVX2 and FMA, which this CPU lacks"
+        if os.environ.get("CONVEYOR_KERNEL_ARCH"):
+            return ("--cpu-isa avx2 (CONVEYOR_CPU_ISA=avx2) and CONVEYOR_KERNEL_ARCH both name the kernels' "
+                    "instructions; unset one")
+    return None
+
+
+def route_for(flags: list[str]) -> str | None:
+    """The kernels' route on a CPU with these /proc/cpuinfo flags: "native" with AVX-512F, "avx2" with AVX2 and
+    FMA (each 16-float vector of `vec16.h` as two 8-float registers), None elsewhere (Arm, older x86: the torch
+    backend is the faster there)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None
+    if "avx512f" in flags:
+        return "native"
+    return "avx2" if "avx2" in flags and "fma" in flags else None
+
+
+def cpu_route() -> tuple[str | None, str | None]:
+    """(the route this process builds and runs: "native" or "avx2", why none where None). A named -march
+    (CONVEYOR_KERNEL_ARCH) takes the native route whatever this CPU has."""
+    problem = check_cpu_isa()
+    if problem is not None:
+        return None, problem
+    if requested_isa() == "avx2":
+        return "avx2", None
+    if os.environ.get("CONVEYOR_KERNEL_ARCH"):
+        return "native", None
+    route = route_for(cpu_identity()[1])
+    return route, None if route else "this CPU has neither AVX-512 nor AVX2 + FMA, where they would be slower than torch"
+
+
+def cpu_isa() -> str | None:
+    """The instructions the kernels of this process run: "amx" (AMX tiles), "avx512bf16", "avx512", "avx2";
+    None where the kernels do not run."""
+    ops = cpu_kernels()
+    if ops is None:
+        return None
+    return "amx" if ops.amx_gemm_available() else ops.build_isa()
+
+
+def _import_extension(name: str, library: Path):
+    spec = importlib.util.spec_from_file_location(name, library)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -150,15 +205,19 @@ def cpu_tag(cpuinfo: str | None = None) -> str:
 
 
 def kernel_arch() -> str:
-    """The -march the kernels are built for: "native" (this CPU), or CONVEYOR_KERNEL_ARCH's (a CPU
-    family shared by a cluster's nodes, or an older one's instructions on a newer CPU to check its
-    code paths)."""
+    """The -march the kernels are built for: "x86-64-v3" (AVX2 + FMA) on the avx2 route, else "native" (this
+    CPU) or CONVEYOR_KERNEL_ARCH's (a CPU family shared by a cluster's nodes)."""
+    if cpu_route()[0] == "avx2" and not os.environ.get("CONVEYOR_KERNEL_ARCH"):
+        return "x86-64-v3"
     return os.environ.get("CONVEYOR_KERNEL_ARCH") or "native"
 
 
 def _cflags() -> list[str]:
-    flags = ["-O3", f"-march={kernel_arch()}", "-fopenmp"]
-    if platform.machine().lower() in ("x86_64", "amd64"):
+    arch = kernel_arch()
+    flags = ["-O3", f"-march={arch}", "-fopenmp"]
+    if arch == "x86-64-v3":
+        flags.append("-mtune=native")  # AVX2's instructions, scheduled for this CPU
+    elif platform.machine().lower() in ("x86_64", "amd64"):
         flags.append("-mprefer-vector-width=512")  # full-width AVX-512 where the CPU has it
     return flags
 

@@ -2,7 +2,10 @@
 #include <torch/csrc/utils/pybind.h>  // pybind11 with torch's Tensor casters: a third of torch/extension.h's build time
 #include <pybind11/stl.h>
 
+#include <string>
+
 #include "decoder.h"
+#include "vec16.h"
 
 at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor tables,
                            at::Tensor token_req, at::Tensor token_ctx, int64_t block_size, double scale,
@@ -34,18 +37,23 @@ at::Tensor packed_attention(at::Tensor qkv, at::Tensor starts, int64_t heads, do
 at::Tensor mean_pool(at::Tensor h, at::Tensor starts);
 at::Tensor add_layer_norm(at::Tensor h, at::Tensor delta, at::Tensor w, at::Tensor b, double eps);
 
-// Whether the compiler had 16-float registers (AVX-512F) for the kernels' 16-lane vectors (vec16.h).
-// Narrower targets spill each vector through the stack: 4-40x slower than torch (an AVX2 build).
-static bool wide_vectors() {
-#ifdef __AVX512F__
-  return true;
+// The instructions this build's kernels are written in (vec16.h): "avx512bf16" (AVX-512 with bf16 pair
+// products), "avx512", "avx2" (AVX2 + FMA: each 16-float vector is two registers), or "generic" (none of
+// these: every vector op a loop over lanes, slower than torch; the Python side refuses it).
+static std::string build_isa() {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__)
+  return "avx512bf16";
+#elif defined(__AVX512F__)
+  return "avx512";
+#elif defined(CONVEYOR_AVX2)
+  return "avx2";
 #else
-  return false;
+  return "generic";
 #endif
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("wide_vectors", &wide_vectors, "whether this build has the 16-float registers its kernels are written for");
+  m.def("build_isa", &build_isa, "the instructions this build's kernels are written in: avx512bf16, avx512, avx2 or generic");
   m.def("paged_attention", &paged_attention,
         "paged attention over a block pool (CPU), with an optional sliding window, softcap and sinks",
         pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("tables"),

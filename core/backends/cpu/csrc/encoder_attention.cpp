@@ -21,7 +21,7 @@
 
 namespace {
 
-static inline v16f max16(v16f a, v16f b) { return a > b ? a : b; }
+static inline v16f max16(v16f a, v16f b) { return select16(a > b, a, b); }
 
 static inline float hmax16(v16f v) {
 #ifdef __AVX512F__
@@ -72,7 +72,7 @@ void attend_sequence(const scalar_t* qkv, float* out, int64_t first, int64_t L, 
     if (vectors) {  // widened 16 at a time
       for (int64_t d0 = 0; d0 < D; d0 += 16) {
         const v16f kv = load16(k + d0), vv16 = load16(v + d0);
-        std::memcpy(vv + j * D + d0, &vv16, sizeof(vv16));
+        store16(vv + j * D + d0, vv16);
         for (int lane = 0; lane < 16; ++lane) kt[(d0 + lane) * Lp + j] = kv[lane];
       }
       continue;
@@ -94,7 +94,7 @@ void attend_sequence(const scalar_t* qkv, float* out, int64_t first, int64_t L, 
       if (vectors) {
         for (int64_t d0 = 0; d0 < D; d0 += 16) {
           const v16f qv = load16(qi + d0);
-          std::memcpy(q + r * D + d0, &qv, sizeof(qv));
+          store16(q + r * D + d0, qv);
         }
       } else {
         for (int64_t d = 0; d < D; ++d) q[r * D + d] = static_cast<float>(qi[d]);
@@ -111,8 +111,8 @@ void attend_sequence(const scalar_t* qkv, float* out, int64_t first, int64_t L, 
       }
       for (int64_t r = 0; r < R; ++r) {
         v16f a = acc[r] * scale;
-        if (c == chunks - 1) a = lane_index < last_valid ? a : neg_inf;
-        std::memcpy(scores + r * Lp + c * 16, &a, sizeof(a));
+        if (c == chunks - 1) a = select16(lane_index < last_valid, a, neg_inf);
+        store16(scores + r * Lp + c * 16, a);
         top[r] = max16(top[r], a);
       }
     }
@@ -122,8 +122,8 @@ void attend_sequence(const scalar_t* qkv, float* out, int64_t first, int64_t L, 
       v16f sums = v16f{};
       for (int64_t c = 0; c < chunks; ++c) {
         v16f p = exp16(load16(scores + r * Lp + c * 16) - m);
-        if (c == chunks - 1) p = lane_index < last_valid ? p : v16f{};
-        std::memcpy(scores + r * Lp + c * 16, &p, sizeof(p));
+        if (c == chunks - 1) p = select16(lane_index < last_valid, p, v16f{});
+        store16(scores + r * Lp + c * 16, p);
         sums = sums + p;
       }
       inv[r] = 1.f / hsum16(sums);
@@ -138,7 +138,7 @@ void attend_sequence(const scalar_t* qkv, float* out, int64_t first, int64_t L, 
         }
         for (int64_t r = 0; r < rows; ++r) {
           const v16f a = acc[r] * inv[r];
-          std::memcpy(out + (first + i0 + r) * H * D + h * D + d0, &a, sizeof(a));
+          store16(out + (first + i0 + r) * H * D + h * D + d0, a);
         }
       }
     } else {

@@ -33,7 +33,7 @@ void add_layer_norm_rows(const scalar_t* h, const scalar_t* delta, const scalar_
       v16f acc = {};
       for (int64_t i = 0; i < NV; i += 16) {
         const v16f v = round16<scalar_t>(load16(hr + i) + load16(dr + i));
-        std::memcpy(&x[i], &v, sizeof(v));
+        store16(&x[i], v);
         acc += v;
       }
       float sum = 0.f;

@@ -85,9 +85,9 @@ static inline void softcap_range(float* __restrict__ s, int64_t lo, int64_t n, f
   int64_t j = lo;
   for (; j + 16 <= n; j += 16) {
     v16f x;
-    std::memcpy(&x, s + j, sizeof(x));
+    x = load16(s + j);
     x = tanh16(x * inv) * softcap;
-    std::memcpy(s + j, &x, sizeof(x));
+    store16(s + j, x);
   }
   if (j < n) {  // the tail through a padded vector: the same arithmetic per element
     v16f x = {};
@@ -109,8 +109,8 @@ static inline void softmax_range(float* __restrict__ s, const Span& r, int64_t e
   v16f mv = v16f{} - INFINITY;
   for (int64_t j = first; j < padded; j += 16) {
     v16f x;
-    std::memcpy(&x, s + j, sizeof(x));
-    mv = x > mv ? x : mv;
+    x = load16(s + j);
+    mv = select16(x > mv, x, mv);
   }
   float m = mv[0];
   for (int i = 1; i < 16; ++i) m = std::max(m, mv[i]);
@@ -118,13 +118,13 @@ static inline void softmax_range(float* __restrict__ s, const Span& r, int64_t e
   v16f sum = {};
   for (int64_t j = first; j < padded; j += 16) {
     v16f x;
-    std::memcpy(&x, s + j, sizeof(x));
+    x = load16(s + j);
     x = exp16(x - m);
     if (j + 16 > n || j < lo) {  // lanes outside [lo, n) count for nothing
       for (int64_t i = 0; i < 16; ++i)
         if (j + i < lo || j + i >= n) x[i] = 0.f;
     }
-    std::memcpy(s + j, &x, sizeof(x));
+    store16(s + j, x);
     sum += x;
   }
   float total = 0.f;
@@ -202,7 +202,7 @@ static void attend_grouped(const float* __restrict__ qf, const scalar_t* __restr
     }
   }
   for (int g = 0; g < G; ++g)
-    for (int i = 0; i < NV; ++i) std::memcpy(out_f + g * D + 16 * i, &acc[g][i], sizeof(v16f));
+    for (int i = 0; i < NV; ++i) store16(out_f + g * D + 16 * i, acc[g][i]);
 }
 
 // Dispatch on the number of query vectors: up to 8 per pass over the keys and values (more would

@@ -8,7 +8,8 @@
 //
 // W is prepacked in panels of 32 columns, [ceil(N / 32)][K][32] (linears.pack_panels), each panel
 // one contiguous run read front to back. The micro-kernel keeps a block of up to 14 rows x 32 columns
-// in 28 vector registers and broadcasts x from the rows themselves (no packing of x). Rows are taken in
+// in 28 vector registers (on the AVX2 route: 6 rows x 16 columns in 12, a half panel per pass) and
+// broadcasts x from the rows themselves (no packing of x). Rows are taken in
 // chunks that stay in L2 while every panel of the thread passes over them; within a chunk a panel is
 // read from L2, and the chunk's row blocks prefetch the next panel into L2 between them, each its share
 // (in proportion to its rows) spread evenly over its steps, so the stream from memory runs through the
@@ -30,9 +31,41 @@
 namespace {
 
 constexpr int64_t PW = 32;          // panel width: two vectors
+#ifdef CONVEYOR_AVX2
+constexpr int MR = 6;               // rows per micro-kernel block: 6 x 16 columns, 12 of AVX2's 16 registers
+#else
 constexpr int MR = 14;              // rows per micro-kernel block: 28 accumulators
+#endif
 constexpr int64_t CHUNK_BYTES = 1 << 19;  // rows of x per chunk: about this many bytes of them
 
+#ifdef CONVEYOR_AVX2
+// Rows [0, R) x the panel's 16 columns from `half` * 16: the same sums as `block` below (one chain of fused
+// multiply-adds over k in order per output), half a panel at a time so that the accumulators fit AVX2's
+// registers. Each half's pass prefetches its share of the next panel (`pf` counts half rows).
+template <int R, typename scalar_t>
+inline void half_block(const float* __restrict__ x, int64_t ldx, const scalar_t* __restrict__ panel, int64_t K,
+                       int half, PanelPrefetch& pf, float* __restrict__ out) {
+  v16f a[R];
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r) a[r] = v16f{};
+  const scalar_t* w = panel + half * 16;
+  for (int64_t k = 0; k < K; ++k) {
+    pf.step();
+    const v16f wv = load16(w + k * PW);
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) a[r] = fma16(splat16(x[r * ldx + k]), wv, a[r]);
+  }
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r) store16(out + r * PW + half * 16, a[r]);
+}
+
+template <int R, typename scalar_t>
+inline void block(const float* __restrict__ x, int64_t ldx, const scalar_t* __restrict__ panel, int64_t K,
+                  PanelPrefetch pf, float* __restrict__ out) {
+  half_block<R>(x, ldx, panel, K, 0, pf, out);
+  half_block<R>(x, ldx, panel, K, 1, pf, out);
+}
+#else
 // Rows [0, R) x the panel's 32 columns: acc[r] = sum over k in order of x[r][k] * w[k][.] (fused),
 // prefetching `pf`'s rows of the next panel into L2 on the way (panel_prefetch.h).
 template <int R, typename scalar_t>
@@ -51,10 +84,17 @@ inline void block(const float* __restrict__ x, int64_t ldx, const scalar_t* __re
     }
   }
   for (int r = 0; r < R; ++r) {
-    std::memcpy(out + r * PW, &a0[r], sizeof(v16f));
-    std::memcpy(out + r * PW + 16, &a1[r], sizeof(v16f));
+    store16(out + r * PW, a0[r]);
+    store16(out + r * PW + 16, a1[r]);
   }
 }
+#endif
+
+#ifdef CONVEYOR_AVX2
+constexpr int64_t PREFETCH_PASSES = 2;  // the half-panel passes: the next panel prefetched in half rows
+#else
+constexpr int64_t PREFETCH_PASSES = 1;
+#endif
 
 template <typename scalar_t>
 void panel_gemm_impl(const float* xf, const scalar_t* packed, const scalar_t* bias, scalar_t* y, int64_t M,
@@ -71,7 +111,8 @@ void panel_gemm_impl(const float* xf, const scalar_t* packed, const scalar_t* bi
         const int64_t col = p * PW, width = std::min(PW, N - col);
         for (int64_t m0 = c0; m0 < c1; m0 += MR) {
           const int rows = static_cast<int>(std::min<int64_t>(MR, c1 - m0));
-          const PanelPrefetch pf(next, PW * sizeof(scalar_t), K, m0 - c0, rows, c1 - c0);
+          const PanelPrefetch pf(next, PW * sizeof(scalar_t) / PREFETCH_PASSES, K * PREFETCH_PASSES, m0 - c0, rows,
+                                 c1 - c0);
           with_rows<MR>(rows, [&](auto R) { block<R.value>(xf + m0 * K, K, panel, K, pf, out); });
           for (int r = 0; r < rows; ++r) {
             scalar_t* dst = y + (m0 + r) * N + col;
@@ -83,7 +124,7 @@ void panel_gemm_impl(const float* xf, const scalar_t* packed, const scalar_t* bi
                     bias != nullptr && j < width ? src[j] + static_cast<float>(bias[col + j]) : src[j]));
               for (int64_t j = 0; j < PW; j += 16) {
                 const v16f g = gelu_erf16(load16(v + j));
-                std::memcpy(v + j, &g, sizeof(g));
+                store16(v + j, g);
               }
               for (int64_t j = 0; j < width; ++j) dst[j] = static_cast<scalar_t>(v[j]);
               continue;

@@ -44,7 +44,6 @@ static int64_t first_max(const scalar_t* row, int64_t V) {
 
 template <typename scalar_t>
 void argmax_rows_impl(const scalar_t* x, int64_t* out, int64_t R, int64_t V) {
-  typedef int32_t v16i __attribute__((vector_size(64)));
   at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const scalar_t* __restrict__ row = x + r * V;
@@ -59,24 +58,50 @@ void argmax_rows_impl(const scalar_t* x, int64_t* out, int64_t R, int64_t V) {
       int64_t i = 0;
       if (vec_end > 0) {
         v16f vmax = load16(row);
+        int32_t idx[16], seen_nan[16];
+#ifdef CONVEYOR_AVX2  // the same lanes as below, on two halves
+        const __m256i lane_lo = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        const __m256i lane_hi = _mm256_add_epi32(lane_lo, _mm256_set1_epi32(8));
+        __m256 idx_lo = _mm256_castsi256_ps(lane_lo), idx_hi = _mm256_castsi256_ps(lane_hi);
+        __m256 nan_lo = _mm256_cmp_ps(vmax.lo, vmax.lo, _CMP_UNORD_Q), nan_hi = _mm256_cmp_ps(vmax.hi, vmax.hi, _CMP_UNORD_Q);
+        for (i = 16; i < vec_end; i += 16) {
+          const v16f v = load16(row + i);
+          const __m256 gt_lo = _mm256_cmp_ps(v.lo, vmax.lo, _CMP_GT_OQ), gt_hi = _mm256_cmp_ps(v.hi, vmax.hi, _CMP_GT_OQ);
+          vmax.lo = _mm256_blendv_ps(vmax.lo, v.lo, gt_lo);
+          vmax.hi = _mm256_blendv_ps(vmax.hi, v.hi, gt_hi);
+          const __m256i at = _mm256_set1_epi32(static_cast<int32_t>(i));
+          idx_lo = _mm256_blendv_ps(idx_lo, _mm256_castsi256_ps(_mm256_add_epi32(lane_lo, at)), gt_lo);
+          idx_hi = _mm256_blendv_ps(idx_hi, _mm256_castsi256_ps(_mm256_add_epi32(lane_hi, at)), gt_hi);
+          nan_lo = _mm256_or_ps(nan_lo, _mm256_cmp_ps(v.lo, v.lo, _CMP_UNORD_Q));
+          nan_hi = _mm256_or_ps(nan_hi, _mm256_cmp_ps(v.hi, v.hi, _CMP_UNORD_Q));
+        }
+        _mm256_storeu_ps(reinterpret_cast<float*>(idx), idx_lo);
+        _mm256_storeu_ps(reinterpret_cast<float*>(idx + 8), idx_hi);
+        _mm256_storeu_ps(reinterpret_cast<float*>(seen_nan), nan_lo);
+        _mm256_storeu_ps(reinterpret_cast<float*>(seen_nan + 8), nan_hi);
+#else
+        typedef int32_t v16i __attribute__((vector_size(64)));
         v16i vidx, lane;
         for (int l = 0; l < 16; ++l) lane[l] = l;
         vidx = lane;
-        v16i seen_nan = vmax != vmax;
+        v16i nan_seen = vmax != vmax;
         for (i = 16; i < vec_end; i += 16) {
           const v16f v = load16(row + i);
           const v16i gt = v > vmax;
           vmax = gt ? v : vmax;
           vidx = gt ? lane + static_cast<int32_t>(i) : vidx;
-          seen_nan |= v != v;
+          nan_seen |= v != v;
         }
+        std::memcpy(idx, &vidx, sizeof(idx));
+        std::memcpy(seen_nan, &nan_seen, sizeof(seen_nan));
+#endif
         m = vmax[0];
-        best = vidx[0];
+        best = idx[0];
         for (int l = 0; l < 16; ++l) {
           nan |= seen_nan[l] != 0;
-          if (vmax[l] > m || (vmax[l] == m && vidx[l] < best)) {
+          if (vmax[l] > m || (vmax[l] == m && idx[l] < best)) {
             m = vmax[l];
-            best = vidx[l];
+            best = idx[l];
           }
         }
       }
@@ -132,7 +157,7 @@ void sample_rows_impl(const scalar_t* x, int64_t V, const int64_t* rows, const f
       v16f vmax = v16f{} - INFINITY;
       for (int64_t i = 0; i < vec_end; i += 16) {
         const v16f v = load16(row + i);
-        vmax = v > vmax ? v : vmax;  // NaN compares false: skipped
+        vmax = select16(v > vmax, v, vmax);  // NaN compares false: skipped
       }
       float m = -INFINITY;
       for (int l = 0; l < 16; ++l) m = std::max(m, vmax[l]);
@@ -147,8 +172,8 @@ void sample_rows_impl(const scalar_t* x, int64_t V, const int64_t* rows, const f
         for (int64_t i = 0; i < vec_end; i += 16) {
           const v16f v = load16(row + i);
           v16f e = exp16((v - m) * inv_t);
-          e = v > lowest ? e : v16f{};
-          std::memcpy(w.data() + i, &e, sizeof(e));
+          e = select16(v > lowest, e, v16f{});
+          store16(w.data() + i, e);
           block[i / 16] = sum16(e);
           total += block[i / 16];
         }
