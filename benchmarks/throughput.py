@@ -24,6 +24,11 @@ then a short untimed warm-up on other prompts through the same engine instance, 
 
 Engines:
   conveyor    conveyor.core.engine.Engine, SamplingParams(temperature=0, max_tokens=mt, ignore_eos=True).
+  conveyor-avx2, torch, torch-avx2
+              the same engine on the AVX2 kernels (CONVEYOR_CPU_ISA=avx2), on the torch backend (the fallback,
+              CONVEYOR_NO_KERNELS=1), and on the torch backend with torch's own kernels, oneDNN and MKL held to
+              AVX2 (the fallback as a CPU without AVX-512 runs it): `--engines conveyor-avx2,torch-avx2` prints
+              the AVX2 route's ratio to that fallback.
   vllm        vllm.LLM (CPU build, in the venv made by benchmarks/setup_vllm.sh, with its LD_PRELOAD of
               tcmalloc + Intel OpenMP), token-id prompts, SamplingParams(temperature=0, max_tokens=mt,
               ignore_eos=True), vLLM's default CPU compilation (torch.compile, no CUDA graphs) unless
@@ -89,7 +94,15 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 WORKER = HERE / "bench_worker.py"
 RESULT_PREFIX = "BENCH_RESULT "
-ALL_ENGINES = ("conveyor", "vllm", "hf-cb", "hf-static", "sequential")
+# conveyor's engine on another route of this CPU, in its own process: the environment it runs under.
+VARIANTS = {
+    "conveyor-avx2": {"CONVEYOR_CPU_ISA": "avx2"},  # the AVX2 kernels (--cpu-isa avx2)
+    "torch": {"CONVEYOR_NO_KERNELS": "1"},  # the torch backend: the fallback where the kernels do not run
+    # the fallback as a CPU without AVX-512 runs it: torch's own kernels, oneDNN and MKL held to AVX2
+    "torch-avx2": {"CONVEYOR_NO_KERNELS": "1", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+                   "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+}
+ALL_ENGINES = ("conveyor", "vllm", "hf-cb", "hf-static", "sequential", *VARIANTS)
 
 sys.path.insert(0, str(HERE))
 from roofline import cpu_signature  # noqa: E402
@@ -226,6 +239,9 @@ def run_one(engine: str, spec_path: Path, args, log_path: Path) -> dict:
     elif engine.startswith("conveyor@"):  # conveyor as of another revision, imported from its worktree
         cmd = [sys.executable, str(WORKER), "--engine", "conveyor", "--spec", str(spec_path)]
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(args.baseline_path), env.get("PYTHONPATH")) if p)
+    elif engine in VARIANTS:
+        cmd = [sys.executable, str(WORKER), "--engine", "conveyor", "--spec", str(spec_path)]
+        env.update(VARIANTS[engine])
     else:
         cmd = [sys.executable, str(WORKER), "--engine", engine, "--spec", str(spec_path)]
     t0 = time.perf_counter()
@@ -425,6 +441,10 @@ def print_table(summary: dict, dtype: str, seq_n: int, roofline: dict | None, st
     for e, s in summary.items():
         if e != "conveyor" and "conveyor_over_engine" in s and s.get("conveyor_over_engine"):
             print(f"  conveyor / {e} = {s['conveyor_over_engine']:.2f}x")
+    fast, slow = summary.get("conveyor-avx2", {}), summary.get("torch-avx2", {})
+    if fast.get("tok_s_median") and slow.get("tok_s_median"):
+        print(f"  conveyor-avx2 / torch-avx2 = {fast['tok_s_median'] / slow['tok_s_median']:.2f}x (the AVX2 route "
+              "against the fallback an AVX2 CPU runs)")
     if steady:
         print(f"  roofline: this workload's steady-state ceiling {steady['tok_s']:.0f} tok/s ({steady['batch']} "
               f"decoding at {steady['decode_gflops']:.0f} GFLOP/s, mean context {steady['decode_context']:.0f}; "

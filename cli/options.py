@@ -68,6 +68,10 @@ DeviceOpt = Annotated[Optional[str], typer.Option(help=f"auto, cpu, cuda or cuda
 BackendOpt = Annotated[Optional[str], typer.Option(help="auto, cpu (conveyor's C++ kernels), cuda (Triton) or torch "
                                                        f"(plain torch, any device). {_d('backend')}",
                                                   rich_help_panel=ENG)]
+CpuIsaOpt = Annotated[Optional[str], typer.Option(help="The cpu backend's kernels: auto (AVX-512 where the CPU has it, "
+                                                       "else AVX2 + FMA) or avx2 (the AVX2 route on any CPU with it; "
+                                                       "exact too, with bits of its own; also CONVEYOR_CPU_ISA). "
+                                                       f"{_d('cpu_isa')}", rich_help_panel=ENG)]
 MaxTokensOpt = Annotated[Optional[int], typer.Option(help=f"Most tokens to generate per record. {_d('max_tokens')}",
                                                      rich_help_panel=GEN)]
 TemperatureOpt = Annotated[Optional[float], typer.Option(help=f"0 = greedy. {_d('temperature')}", rich_help_panel=GEN)]

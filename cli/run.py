@@ -40,6 +40,7 @@ def run_command(
     dtype: opt.DtypeOpt = None,
     device: opt.DeviceOpt = None,
     backend: opt.BackendOpt = None,
+    cpu_isa: opt.CpuIsaOpt = None,
     max_tokens: opt.MaxTokensOpt = None,
     temperature: opt.TemperatureOpt = None,
     top_p: opt.TopPOpt = None,

@@ -80,7 +80,7 @@ def _figure_rows(s: RunSummary) -> list[tuple[str, str]]:
     rows = [("wall time", f"{s.wall_s:.1f} s")]
     setup = s.setup
     if setup.model:
-        ran = ", ".join(value for value in (setup.dtype, setup.backend) if value)
+        ran = ", ".join(value for value in (setup.dtype, setup.backend, setup.cpu_isa) if value)
         rows.append(("model", f"{setup.model} ({ran})" if ran else setup.model))
     for figures, name in ((s.ttft_s, "time to first token"), (s.latency_s, "latency"), (s.queue_s, "queue time"),
                           (s.tpot_s, "time per output token")):

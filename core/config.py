@@ -17,6 +17,7 @@ SCHEDULES = ("fcfs", "priority", "sjf", "lpm")  # the policies of core/schedule_
 SPECULATIVE_METHODS = ("ngram",)  # the drafters of core/speculative.py
 DEFAULT_SPECULATIVE_TOKENS = 6  # draft tokens per request and step (benchmarks/NOTES.md: chosen by measurement)
 BACKENDS = ("auto", "cpu", "cuda", "torch")  # core/backends
+CPU_ISAS = ("auto", "avx2")  # the cpu backend's kernels: auto (this CPU's widest route) or avx2 (core/backends/cpu)
 DEFAULT_KV_CACHE_MEMORY = "2GiB"  # the KV pool's budget on the CPU (a GPU's comes from gpu_memory_utilization)
 # Sizes whose default depends on the device: a GPU step has room for far more rows.
 DEVICE_DEFAULTS = {"cpu": {"max_num_seqs": 64, "max_num_batched_tokens": 2048},
@@ -75,6 +76,9 @@ class EngineConfig:
     dtype: str = option(DTYPES[0], choices=DTYPES)
     backend: str = option(BACKENDS[0], choices=BACKENDS)  # core/backends
     fused_forward: bool = True  # the cpu backend, the decoder families: the fused forward instead of transformers'
+    # The cpu backend's kernels: auto (AVX-512 where the CPU has it, else AVX2 + FMA) or avx2 (the AVX2 route on any
+    # CPU with it). Both are exact; their bits differ from each other.
+    cpu_isa: str = option(CPU_ISAS[0], choices=CPU_ISAS)
     # A request's grammar: compiled off the step loop within this many seconds, and refused above this many bytes
     # of schema, regex or choices (a record past either is an error row; the run goes on).
     max_grammar_compile_s: float = option(20.0)
@@ -106,6 +110,8 @@ class EngineConfig:
                               f"gpu_memory_utilization: a fraction of the GPU's memory in (0, 1], e.g. 0.9; got {u!r}")
         if self.backend not in BACKENDS:
             raise ConfigError("backend", f"backend must be one of {', '.join(BACKENDS)}; got {self.backend!r}")
+        if self.cpu_isa not in CPU_ISAS:
+            raise ConfigError("cpu_isa", f"cpu_isa must be one of {', '.join(CPU_ISAS)}; got {self.cpu_isa!r}")
         if self.dtype not in DTYPES:
             raise ConfigError("dtype", f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
         if not isinstance(self.device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):

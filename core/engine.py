@@ -65,6 +65,7 @@ class EngineInfo:
     max_num_seqs: int  # requests a step runs at most
     max_num_batched_tokens: int  # tokens a step's forward pass holds at most
     max_model_len: int  # tokens a request may hold, prompt and output
+    cpu_isa: str | None = None  # the instructions of the cpu kernels it runs (kernels.cpu_isa); None off them
 
 
 @dataclass(frozen=True)
@@ -351,4 +352,5 @@ class Engine:
             dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
         return EngineInfo(model_path=getattr(getattr(self.model, "config", None), "name_or_path", None) or None,
                           dtype=dtype, backend=self.backend.name, max_num_seqs=self.config.max_num_seqs,
-                          max_num_batched_tokens=self.config.max_num_batched_tokens, max_model_len=self.max_model_len)
+                          max_num_batched_tokens=self.config.max_num_batched_tokens, max_model_len=self.max_model_len,
+                          cpu_isa=self.backend.cpu_isa())

@@ -76,6 +76,10 @@ class PoolingEngine:
                 if ops.pair_gemm_available() else ", bf16 widened to float32"
         elif self.exact:
             linears = ", float32 FMA panels"
+        if self.exact:
+            from conveyor.core.backends.cpu.kernels import cpu_kernels
+
+            linears += ", AVX2 route" if cpu_kernels().build_isa() == "avx2" else ""
         return f"{self.model.describe()}{linears}"
 
     def in_flight(self) -> dict:
@@ -97,9 +101,12 @@ class PoolingEngine:
     def info(self) -> EngineInfo:
         dtype = str(self.model.dtype).removeprefix("torch.")
         path = getattr(self.model.model.config, "name_or_path", None) or None
+        from conveyor.core.backends.cpu.kernels import cpu_isa
+
         return EngineInfo(model_path=path, dtype=dtype, backend=self.model.describe(),
                           max_num_seqs=self.config.max_num_seqs,
-                          max_num_batched_tokens=self.config.max_num_batched_tokens, max_model_len=self.max_model_len)
+                          max_num_batched_tokens=self.config.max_num_batched_tokens, max_model_len=self.max_model_len,
+                          cpu_isa=cpu_isa() if self.exact else None)
 
     # -- the loop ------------------------------------------------------------------------------------------------
 

@@ -139,7 +139,7 @@ ROW_NEUTRAL = frozenset({
                                     "kv_cache_memory", "gpu_memory_utilization", "enable_prefix_caching",
                                     "max_waiting", "lookahead", "speculative", "num_speculative_tokens")),
     # where it runs: a resume on other kernels or another device is said (the manifest's arithmetic), not refused
-    "engine.device", "engine.backend", "engine.fused_forward",
+    "engine.device", "engine.backend", "engine.fused_forward", "engine.cpu_isa",
     # the input's identity is its fingerprint; the output is written from the journal, in any format
     "input.format", "input.split", "input.limit", "output.format",
     # what a bad record's row is: its error row is in the journal under each (skip leaves it out of the output

@@ -38,10 +38,17 @@ def resolve_device(device: str) -> torch.device:
 def resolve_engine_config(config: EngineConfig) -> tuple[EngineConfig, tuple[str, ...]]:
     """(`config` as it will run here, the fields given that change nothing here). As it runs: the device resolved
     ("auto": a GPU where there is one), that device's default sizes filled in, `dtype="auto"` made concrete (a
-    run's manifest records what ran), the backend checked to run on the device; ConfigError naming the field
-    (device, backend) where it cannot. Changing nothing: gpu_memory_utilization off a GPU, or beside
+    run's manifest records what ran), the backend checked to run on the device, the cpu kernels' route chosen
+    (`cpu_isa`, before they load); ConfigError naming the field (device, backend, cpu_isa) where it cannot. Changing nothing: gpu_memory_utilization off a GPU, or beside
     kv_cache_memory."""
     device = resolve_device(config.device)
+    if device.type == "cpu" and config.backend in ("auto", "cpu"):
+        from conveyor.core.backends.cpu.kernels import select_isa
+
+        select_isa(config.cpu_isa)  # before anything builds or loads the kernels
+    elif config.cpu_isa != "auto":
+        raise ConfigError("cpu_isa", f"cpu_isa chooses the instructions of the cpu backend's kernels; this run is on {device} "
+                          f"with the {config.backend} backend, where it would change nothing: drop it", config.cpu_isa)
     runs = available_backends(device)
     if config.backend != "auto" and config.backend not in runs:
         raise ConfigError("backend", f"does not run on {device} here; backends that do: {', '.join(runs)} (or auto)",

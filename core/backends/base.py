@@ -196,6 +196,11 @@ class Backend(ABC):
     def describe(self) -> str:
         return self.name
 
+    def cpu_isa(self) -> str | None:
+        """The instructions of conveyor's CPU kernels this backend runs ("amx", "avx512bf16", "avx512", "avx2"); None
+        where it runs none."""
+        return None
+
     def arithmetic(self) -> str:
         """What, beyond the model and the run's settings, decides a row's bits here: the kernels and the device
         they run on. A run resumed where this differs can differ in bits from an uninterrupted one (it says so)."""

@@ -2,7 +2,11 @@
 
 import platform
 
-from conveyor.core.backends.cpu.kernels import cpu_identity, cpu_tag, kernels_pay_off
+import pytest
+
+from conveyor.core.backends.cpu import kernels
+from conveyor.core.backends.cpu.kernels import check_cpu_isa, cpu_identity, cpu_tag, route_for
+from conveyor.core.errors import ConfigError
 
 XEON = "processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: Intel(R) Xeon(R) Platinum\nflags\t\t: fpu avx2 avx512f amx_tile\n" \
        "\nprocessor\t: 1\nmodel name\t: Intel(R) Xeon(R) Platinum\nflags\t\t: fpu avx2 avx512f amx_tile\n"
@@ -25,10 +29,28 @@ def test_tag_without_cpuinfo_is_still_a_tag():
     assert len(tag) == 12 and all(c in "0123456789abcdef" for c in tag)
 
 
-def test_kernels_are_used_only_with_avx512_registers(monkeypatch):
+def test_the_route_follows_the_widest_vectors_the_cpu_has(monkeypatch):
     monkeypatch.setattr(platform, "machine", lambda: "x86_64")
-    assert kernels_pay_off(cpu_identity(XEON)[1])
-    assert kernels_pay_off(cpu_identity(EPYC)[1])
-    assert not kernels_pay_off(cpu_identity(XEON.replace(" avx512f", ""))[1])  # AVX2 only: torch is faster
+    assert route_for(cpu_identity(XEON)[1]) == "native"
+    assert route_for(cpu_identity(EPYC)[1]) == "native"
+    assert route_for(["avx2", "fma", "sse4_2"]) == "avx2"  # Zen 2/3, Intel client parts
+    assert route_for(["avx2", "sse4_2"]) is None  # AVX2 without FMA: torch
+    assert route_for(["sse4_2"]) is None
     monkeypatch.setattr(platform, "machine", lambda: "aarch64")
-    assert not kernels_pay_off(["fp", "asimd", "sve"])
+    assert route_for(["fp", "asimd", "sve"]) is None
+
+
+def test_a_cpu_isa_that_cannot_run_is_named(monkeypatch):
+    monkeypatch.setenv("CONVEYOR_CPU_ISA", "avx512")
+    assert check_cpu_isa() == "CONVEYOR_CPU_ISA=avx512 is not one of auto, avx2"
+    monkeypatch.setenv("CONVEYOR_CPU_ISA", "avx2")
+    monkeypatch.setattr(kernels, "cpu_identity", lambda: ("old", ["sse4_2"]))
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    assert "needs AVX2 and FMA, which this CPU lacks" in check_cpu_isa()
+    monkeypatch.setattr(kernels, "cpu_identity", lambda: ("new", ["avx2", "fma"]))
+    assert check_cpu_isa() is None
+    monkeypatch.setenv("CONVEYOR_KERNEL_ARCH", "skylake-avx512")
+    assert "both name the kernels' instructions" in check_cpu_isa()
+    with pytest.raises(ConfigError) as e:
+        kernels.select_isa("auto")
+    assert e.value.field == "cpu_isa"

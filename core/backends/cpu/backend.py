@@ -26,7 +26,7 @@ from conveyor.core.backends.base import (
     tensor,
 )
 from conveyor.core.backends.cpu.fused_decoder import FusedDecoder
-from conveyor.core.backends.cpu.kernels import cpu_kernels
+from conveyor.core.backends.cpu.kernels import cpu_isa, cpu_kernels
 from conveyor.core.backends.transformers_forward import transformers_forward
 from conveyor.core.malloc_tuning import keep_freed_memory
 
@@ -124,7 +124,11 @@ class CpuBackend(Backend):
                        "AVX512-BF16 pair products" if self.ops.pair_gemm_available() else "bf16 widened to float32")
         else:
             linears = "float32 FMA panels"
-        return f"{self.describe()}, {linears}"
+        route = ", AVX2 route" if self.ops.build_isa() == "avx2" else ""  # its exp, silu and sums are its own
+        return f"{self.describe()}, {linears}{route}"
+
+    def cpu_isa(self) -> str | None:
+        return cpu_isa()
 
 
 def kv_layout(dtype: torch.dtype, head_dim: int, block_size: int, group: int) -> str:

@@ -122,6 +122,22 @@ def check_cpu_isa() -> str | None:
     return None
 
 
+def select_isa(isa: str) -> None:
+    """Make `isa` ("auto" or "avx2", an engine config's cpu_isa) this process's route, before the kernels load;
+    ConfigError naming cpu_isa where it cannot run here, or where the kernels already loaded on another route
+    (one process runs one). "auto" keeps CONVEYOR_CPU_ISA's choice, checked."""
+    from conveyor.core.errors import ConfigError
+
+    if isa != "auto":
+        if _tried and requested_isa() != isa:
+            raise ConfigError("cpu_isa", f"cpu_isa {isa}: this process already runs the kernels' {requested_isa()} route; run "
+                              f"--cpu-isa {isa} in a process of its own", isa)
+        os.environ["CONVEYOR_CPU_ISA"] = isa
+    problem = check_cpu_isa()
+    if problem is not None:
+        raise ConfigError("cpu_isa", problem, None if isa == "auto" else isa)
+
+
 def route_for(flags: list[str]) -> str | None:
     """The kernels' route on a CPU with these /proc/cpuinfo flags: "native" with AVX-512F, "avx2" with AVX2 and
     FMA (each 16-float vector of `vec16.h` as two 8-float registers), None elsewhere (Arm, older x86: the torch
