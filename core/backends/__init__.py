@@ -5,7 +5,7 @@ config means on this machine (`resolve_engine_config`: `--device auto`, `--dtype
     cuda   Triton paged attention, a lean forward, CUDA graphs for small steps        backends/cuda/
     torch  plain torch (SDPA over gathered K/V), any device; the reference            backends/sdpa.py
 
-`--backend auto` takes cpu on a CPU where the kernels build (AVX-512, a compiler), cuda on a CUDA device where
+`--backend auto` takes cpu on a CPU where the kernels build (AVX-512 or AVX2 + FMA, a compiler), cuda on a CUDA device where
 Triton imports, torch elsewhere.
 """
 

@@ -4,7 +4,7 @@ The model's transformers forward with this attention: a fresh prompt chunk (noth
 within itself in one causal SDPA call; every other row gathers its request's K/V from the pool into padded
 tensors for SDPA (one gather for all decodes, one per continuing chunk). KV pool: the "flash" layout. It does
 not meet the exactness contract (torch picks its kernels by the step's shape) and says so when chosen; the
-engine takes it where no other backend runs (no C++ compiler, a CPU without AVX-512, CONVEYOR_NO_KERNELS=1,
+engine takes it where no other backend runs (no C++ compiler, a CPU without AVX-512 or AVX2 + FMA, CONVEYOR_NO_KERNELS=1,
 `--backend torch`).
 """
 

@@ -29,6 +29,7 @@ SOURCES = {
     "--dtype": EngineConfig().dtype,
     "--device": EngineConfig().device,
     "--backend": EngineConfig().backend,
+    "--cpu-isa": EngineConfig().cpu_isa,
     "--block-size": EngineConfig().block_size,
     "--max-num-seqs": f"{CPU['max_num_seqs']}; on a GPU {GPU['max_num_seqs']}",
     "--max-num-batched-tokens": f"{CPU['max_num_batched_tokens']}; on a GPU {GPU['max_num_batched_tokens']}",
