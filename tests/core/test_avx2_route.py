@@ -16,7 +16,9 @@ from conveyor.core.backends.cpu.kernels import cpu_identity, cpu_kernels, route_
 TESTS = Path(__file__).resolve().parents[1]
 ON_THE_ROUTE = [
     "core/test_exactness_kernels.py", "core/test_paged_attention.py", "core/test_linear_kernels.py",
-    "core/test_cpu_kernels.py", "core/test_sampler.py", "core/test_exactness_engine.py",
+    "core/test_cpu_kernels.py", "core/test_sampler.py",
+    "core/test_exactness_engine.py::test_among_47_others_in_shuffled_order",
+    "core/test_exactness_engine.py::test_under_forced_preemption",
     "core/test_model_families.py::test_a_record_does_not_depend_on_its_batch_on_the_fused_route",
     "cli/test_cpu_isa.py",
 ]
