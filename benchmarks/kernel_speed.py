@@ -110,7 +110,7 @@ def bench_linears(torch, ops, dtype, ms: list[int], args, peak: dict) -> list[di
     return rows
 
 
-def bench_attention(torch, ops, dtype, args, peak: float) -> list[dict]:
+def bench_attention(torch, ops, dtype, args, peak: float, copy_gbs: float) -> list[dict]:
     from conveyor.core.backends.cpu.backend import LAYOUTS, kv_layout
 
     cfg = model_config()
@@ -136,11 +136,22 @@ def bench_attention(torch, ops, dtype, args, peak: float) -> list[dict]:
             with torch.inference_mode():
                 t = time_best(call, args.min_time, args.repeats)
             flops = 4 * heads * d * float(token_ctx.sum())
+            kv_gbs = (k_cache.numel() + v_cache.numel()) * k_cache.element_size() / t / 1e9  # each key read once
             rows.append({"kind": label, "context": context, "rows": num_rows, "layout": layout.name, "seconds": t,
-                         "gflops": flops / t / 1e9, "of_peak": flops / t / 1e9 / peak})
+                         "gflops": flops / t / 1e9, "of_peak": flops / t / 1e9 / peak, "kv_gbs": kv_gbs,
+                         "of_copy_bandwidth": kv_gbs / copy_gbs})
             print(f"  {str(dtype)[6:]:8} attention {label:7} {num_rows} rows at {context:5} keys ({layout.name}): "
-                  f"{t * 1e3:8.3f} ms {flops / t / 1e9:7.1f} GFLOP/s {flops / t / 1e9 / peak:6.1%} of peak", flush=True)
+                  f"{t * 1e3:8.3f} ms {flops / t / 1e9:7.1f} GFLOP/s {flops / t / 1e9 / peak:6.1%} of peak, "
+                  f"KV read {kv_gbs:5.1f} GB/s {kv_gbs / copy_gbs:6.1%} of the copy bandwidth", flush=True)
     return rows
+
+
+def copy_bandwidth(torch, args) -> float:
+    """GB/s of a STREAM-like copy of 1 GiB into another (bytes read plus bytes written), the best of --repeats."""
+    src, dst = torch.ones(1 << 28), torch.empty(1 << 28)
+    with torch.inference_mode():
+        t = time_best(lambda: dst.copy_(src), args.min_time, args.repeats)
+    return 2 * src.numel() * 4 / t / 1e9
 
 
 def read_bandwidth(torch, args) -> float:
@@ -162,6 +173,7 @@ def main() -> None:
     p.add_argument("--min-time", type=float, default=0.2)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--attention-only", action="store_true", help="skip the linears")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
 
@@ -173,22 +185,24 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     ops = cpu_kernels()
     if ops is None:
-        sys.exit("kernel_speed.py: conveyor's C++ kernels do not run here (no AVX-512 or no compiler)")
+        sys.exit("kernel_speed.py: conveyor's C++ kernels do not run here (no AVX-512 or AVX2 + FMA, or no compiler)")
     peak = {"float32": ops.fma_peak_gflops(1.0, False),
             "bf16": ops.fma_peak_gflops(1.0, True) if ops.peak_bf16_available() else None,
-            "read_gbs": read_bandwidth(torch, args)}
+            "read_gbs": read_bandwidth(torch, args), "copy_gbs": copy_bandwidth(torch, args)}
     print(f"{cpu_identity()[0]}, {torch.get_num_threads()} threads: float FMA peak {peak['float32']:.0f} GFLOP/s"
           + (f", bf16 pair-product peak {peak['bf16']:.0f} GFLOP/s" if peak["bf16"] else "")
-          + f", read bandwidth {peak['read_gbs']:.1f} GB/s", flush=True)
+          + f", read bandwidth {peak['read_gbs']:.1f} GB/s, copy {peak['copy_gbs']:.1f} GB/s", flush=True)
     result = {"cpu": cpu_identity()[0], "threads": torch.get_num_threads(), "peak_gflops": peak,
               "settings": {k: v for k, v in vars(args).items() if k != "out"}, "linears": [], "attention": []}
     ms = [int(m) for m in args.ms.split(",")]
     t0 = time.perf_counter()
     for name in args.dtypes.split(","):
         dtype = getattr(torch, name)
-        result["linears"] += [{**r, "dtype": name} for r in bench_linears(torch, ops, dtype, ms, args, peak)]
+        if not args.attention_only:
+            result["linears"] += [{**r, "dtype": name} for r in bench_linears(torch, ops, dtype, ms, args, peak)]
         attn_peak = peak["bf16"] if dtype == torch.bfloat16 and peak["bf16"] else peak["float32"]
-        result["attention"] += [{**r, "dtype": name} for r in bench_attention(torch, ops, dtype, args, attn_peak)]
+        result["attention"] += [{**r, "dtype": name} for r in bench_attention(torch, ops, dtype, args, attn_peak,
+                                                                                     peak["copy_gbs"])]
     print(f"\n({time.perf_counter() - t0:.0f} s)\n| dtype | linear | M | " + " | ".join(
         sorted({r["route"] for r in result["linears"]})) + " |")
     by = {}

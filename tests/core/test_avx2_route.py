@@ -1,8 +1,8 @@
 """The AVX2 route of the CPU kernels (`--cpu-isa avx2`) where this CPU runs the AVX-512 one: the kernels' own
 tests (every shape, M in 1..2048, both dtypes), the decoder families' greedy float32 against transformers and a
-record's independence from its batch on the fused forward, the engine's exactness, the CLI's route and a kill -9
-resume, rerun in a child process on that route (the kernels load one route per process). Where this CPU has only
-AVX2 the whole suite runs on it already."""
+record's independence from its batch on the fused forward, the engine's exactness in float32 (the route's default
+dtype), the CLI's route and a kill -9 resume, rerun in a child process on that route (the kernels load one route
+per process). Where this CPU has only AVX2 the whole suite runs on it already."""
 
 import os
 import subprocess
@@ -17,8 +17,8 @@ TESTS = Path(__file__).resolve().parents[1]
 ON_THE_ROUTE = [
     "core/test_exactness_kernels.py", "core/test_paged_attention.py", "core/test_linear_kernels.py",
     "core/test_cpu_kernels.py", "core/test_sampler.py",
-    "core/test_exactness_engine.py::test_among_47_others_in_shuffled_order",
-    "core/test_exactness_engine.py::test_under_forced_preemption",
+    "core/test_exactness_engine.py::test_among_47_others_in_shuffled_order[float32]",
+    "core/test_exactness_engine.py::test_under_forced_preemption[float32]",
     "core/test_model_families.py::test_a_record_does_not_depend_on_its_batch_on_the_fused_route",
     "cli/test_cpu_isa.py",
 ]
