@@ -43,17 +43,18 @@ def resolve_engine_config(config: EngineConfig) -> tuple[EngineConfig, tuple[str
     kv_cache_memory."""
     device = resolve_device(config.device)
     if device.type == "cpu" and config.backend in ("auto", "cpu"):
-        from conveyor.core.backends.cpu.kernels import select_isa
+        from conveyor.core.backends.cpu.kernels import build_in_background, select_isa
 
         select_isa(config.cpu_isa)  # before anything builds or loads the kernels
+        build_in_background()  # a first run's build overlaps the model's conversion and load
     elif config.cpu_isa != "auto":
         raise ConfigError("cpu_isa", f"cpu_isa chooses the instructions of the cpu backend's kernels; this run is on {device} "
                           f"with the {config.backend} backend, where it would change nothing: drop it", config.cpu_isa)
-    runs = available_backends(device)
+    runs = available_backends(device, wait=False)
     if config.backend != "auto" and config.backend not in runs:
         raise ConfigError("backend", f"does not run on {device} here; backends that do: {', '.join(runs)} (or auto)",
                           config.backend)
-    dtype = auto_dtype(device) if config.dtype == "auto" else config.dtype
+    dtype = auto_dtype(device, wait=False) if config.dtype == "auto" else config.dtype
     resolved = dataclasses.replace(config.for_device(device.type), device=str(device), dtype=dtype)
     unused = ()
     if config.gpu_memory_utilization is not None and (device.type != "cuda" or config.kv_cache_memory is not None):
@@ -61,7 +62,7 @@ def resolve_engine_config(config: EngineConfig) -> tuple[EngineConfig, tuple[str
     return resolved, unused
 
 
-def auto_dtype(device: torch.device) -> str:
+def auto_dtype(device: torch.device, wait: bool = True) -> str:
     """What `--dtype auto` means on `device`: bfloat16 on a GPU and on CPUs where conveyor's kernels run bf16 on
     bf16 instructions (AMX tiles or AVX512-BF16: about 2.5-3x float32's speed, and as right as float32 on
     benchmarks/dtype_check.py's factual questions); float32 on other CPUs, where bf16 would be widened to float
@@ -70,17 +71,17 @@ def auto_dtype(device: torch.device) -> str:
         return "bfloat16"
     from conveyor.core.backends.cpu.kernels import native_bf16
 
-    return "bfloat16" if native_bf16() else "float32"
+    return "bfloat16" if native_bf16(wait) else "float32"
 
 
-def available_backends(device: torch.device) -> list[str]:
+def available_backends(device: torch.device, wait: bool = True) -> list[str]:
     """The backends that run on `device` here (the cuda backend runs on a CPU only under TRITON_INTERPRET=1,
-    Triton's interpreter: for tests)."""
+    Triton's interpreter: for tests). `wait=False`: the cpu backend as expected while its kernels build."""
     out = []
     if device.type == "cpu":
-        from conveyor.core.backends.cpu.kernels import cpu_kernels
+        from conveyor.core.backends.cpu.kernels import cpu_kernels, kernels_expected
 
-        if cpu_kernels() is not None:
+        if (cpu_kernels() is not None) if wait else kernels_expected():
             out.append("cpu")
     if _triton_runs(device):
         out.append("cuda")

@@ -1,6 +1,8 @@
 """The kernel build cache is keyed by CPU: a build for one CPU's instructions is never loaded on another."""
 
 import platform
+import subprocess
+import sys
 
 import pytest
 
@@ -54,3 +56,15 @@ def test_a_cpu_isa_that_cannot_run_is_named(monkeypatch):
     with pytest.raises(ConfigError) as e:
         kernels.select_isa("auto")
     assert e.value.field == "cpu_isa"
+
+
+def test_while_the_kernels_load_the_expected_backend_and_dtype_are_the_ones_they_give():
+    """The run picks `--dtype auto` and checks `--backend cpu` while the kernels build beside the model's load: what
+    it expects must be what the loaded kernels give (a child process: here they have loaded already)."""
+    code = ("from conveyor.core.backends.cpu import kernels as k\n"
+            "k.build_in_background()\n"
+            "expected = (k.kernels_expected(), k.native_bf16(wait=False))\n"
+            "print(expected, (k.cpu_kernels() is not None, k.native_bf16()))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    expected, loaded = done.stdout.strip().rsplit(") (", 1)
+    assert done.returncode == 0 and expected + ")" == "(" + loaded, done.stdout + done.stderr

@@ -29,7 +29,10 @@ import hashlib
 import importlib.util
 import os
 import platform
+import shutil
 import sys
+import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -42,12 +45,45 @@ _SOURCES = ("paged_attention.cpp", "encoder_attention.cpp", "encoder_ops.cpp", "
 _module = None
 _tried = False
 _why_not: str | None = None  # why cpu_kernels() is None, once it is
+_loading = threading.Lock()  # held while the module builds or imports (build_in_background's thread, or a caller)
 
 
 def cpu_kernels():
     """The compiled module of this process's route (paged_attention, kv_pairs, rms_norm, rope_store, store_kv,
     silu_mul, argmax_rows, sample_rows, panel_gemm, pair_gemm, pair_gemm_available, amx_gemm, amx_gemm_available,
-    build_isa, ...), or None."""
+    build_isa, ...), or None. Waits for a build that `build_in_background` started."""
+    with _loading:
+        return _load()
+
+
+def build_in_background() -> None:
+    """Start building (or importing) the kernels on a thread of their own, so that a first run's build overlaps
+    the model's conversion and load; `cpu_kernels()` waits for it. Nothing where they loaded already, or where
+    no route runs here."""
+    if _tried or os.environ.get("CONVEYOR_NO_KERNELS") == "1" or cpu_route()[0] is None:
+        return
+    threading.Thread(target=cpu_kernels, name="conveyor-kernels", daemon=True).start()
+
+
+def kernels_expected() -> bool:
+    """Whether the kernels run here, without waiting for a build: the answer where they loaded, else whether this
+    CPU has a route and their build is cached or a C++ compiler and ninja are there to make it. (A build can still
+    fail; the run then says so and takes the torch backend.)"""
+    if _settled():
+        return _module is not None
+    if os.environ.get("CONVEYOR_NO_KERNELS") == "1" or cpu_route()[0] is None:
+        return False
+    from torch.utils.cpp_extension import is_ninja_available
+
+    return bool(shutil.which(os.environ.get("CXX") or "c++")) and is_ninja_available()
+
+
+def _settled() -> bool:
+    """Whether the kernels have loaded, or failed to, for good (no build running)."""
+    return _tried and not _loading.locked()
+
+
+def _load():
     global _module, _tried, _why_not
     if _tried:
         return _module
@@ -68,9 +104,12 @@ def cpu_kernels():
         def build(scratch: Path) -> Path:
             from torch.utils.cpp_extension import load
 
-            sys.stderr.write(f"conveyor: compiling the C++ CPU kernels once (about 30 s on 2 cores; cached in {folder})\n")
+            sys.stderr.write(f"conveyor: compiling the C++ CPU kernels once, beside the model's load (about a minute on 2 "
+                             f"cores; cached in {folder})\n")
+            start = time.monotonic()
             built.append(load(name=name, sources=[str(_CSRC / s) for s in _SOURCES], build_directory=str(scratch),
                               extra_cflags=_cflags(), extra_ldflags=["-fopenmp"], verbose=False))
+            sys.stderr.write(f"conveyor: compiled the C++ CPU kernels in {time.monotonic() - start:.0f} s\n")
             return scratch / f"{name}.so"
 
         library = cached_build(folder, f"{name}.so", build)
@@ -91,9 +130,14 @@ def kernels_missing_reason() -> str | None:
     return None if cpu_kernels() is not None else _why_not
 
 
-def native_bf16() -> bool:
+def native_bf16(wait: bool = True) -> bool:
     """Whether bfloat16 runs on bf16 instructions here: conveyor's kernels are built and use AMX tiles or
-    AVX512-BF16 pair products (elsewhere bf16 is widened to float at every step: no faster than float32)."""
+    AVX512-BF16 pair products (elsewhere bf16 is widened to float at every step: no faster than float32).
+    `wait=False`: while a build runs, the answer the CPU's flags give (the native route, with AVX512-BF16 or AMX)."""
+    if not wait and not _settled() and not os.environ.get("CONVEYOR_KERNEL_ARCH"):
+        flags = cpu_identity()[1]
+        amx = {"amx_tile", "amx_bf16"} <= set(flags) and os.environ.get("CONVEYOR_NO_AMX") != "1"
+        return kernels_expected() and cpu_route()[0] == "native" and ("avx512_bf16" in flags or amx)
     ops = cpu_kernels()
     return ops is not None and bool(ops.amx_gemm_available() or ops.pair_gemm_available())
 
