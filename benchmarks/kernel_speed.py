@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import sys
 import time
@@ -125,24 +126,37 @@ def bench_attention(torch, ops, dtype, args, peak: float, copy_gbs: float) -> li
             reqs = num_rows // chunk
             blocks_per = -(-context // bs)
             num_blocks = reqs * blocks_per
-            k_cache = torch.randn(layout.key_shape(num_blocks, bs, kv_heads, d)).to(dtype)
-            v_cache = torch.randn(layout.value_shape(num_blocks, bs, kv_heads, d)).to(dtype)
+            kv_bytes = 2 * num_blocks * bs * kv_heads * d * torch.empty(0, dtype=dtype).element_size()
+            # Decode reads its keys once: pools cycled through until they pass --kv-mib, so that each call reads
+            # from memory, not from a cache a smaller pool would stay in between calls.
+            copies = max(1, -(-args.kv_mib * 2**20 // kv_bytes)) if label == "decode" else 1
+            pools = [(torch.randn(layout.key_shape(num_blocks, bs, kv_heads, d)).to(dtype),
+                      torch.randn(layout.value_shape(num_blocks, bs, kv_heads, d)).to(dtype)) for _ in range(copies)]
+            k_cache, v_cache = pools[0]
             tables = torch.arange(num_blocks).view(reqs, blocks_per)
             token_req = torch.arange(reqs).repeat_interleave(chunk)
             token_ctx = torch.arange(context - chunk + 1, context + 1).repeat(reqs)
             q = torch.randn(num_rows, heads, d).to(dtype)
-            call = functools.partial(ops.paged_attention, q, k_cache, v_cache, tables, token_req, token_ctx, bs,
-                                     d ** -0.5)
+            calls = [functools.partial(ops.paged_attention, q, k, v, tables, token_req, token_ctx, bs, d ** -0.5)
+                     for k, v in pools]
+            turn = itertools.count()
+
+            def call(calls=calls, turn=turn):
+                return calls[next(turn) % len(calls)]()
+
             with torch.inference_mode():
                 t = time_best(call, args.min_time, args.repeats)
             flops = 4 * heads * d * float(token_ctx.sum())
-            kv_gbs = (k_cache.numel() + v_cache.numel()) * k_cache.element_size() / t / 1e9  # each key read once
-            rows.append({"kind": label, "context": context, "rows": num_rows, "layout": layout.name, "seconds": t,
-                         "gflops": flops / t / 1e9, "of_peak": flops / t / 1e9 / peak, "kv_gbs": kv_gbs,
-                         "of_copy_bandwidth": kv_gbs / copy_gbs})
+            kv_gbs = kv_bytes / t / 1e9  # each key read once
+            row = {"kind": label, "context": context, "rows": num_rows, "layout": layout.name, "seconds": t,
+                   "gflops": flops / t / 1e9, "of_peak": flops / t / 1e9 / peak}
+            if label == "decode":
+                row.update(kv_gbs=kv_gbs, of_copy_bandwidth=kv_gbs / copy_gbs)
+            rows.append(row)
             print(f"  {str(dtype)[6:]:8} attention {label:7} {num_rows} rows at {context:5} keys ({layout.name}): "
-                  f"{t * 1e3:8.3f} ms {flops / t / 1e9:7.1f} GFLOP/s {flops / t / 1e9 / peak:6.1%} of peak, "
-                  f"KV read {kv_gbs:5.1f} GB/s {kv_gbs / copy_gbs:6.1%} of the copy bandwidth", flush=True)
+                  f"{t * 1e3:8.3f} ms {flops / t / 1e9:7.1f} GFLOP/s {flops / t / 1e9 / peak:6.1%} of peak"
+                  + (f", KV read {kv_gbs:5.1f} GB/s, {kv_gbs / copy_gbs:6.1%} of the copy bandwidth"
+                     if label == "decode" else ""), flush=True)
     return rows
 
 
@@ -174,6 +188,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--attention-only", action="store_true", help="skip the linears")
+    p.add_argument("--kv-mib", type=int, default=1024, help="decode attention: KV pools cycled through, at least "
+                   "this many MiB (more than the caches)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
 
