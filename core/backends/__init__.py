@@ -5,8 +5,8 @@ config means on this machine (`resolve_engine_config`: `--device auto`, `--dtype
     cuda   Triton paged attention, a lean forward, CUDA graphs for small steps        backends/cuda/
     torch  plain torch (SDPA over gathered K/V), any device; the reference            backends/sdpa.py
 
-`--backend auto` takes cpu on a CPU where the kernels build (AVX-512 or AVX2 + FMA, a compiler), cuda on a CUDA device where
-Triton imports, torch elsewhere.
+`--backend auto` takes cpu on a CPU where the kernels build (AVX-512 or AVX2 + FMA, a compiler), cuda on a CUDA
+device where Triton imports, torch elsewhere.
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ def resolve_engine_config(config: EngineConfig) -> tuple[EngineConfig, tuple[str
     """(`config` as it will run here, the fields given that change nothing here). As it runs: the device resolved
     ("auto": a GPU where there is one), that device's default sizes filled in, `dtype="auto"` made concrete (a
     run's manifest records what ran), the backend checked to run on the device, the cpu kernels' route chosen
-    (`cpu_isa`, before they load); ConfigError naming the field (device, backend, cpu_isa) where it cannot. Changing nothing: gpu_memory_utilization off a GPU, or beside
+    (`cpu_isa`, before they load, whose build then starts beside the model's load); ConfigError naming the field
+    (device, backend, cpu_isa) where it cannot. Changing nothing: gpu_memory_utilization off a GPU, or beside
     kv_cache_memory."""
     device = resolve_device(config.device)
     if device.type == "cpu" and config.backend in ("auto", "cpu"):
@@ -48,8 +49,9 @@ def resolve_engine_config(config: EngineConfig) -> tuple[EngineConfig, tuple[str
         select_isa(config.cpu_isa)  # before anything builds or loads the kernels
         build_in_background()  # a first run's build overlaps the model's conversion and load
     elif config.cpu_isa != "auto":
-        raise ConfigError("cpu_isa", f"cpu_isa chooses the instructions of the cpu backend's kernels; this run is on {device} "
-                          f"with the {config.backend} backend, where it would change nothing: drop it", config.cpu_isa)
+        raise ConfigError("cpu_isa", f"cpu_isa chooses the instructions of the cpu backend's kernels; this run is on "
+                          f"{device} with the {config.backend} backend, where it would change nothing: drop it",
+                          config.cpu_isa)
     runs = available_backends(device, wait=False)
     if config.backend != "auto" and config.backend not in runs:
         raise ConfigError("backend", f"does not run on {device} here; backends that do: {', '.join(runs)} (or auto)",

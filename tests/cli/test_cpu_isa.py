@@ -35,7 +35,8 @@ def test_the_summary_names_the_route_that_ran(records, tmp_path, tiny_model):
 
 def test_a_cpu_isa_that_would_change_nothing_or_cannot_run_is_refused(records, tmp_path, tiny_model, monkeypatch):
     out = tmp_path / "out.jsonl"
-    result = run_in_process("run", records, "-o", out, *tiny_args(tiny_model), "--cpu-isa", "avx2", "--backend", "torch")
+    result = run_in_process("run", records, "-o", out, *tiny_args(tiny_model), "--cpu-isa", "avx2", "--backend",
+                            "torch")
     assert result.code == 2 and "--cpu-isa chooses the instructions of the cpu backend's kernels" in result.err
     result = run_in_process("run", records, "-o", out, *tiny_args(tiny_model), "--cpu-isa", "avx512")
     assert result.code == 2 and "--cpu-isa: 'avx512' is not one of auto, avx2" in result.err, result.err

@@ -18,8 +18,8 @@ instructions, which would die of SIGILL. It is built once under a lock that a ki
 behind (`cache_build.py`), and later runs import the cached library directly.
 Set CONVEYOR_NO_KERNELS=1 to force the torch backend, CONVEYOR_KERNEL_ARCH to build the native route for a named
 -march instead of this CPU, CONVEYOR_NO_AMX=1 to run the routes of CPUs without AMX tiles on one that has them. The
-kernel sources include only the ATen headers they use, not torch/extension.h: the first build takes ~35 s on 2
-cores instead of ~80.
+kernel sources include only the ATen headers they use, not torch/extension.h: the first build takes about 50 s
+on 2 cores (it was 80), on a thread beside the model's conversion and load (`build_in_background`).
 """
 
 from __future__ import annotations
@@ -104,8 +104,8 @@ def _load():
         def build(scratch: Path) -> Path:
             from torch.utils.cpp_extension import load
 
-            sys.stderr.write(f"conveyor: compiling the C++ CPU kernels once, beside the model's load (about a minute on 2 "
-                             f"cores; cached in {folder})\n")
+            sys.stderr.write(f"conveyor: compiling the C++ CPU kernels once, beside the model's load (about a minute "
+                             f"on 2 cores; cached in {folder})\n")
             start = time.monotonic()
             built.append(load(name=name, sources=[str(_CSRC / s) for s in _SOURCES], build_directory=str(scratch),
                               extra_cflags=_cflags(), extra_ldflags=["-fopenmp"], verbose=False))
@@ -173,9 +173,9 @@ def select_isa(isa: str) -> None:
     from conveyor.core.errors import ConfigError
 
     if isa != "auto":
-        if _tried and requested_isa() != isa:
-            raise ConfigError("cpu_isa", f"cpu_isa {isa}: this process already runs the kernels' {requested_isa()} route; run "
-                              f"--cpu-isa {isa} in a process of its own", isa)
+        if _tried and cpu_route()[0] != isa:  # (an AVX2-only CPU's auto is the avx2 route)
+            raise ConfigError("cpu_isa", f"cpu_isa {isa}: this process already runs the kernels' {cpu_route()[0]} "
+                              f"route; run --cpu-isa {isa} in a process of its own", isa)
         os.environ["CONVEYOR_CPU_ISA"] = isa
     problem = check_cpu_isa()
     if problem is not None:
@@ -204,7 +204,8 @@ def cpu_route() -> tuple[str | None, str | None]:
     if os.environ.get("CONVEYOR_KERNEL_ARCH"):
         return "native", None
     route = route_for(cpu_identity()[1])
-    return route, None if route else "this CPU has neither AVX-512 nor AVX2 + FMA, where they would be slower than torch"
+    why = "this CPU has neither AVX-512 nor AVX2 + FMA, where they would be slower than torch"
+    return route, None if route else why
 
 
 def cpu_isa() -> str | None:

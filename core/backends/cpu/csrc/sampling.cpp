@@ -63,10 +63,12 @@ void argmax_rows_impl(const scalar_t* x, int64_t* out, int64_t R, int64_t V) {
         const __m256i lane_lo = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
         const __m256i lane_hi = _mm256_add_epi32(lane_lo, _mm256_set1_epi32(8));
         __m256 idx_lo = _mm256_castsi256_ps(lane_lo), idx_hi = _mm256_castsi256_ps(lane_hi);
-        __m256 nan_lo = _mm256_cmp_ps(vmax.lo, vmax.lo, _CMP_UNORD_Q), nan_hi = _mm256_cmp_ps(vmax.hi, vmax.hi, _CMP_UNORD_Q);
+        __m256 nan_lo = _mm256_cmp_ps(vmax.lo, vmax.lo, _CMP_UNORD_Q);
+        __m256 nan_hi = _mm256_cmp_ps(vmax.hi, vmax.hi, _CMP_UNORD_Q);
         for (i = 16; i < vec_end; i += 16) {
           const v16f v = load16(row + i);
-          const __m256 gt_lo = _mm256_cmp_ps(v.lo, vmax.lo, _CMP_GT_OQ), gt_hi = _mm256_cmp_ps(v.hi, vmax.hi, _CMP_GT_OQ);
+          const __m256 gt_lo = _mm256_cmp_ps(v.lo, vmax.lo, _CMP_GT_OQ);
+          const __m256 gt_hi = _mm256_cmp_ps(v.hi, vmax.hi, _CMP_GT_OQ);
           vmax.lo = _mm256_blendv_ps(vmax.lo, v.lo, gt_lo);
           vmax.hi = _mm256_blendv_ps(vmax.hi, v.hi, gt_hi);
           const __m256i at = _mm256_set1_epi32(static_cast<int32_t>(i));
