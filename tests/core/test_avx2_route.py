@@ -1,8 +1,8 @@
 """The AVX2 route of the CPU kernels (`--cpu-isa avx2`) where this CPU runs the AVX-512 one: the kernels' own
 tests (every shape, M in 1..2048, both dtypes), the decoder families' greedy float32 against transformers and a
 record's independence from its batch on the fused forward, the engine's exactness in float32 (the route's default
-dtype), the CLI's route and a kill -9 resume, rerun in a child process on that route (the kernels load one route
-per process). Where this CPU has only AVX2 the whole suite runs on it already."""
+dtype), a request resumed from its tokens so far (greedy and seeded: the same bits as uninterrupted) and the CLI's
+route, rerun in a child process on that route (the kernels load one route per process). Where this CPU has only AVX2 the whole suite runs on it already."""
 
 import os
 import subprocess
@@ -20,10 +20,9 @@ ON_THE_ROUTE = [
     "core/test_exactness_engine.py::test_among_47_others_in_shuffled_order[float32]",
     "core/test_exactness_engine.py::test_under_forced_preemption[float32]",
     "core/test_model_families.py::test_a_record_does_not_depend_on_its_batch_on_the_fused_route",
-    "cli/test_cpu_isa.py",
+    "core/test_continuation.py", "cli/test_cpu_isa.py",
 ]
 FAMILIES = "core/test_model_families.py::test_greedy_float32_equals_transformers"
-RESUME = "cli/test_resume.py::test_kill_9_seeded_sampling_resumes_to_the_same_output"
 
 
 def _families_on_the_cpu_route() -> list[str]:
@@ -43,7 +42,7 @@ def _runs_avx2_as_well() -> bool:
 @pytest.mark.skipif(not _runs_avx2_as_well(), reason="this CPU runs no other route than the suite's own (AVX2 only, "
                     "or no AVX2)")
 def test_the_avx2_route_in_a_child_process():
-    args = [*(str(TESTS / t) for t in ON_THE_ROUTE), *_families_on_the_cpu_route(), f"{TESTS / RESUME}[float32]"]
+    args = [*(str(TESTS / t) for t in ON_THE_ROUTE), *_families_on_the_cpu_route()]
     env = {**os.environ, "CONVEYOR_CPU_ISA": "avx2"}
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args], env=env,
                           capture_output=True, text=True, timeout=1500)
