@@ -142,13 +142,13 @@ def test_a_fresh_process_loads_the_cached_kernels_past_a_stale_torch_lock_file()
     """The kernels cache as built by this machine's earlier tests (or built here): a later process
     imports the library directly, whatever lock file a killed process left in its folder."""
     pytest.importorskip("torch")
-    from conveyor.core.backends.cpu.kernels import _NAME, build_tag, cpu_kernels
+    from conveyor.core.backends.cpu.kernels import build_tag, cpu_kernels, module_name
     from conveyor.core.cache_build import cache_dir
 
     if cpu_kernels() is None:
-        pytest.skip("no C++ kernels here (no compiler, or a CPU without AVX-512)")
+        pytest.skip("no C++ kernels here (no compiler, or a CPU without AVX-512 or AVX2 + FMA)")
     folder = cache_dir() / "kernels" / f"py{sys.version_info.major}{sys.version_info.minor}-{build_tag()}"
-    assert (folder / f"{_NAME}.so").exists()
+    assert (folder / f"{module_name()}.so").exists()
     (folder / "lock").write_text("")  # torch's load() waited on this forever
     try:
         child = subprocess.run([sys.executable, "-c", "from conveyor.core.backends.cpu.kernels import cpu_kernels; "
@@ -157,7 +157,7 @@ def test_a_fresh_process_loads_the_cached_kernels_past_a_stale_torch_lock_file()
     finally:
         (folder / "lock").unlink()
     assert child.returncode == 0, child.stderr
-    assert child.stdout.split() == [_NAME, "True"]
+    assert child.stdout.split() == [module_name(), "True"]
     assert "compiling" not in child.stderr
 
 

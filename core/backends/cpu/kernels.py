@@ -97,7 +97,7 @@ def _load():
     try:
         import torch  # noqa: F401 - the module links against torch's libraries
 
-        name = _NAME if route == "native" else f"{_NAME}_{route}"
+        name = module_name(route)
         folder = cache_dir() / "kernels" / f"py{sys.version_info.major}{sys.version_info.minor}-{build_tag()}"
         built: list = []
 
@@ -123,6 +123,13 @@ def _load():
                       stacklevel=2)
         _module = None
     return _module
+
+
+def module_name(route: str | None = None) -> str:
+    """The extension module's name (and its library's, `.so` added) on `route` (this process's by default): each
+    route's build is a module of its own."""
+    route = route or cpu_route()[0]
+    return _NAME if route in (None, "native") else f"{_NAME}_{route}"
 
 
 def kernels_missing_reason() -> str | None:
