@@ -1,8 +1,8 @@
 // The 16-float vector of the AVX2 route (vec16.h): two ymm registers in a struct, with the arithmetic,
 // comparisons and lane access that the kernels spell on GCC's vector extensions elsewhere. (GCC keeps a
 // 64-byte extension vector in memory on targets without AVX-512 and moves it lane by lane: 4-40x slower;
-// a struct of two __m256 stays in registers.) Each operation is the one IEEE operation per lane, as there:
-// the route's bits do not depend on how the compiler splits a vector.
+// a struct of two __m256 stays in registers.) Each operation works lane by lane, as there, and is fixed when the
+// kernels compile: a row's bits never depend on its batch.
 #pragma once
 #include <immintrin.h>
 
