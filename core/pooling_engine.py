@@ -67,20 +67,12 @@ class PoolingEngine:
 
     def arithmetic(self) -> str:
         """What decides a result's bits here beyond the model and the settings: the route and the kernels."""
-        linears = ""
-        if self.exact and self.model.dtype == torch.bfloat16:
-            from conveyor.core.backends.cpu.kernels import cpu_kernels
+        if not self.exact:
+            return self.model.describe()
+        from conveyor.core.backends.cpu.backend import kernels_arithmetic
+        from conveyor.core.backends.cpu.kernels import cpu_kernels
 
-            ops = cpu_kernels()
-            linears = ", AMX tiles" if ops.amx_gemm_available() else ", AVX512-BF16 pair products" \
-                if ops.pair_gemm_available() else ", bf16 widened to float32"
-        elif self.exact:
-            linears = ", float32 FMA panels"
-        if self.exact:
-            from conveyor.core.backends.cpu.kernels import cpu_kernels
-
-            linears += ", AVX2 route" if cpu_kernels().build_isa() == "avx2" else ""
-        return f"{self.model.describe()}{linears}"
+        return f"{self.model.describe()}, {kernels_arithmetic(cpu_kernels(), self.model.dtype)}"
 
     def in_flight(self) -> dict:
         """Nothing is half-done between steps: a stopped request runs again whole."""

@@ -119,16 +119,21 @@ class CpuBackend(Backend):
         return f"no fused forward for this model: {self.unfused_reason}" if self.fused is None else None
 
     def arithmetic(self) -> str:
-        if self.dtype == torch.bfloat16:
-            linears = ("AMX tiles" if self.ops.amx_gemm_available() else
-                       "AVX512-BF16 pair products" if self.ops.pair_gemm_available() else "bf16 widened to float32")
-        else:
-            linears = "float32 FMA panels"
-        route = ", AVX2 route" if self.ops.build_isa() == "avx2" else ""  # its exp, silu and sums are its own
-        return f"{self.describe()}, {linears}{route}"
+        return f"{self.describe()}, {kernels_arithmetic(self.ops, self.dtype)}"
 
     def cpu_isa(self) -> str | None:
         return cpu_isa()
+
+
+def kernels_arithmetic(ops, dtype: torch.dtype) -> str:
+    """What the kernels `ops` compute `dtype`'s linears with, and on which route: the part of a row's arithmetic
+    they decide (the fused forward's and the pooling route's alike)."""
+    if dtype == torch.bfloat16:
+        linears = ("AMX tiles" if ops.amx_gemm_available() else
+                   "AVX512-BF16 pair products" if ops.pair_gemm_available() else "bf16 widened to float32")
+    else:
+        linears = "float32 FMA panels"
+    return linears + (", AVX2 route" if ops.build_isa() == "avx2" else "")  # its exp, silu and sums are its own
 
 
 def kv_layout(dtype: torch.dtype, head_dim: int, block_size: int, group: int) -> str:

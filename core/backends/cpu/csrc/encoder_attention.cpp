@@ -23,26 +23,6 @@ namespace {
 
 static inline v16f max16(v16f a, v16f b) { return select16(a > b, a, b); }
 
-static inline float hmax16(v16f v) {
-#ifdef __AVX512F__
-  return _mm512_reduce_max_ps(reinterpret_cast<__m512>(v));
-#else
-  float m = v[0];
-  for (int lane = 1; lane < 16; ++lane) m = v[lane] > m ? v[lane] : m;
-  return m;
-#endif
-}
-
-// The 16 lanes' sum, in one fixed order (a tree on AVX-512, the lanes in order elsewhere).
-static inline float hsum16(v16f v) {
-#ifdef __AVX512F__
-  return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v));
-#else
-  float total = 0.f;
-  for (int lane = 0; lane < 16; ++lane) total += v[lane];
-  return total;
-#endif
-}
 
 // The scratch of one task, kept per thread: its keys transposed, its values, a row's scores.
 struct Scratch {

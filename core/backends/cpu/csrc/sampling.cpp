@@ -17,15 +17,6 @@
 
 void check_rows(const at::Tensor& x, const char* name);  // fused_ops.cpp
 
-static inline float sum16(v16f v) {
-#ifdef __AVX512F__
-  return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v));
-#else
-  float s = 0.f;
-  for (int l = 0; l < 16; ++l) s += v[l];
-  return s;
-#endif
-}
 
 // First index of the row's largest value; NaN is never the largest (a row of NaN and -inf gives 0).
 template <typename scalar_t>
@@ -176,7 +167,7 @@ void sample_rows_impl(const scalar_t* x, int64_t V, const int64_t* rows, const f
           v16f e = exp16((v - m) * inv_t);
           e = select16(v > lowest, e, v16f{});
           store16(w.data() + i, e);
-          block[i / 16] = sum16(e);
+          block[i / 16] = hsum16(e);
           total += block[i / 16];
         }
         if (vec_end < V) {

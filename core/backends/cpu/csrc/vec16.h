@@ -136,6 +136,32 @@ static inline v16f splat16(float x) {
 #endif
 }
 
+// The 16 lanes' largest and their sum, each in one fixed order (a tree on AVX-512, the lanes in order elsewhere,
+// read from one store of the vector).
+static inline float hmax16(v16f v) {
+#ifdef __AVX512F__
+  return _mm512_reduce_max_ps(reinterpret_cast<__m512>(v));
+#else
+  alignas(64) float t[16];
+  store16(t, v);
+  float m = t[0];
+  for (int lane = 1; lane < 16; ++lane) m = t[lane] > m ? t[lane] : m;
+  return m;
+#endif
+}
+
+static inline float hsum16(v16f v) {
+#ifdef __AVX512F__
+  return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v));
+#else
+  alignas(64) float t[16];
+  store16(t, v);
+  float total = 0.f;
+  for (int lane = 0; lane < 16; ++lane) total += t[lane];
+  return total;
+#endif
+}
+
 // exp(x) on 16 lanes, within a few ulp: Cephes' range reduction and polynomial in plain vector
 // arithmetic (a scalar libm call per element is what it replaces). Inputs are clamped to
 // [-87.3, 87.3]: exp(-87.3) ~ 1e-38 stands for 0, exp(87.3) ~ 1e38 for overflow.
