@@ -54,6 +54,6 @@ __all__ = ["BACKENDS", "auto_task", "DEFAULT_KV_CACHE_MEMORY", "DEFAULT_MODEL", 
            "SPECULATIVE_METHODS", "ConfigError", "EngineConfig", "FinishReason", "GenerationRequest", "Grammar",
            "Grammars", "InFlight", "ModelLimits", "ModelLoadError", "OptionMeta", "POOLING_METHODS", "POOLING_TASKS", "PoolingOptions", "PoolingOutput",
            "PoolingRequest", "RequestOutput", "TASKS", "TokenSequence", "SamplingParams", "TokenLogprobs",
-           "check_before_loading", "check_pooling_model", "check_fields", "check_model", "check_value", "compiling", "field_kinds", "is_embedded_cached", "load_engine", "load_pooling_engine", "load_pooling_tokenizer", "load_tokenizer", "model_fingerprint",
+           "check_before_loading", "check_pooling_model", "check_fields", "check_model", "check_value", "compiling", "field_kinds", "is_embedded_cached", "load_engine", "load_pooling_engine", "load_pooling_tokenizer", "load_tokenizer",
            "model_fingerprint", "model_report", "models_cache_dir", "option", "option_fields", "option_meta", "parse_memory", "resolve_engine_config", "resolve_reasoning",
            "schema_error"]

@@ -36,9 +36,9 @@ def load_engine(model: str, config: EngineConfig) -> Engine:
 
 def model_fingerprint(model: str) -> str | None:
     """A hash of the content of `model`'s files (weights, config, tokenizer), or None where they are not here to be
-    read: a run's rows are reused only under the model files they were computed with (`core/model_fingerprint.py`).
+    read: a run's rows are reused only under the model files they were computed with (`core/model_files.py`).
     Never converts or downloads."""
-    from conveyor.core.model_fingerprint import model_fingerprint as fingerprint
+    from conveyor.core.model_files import model_fingerprint as fingerprint
     from conveyor.core.model_loader import EMBEDDED_MODELS
 
     return fingerprint(model, {name: spec.package for name, spec in EMBEDDED_MODELS.items()})
@@ -81,7 +81,7 @@ def load_pooling_tokenizer(model: str, task: str) -> tuple[Any, ModelLimits, boo
     `model` doing pooling `task`, from its config and files alone (`conveyor validate`)."""
     from transformers import AutoTokenizer
 
-    from conveyor.core.model_fingerprint import hub_snapshot
+    from conveyor.core.model_files import hub_snapshot
     from conveyor.core.model_loader import _resolve, load_config
     from conveyor.core.pooling_config import context_limit, model_kind, pooling_config
 
@@ -100,7 +100,7 @@ def check_pooling_model(model: str, task: str) -> None:
     """What the pooling engine would refuse once `model` loads, from its config and files alone: a model not there, a
     task the checkpoint cannot do, a pooling config conveyor does not compute (UnsupportedModel), weight files
     missing or cut short (ConfigError model)."""
-    from conveyor.core.model_fingerprint import hub_snapshot
+    from conveyor.core.model_files import hub_snapshot
     from conveyor.core.model_loader import _resolve, check_weight_files, load_config
     from conveyor.core.model_support import architecture
     from conveyor.core.pooling_config import check_task, model_kind, pooling_config

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from conveyor.core.errors import ConfigError, UnsupportedModel
-from conveyor.core.model_fingerprint import hub_snapshot
+from conveyor.core.model_files import hub_snapshot
 from conveyor.core.pooling_config import ModelKind, PoolingConfig, check_task, context_limit, model_kind, pooling_config
 from conveyor.core.pooling_params import TokenSequence
 
