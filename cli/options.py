@@ -10,6 +10,7 @@ import typer
 
 from conveyor.cli.config import choices_text, default_of, default_text, size_text
 from conveyor.core import DEFAULT_KV_CACHE_MEMORY, DEFAULT_SPECULATIVE_TOKENS, DEVICE_DEFAULTS, MIN_WAITING
+from conveyor.io.run_spec import DEFAULT_ROWS_PER_FILE
 
 _CPU, _GPU = DEVICE_DEFAULTS["cpu"], DEVICE_DEFAULTS["cuda"]
 _SHOWN = {  # defaults that depend on the device, or read better than the field's value
@@ -150,6 +151,10 @@ InputFormatOpt = Annotated[Optional[str], typer.Option(help=f"{choices_text('inp
                                                             "extension).", rich_help_panel=DATA)]
 OutputFormatOpt = Annotated[Optional[str], typer.Option(help=f"{choices_text('output_format')} (default: from the "
                                                              "extension).", rich_help_panel=DATA)]
+RowsPerFileOpt = Annotated[Optional[int], typer.Option(help="Write the output as part files of N records each "
+                                                          "(part-00000.parquet, ...) into the folder -o names, each as "
+                                                          "soon as its records are done. -o folder/ alone: "
+                                                          f"{DEFAULT_ROWS_PER_FILE:,} a part.", rich_help_panel=DATA)]
 SplitOpt = Annotated[Optional[str], typer.Option(help="Split of a hub dataset.", rich_help_panel=DATA)]
 LimitOpt = Annotated[Optional[int], typer.Option(help="Only the first N records.", rich_help_panel=DATA)]
 MaxRecordBytesOpt = Annotated[Optional[str], typer.Option(help="A record bigger than this (e.g. 4MiB) is an error "

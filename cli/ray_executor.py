@@ -127,7 +127,7 @@ def run_on_ray(invocation: Invocation) -> int:
                        max_restarts=MAX_RESTARTS, max_task_retries=MAX_RESTARTS)
         worker_spec = dataclasses.replace(
             spec, input=dataclasses.replace(spec.input, path=_absolute(spec.input.path)),
-            output=dataclasses.replace(spec.output, path=str(Path(spec.output.path).resolve())),
+            output=dataclasses.replace(spec.output, path=_absolute_output(spec.output.path)),
             state=dataclasses.replace(spec.state, run_dir=str(run_dir.resolve())))
         actor = ray.remote(ShardWorker)
         token = uuid.uuid4().hex[:12]
@@ -163,20 +163,30 @@ def run_on_ray(invocation: Invocation) -> int:
         summary, records=merged.rows + (merged.errors if skip else 0), errors=merged.errors,
         ok=merged.rows - (0 if skip else merged.errors), wall_s=round(time.monotonic() - started, 3),
         outcome=Outcome.SOME_ERRORS if merged.errors and not skip else Outcome.OK)
+    parts = driver.output_folder is not None
     if cli.quiet:
         print_warnings(summary)
     else:
-        print_summary(summary, f"{workers_n} workers; merged {merged.shards} shards")
+        print_summary(summary, f"{workers_n} workers; " + (f"{merged.shards} shards wrote their parts" if parts else
+                                                            f"merged {merged.shards} shards"))
     if cli.summary_json:
         write_summary_json(cli.summary_json, summary)
     if not cli.quiet:
-        say(f"wrote {spec.output.path}")
+        say(f"wrote {merged.rows:,} rows as part files in {driver.output_folder}/" if parts else
+            f"wrote {spec.output.path}")
     return exit_code(summary.outcome)
 
 
 def worker_name(token: str, shard: int, count: int) -> str:
     """The Ray actor name of a run's worker for shard `shard` of `count` (`token`: the run's, random)."""
     return f"conveyor-{token}-shard-{shard}-of-{count}"
+
+
+def _absolute_output(path: str) -> str:
+    """-o made absolute (a folder's trailing "/" kept: it says the output is part files); a store's URL as it is."""
+    if "://" in path:
+        return path
+    return str(Path(path).resolve()) + ("/" if path.endswith("/") else "")
 
 
 def _absolute(path: str) -> str:

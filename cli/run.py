@@ -75,6 +75,7 @@ def run_command(
     keep_fields: opt.KeepFieldsOpt = None,
     input_format: opt.InputFormatOpt = None,
     output_format: opt.OutputFormatOpt = None,
+    rows_per_file: opt.RowsPerFileOpt = None,
     split: opt.SplitOpt = None,
     limit: opt.LimitOpt = None,
     max_record_bytes: opt.MaxRecordBytesOpt = None,
@@ -174,7 +175,7 @@ def execute(invocation: Invocation) -> int:
     to_stdout = spec.output.path == "-"  # stdout carries the output: everything else goes to stderr
     if cli.quiet:  # warnings and errors, and one closing line for a cron job's log
         print_warnings(summary)
-        say(_closing_line(run, summary, message, result.output_written, to_stdout))
+        say(_closing_line(run, summary, message, result, to_stdout))
     else:
         print_summary(summary, message, sys.stderr if to_stdout else sys.stdout)
     if result.profile:
@@ -182,16 +183,16 @@ def execute(invocation: Invocation) -> int:
     if cli.summary_json:
         write_summary_json(cli.summary_json, summary)
     if result.output_written and not cli.quiet:
-        say("wrote the output to stdout" if to_stdout else f"wrote {spec.output.path}")
+        say("wrote the output to stdout" if to_stdout else result.written or f"wrote {spec.output.path}")
     return exit_code(result.status)
 
 
-def _closing_line(run, summary, message: str, written: bool, to_stdout: bool) -> str:
+def _closing_line(run, summary, message: str, result, to_stdout: bool) -> str:
     """--quiet's one line: the records with a row, the errors, and how the run ended."""
     total = run.totals.total
     done = f"{summary.records}/{total}" if total is not None else str(summary.records)
-    ended = message or ("wrote the output to stdout" if to_stdout else f"wrote {run.spec.output.path}" if written
-                        else "finished")
+    ended = message or ("wrote the output to stdout" if to_stdout else
+                        (result.written or f"wrote {run.spec.output.path}") if result.output_written else "finished")
     return f"{done} records have a row ({summary.errors} errors); {ended}"
 
 

@@ -11,6 +11,8 @@ from pathlib import Path
 
 from conveyor.io.run_rebase import pending_in_changed_input
 from conveyor.io.state.status import ShardStatus, run_status
+from conveyor.io.storage import info as info_of
+from conveyor.io.storage import is_remote
 
 
 def show_status(output: str, run_dir: str | None) -> int:
@@ -47,13 +49,20 @@ def show_status(output: str, run_dir: str | None) -> int:
     out.write("last checkpoint: " + (time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(last)) if last else "none")
               + "\n")
     holder = info.get("lock_holder")
-    finished = not holder and Path(output).exists() and (total is None or done >= total) \
+    parts = info.get("parts")
+    if parts is not None:
+        out.write(f"parts:  {parts['written']} written in {parts['folder']}/ ({parts['records']:,} records each)\n")
+        written = total is not None and parts["written"] >= max(1, -(-total // parts["records"]))
+    else:
+        written = info_of(output) is not None if is_remote(output) else Path(output).exists()
+    finished = not holder and written and (total is None or done >= total) \
         and not info.get("num_partials") and not info.get("journal_error") and not unknown \
         and (reuse is None or not (reuse.new or reuse.changed or reuse.removed))
     if holder:
         out.write(f"running: yes, process {holder.get('pid')}\n")
     elif finished:
-        out.write(f"finished: {output} is written\n")
+        out.write(f"finished: {output} is written\n" if parts is None else
+                  f"finished: every part is written in {parts['folder']}/\n")
     else:
         out.write("running: no\n")
         command = info.get("command")

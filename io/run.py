@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import time
 from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
@@ -48,7 +49,8 @@ from conveyor.io.records.readers import fingerprint, fingerprints_content, open_
 from conveyor.io.records.readers.spool import spool
 from conveyor.io.records.request_builder import RequestBuilder
 from conveyor.io.records_run import run_records
-from conveyor.io.rows.rows import SAMPLE_INDEX, vector_size, without_errors
+from conveyor.io.rows.parts import PartLayout, PartWriter
+from conveyor.io.rows.rows import SAMPLE_INDEX, part_columns, vector_size, without_errors
 from conveyor.io.rows.sink import BadRecordStop, JournalSink, RunTotals
 from conveyor.io.rows.sink_options import CommitPolicy
 from conveyor.io.rows.writers import write_output
@@ -61,11 +63,12 @@ from conveyor.io.run_checks import (
     check_task_options,
     first_batch_task,
     no_chat_template_note,
+    output_folder,
 )
 from conveyor.io.run_progress import RunProgress, run_progress
 from conveyor.io.run_rebase import input_entries, input_kept_fields
 from conveyor.io.run_report import Outcome, RunResult, RunSetup
-from conveyor.io.run_spec import CONFIG_VERSION, RunSpec
+from conveyor.io.run_spec import CONFIG_VERSION, DEFAULT_ROWS_PER_FILE, RunSpec
 from conveyor.io.split_run import base_run_dir, finish_shard
 from conveyor.io.state.journal import Journal
 from conveyor.io.state.journal_rebase import rebase as rebase_journal
@@ -73,7 +76,8 @@ from conveyor.io.state.journal_rebase import refresh_kept_fields
 from conveyor.io.state.paths import check_run_paths
 from conveyor.io.state.run_dir import SPOOL_FILE, STATE_FILES, DriftError, Manifest, RunDir, settings_key
 from conveyor.io.state.run_info import read_run_info, write_run_info
-from conveyor.io.state.shards import Shard, clear_done, shard_dir
+from conveyor.io.state.shards import Shard, clear_done, mark_done, shard_dir
+from conveyor.io.storage import is_remote
 from conveyor.io.validate_run import ValidationReport, validate_run
 
 try:
@@ -119,6 +123,7 @@ class Run:
         self._token_texts: dict[int, str] = {}
         self._spool: Path | None = None  # stdin or a pipe, copied into the run directory (`open`)
         self._model_fingerprint: str | None = None  # the content of the model's files (`open`)
+        self.parts: PartWriter | None = None  # a part-file output's parts (`open`)
 
     @property
     def input_records(self) -> int:
@@ -131,6 +136,7 @@ class Run:
         spec = self.spec
         self.engine_config = self._resolved_engine_config()
         self.output_format = check_output(spec)
+        folder = output_folder(spec)
         if spec.task == "auto":  # recorded as resolved: a resume compares what ran
             first = first_batch_task(spec, open_reader(spec.input.path, spec.input.format, spec.input.split,
                                                        spec.input.max_record_bytes))
@@ -163,7 +169,7 @@ class Run:
                 raise SpecError("--shard: every shard reads the whole input, so it must be a file or dataset, not "
                                 "stdin")
             run_dir = shard_dir(run_dir, self.shard)
-        check_run_paths(spec.input.path, spec.output.path, run_dir, STATE_FILES)
+        check_run_paths(spec.input.path, spec.output.path, run_dir, STATE_FILES, folder=folder is not None)
         reader = open_reader(spec.input.path, spec.input.format, spec.input.split, spec.input.max_record_bytes)
         check_named_fields(spec, reader)
         self.run_dir = RunDir(run_dir)
@@ -205,6 +211,8 @@ class Run:
             t.retried_errors = self.journal.forget_run_errors()
             self.say(f"--retry-errors: {t.retried_errors} records whose error row the run made are computed again"
                      if t.retried_errors else "--retry-errors: no error row of the run's own making to retry")
+        if folder is not None:
+            self._open_parts(folder, rows_changed=bool(t.reuse) or bool(t.retried_errors))
         self.partials = self.journal.partials()  # records an earlier process left generating: they continue
         t.resumed_from = t.done = self.journal.num_committed()
         t.errors = self.journal.num_errors()
@@ -224,6 +232,18 @@ class Run:
         self._pending = itertools.chain([first] if first is not None else [], self._pending)
         self.arithmetic = read_run_info(self.run_dir.path).get("arithmetic") if t.resumed_from else None
         write_run_info(self.run_dir.path, t.total, self.command, self.arithmetic)
+
+    def _open_parts(self, folder: str, rows_changed: bool) -> None:
+        """The part files of a folder output: checked against the journal, and those whose records all have rows
+        written (a process killed after a commit left them)."""
+        spec = self.spec
+        if not is_remote(folder):
+            Path(folder).mkdir(parents=True, exist_ok=True)
+        layout = PartLayout(folder, spec.output.rows_per_file or DEFAULT_ROWS_PER_FILE,
+                            "parquet" if self.output_format == "parquet" else "jsonl", self.shard)
+        self.parts = PartWriter(self.journal, layout, self._write_rows, self.say, spec.input.limit)
+        self.parts.open(restart=spec.state.restart, rows_changed=rows_changed)
+        self.parts.write_ready()
 
     def _carry_over(self, journal: Journal, drift: DriftError, stored: Manifest, manifest: Manifest, reader) -> bool:
         """The journal of a run whose input or output-only settings changed, carried over: rows of the records still
@@ -347,7 +367,8 @@ class Run:
         state = self.spec.state
         sink = JournalSink(self.journal, CommitPolicy(state.checkpoint_every, state.checkpoint_seconds),
                            self.spec.output.on_error, self._token_text, self.totals, self.engine.in_flight,
-                           self.partials, self.spec.task, getattr(self.engine, "labels", ()))
+                           self.partials, self.spec.task, getattr(self.engine, "labels", ()),
+                           after_commit=self.parts.write_ready if self.parts is not None else None)
         records = self._noting_keep_fields(self._pending)
         if run_records(records, self.builder, self.engine, sink, should_stop, on_progress) == "stopped":
             return self._result(Outcome.STOPPED, "run the same command again to resume")
@@ -369,6 +390,13 @@ class Run:
         spec = self.spec
         skip_errors = spec.output.on_error == "skip"
         outcome = Outcome.SOME_ERRORS if self.totals.errors and not skip_errors else Outcome.OK
+        if self.parts is not None:
+            count, rows = self.parts.finish(self.input_records)
+            where = f"{count} part{'s' if count != 1 else ''} ({rows:,} rows) in {self.parts.layout.folder}/"
+            if self.shard is not None:
+                mark_done(self.run_dir.path, self.shard, self.input_records, spec.output.on_error)
+                where = f"shard {self.shard}'s {where}"
+            return self._result(outcome, "", output_written=True, written=f"wrote {where}")
         if self.shard is not None:
             return self._result(*finish_shard(spec, self.shard, self.run_dir.path, self.output_format,
                                               self.input_records, outcome, self.merge_when_done, self.say))
@@ -386,10 +414,25 @@ class Run:
         write_output(rows(), spec.output.path, self.output_format, spec.build.keep_fields,
                      model_name=(spec.build.served_model_names or (spec.model,))[0],
                      optional=self.journal.columns() | ({SAMPLE_INDEX} if spec.build.n > 1 else set()),
-                     task=spec.task, vector_size=size)
+                     task=spec.task, vector_size=size, staging=str(self.run_dir.path))
         return self._result(outcome, "", output_written=True)
 
-    def _result(self, outcome: Outcome, message: str, output_written: bool = False) -> RunResult:
+    def _write_rows(self, rows, path: str, first: int, stop: int) -> int:
+        """Journal rows (input order) of the records [first, stop) into one part file at `path`, as the output file
+        would hold them; the rows written. Every part has the same columns: each optional column of the run's task
+        (an embedding's column is a fixed-size list where the part's vectors all have one size)."""
+        spec = self.spec
+        if spec.output.on_error == "skip":
+            rows = (row for row in map(without_errors, rows) if row is not None)
+        size = None
+        if spec.task == "embed" and self.output_format == "parquet":
+            size = vector_size(json.loads(text) for _, text in self.journal.row_texts_between(first, stop))
+        return write_output(rows, path, self.output_format, spec.build.keep_fields,
+                            model_name=(spec.build.served_model_names or (spec.model,))[0],
+                            optional=part_columns(spec.task), task=spec.task, vector_size=size,
+                            staging=str(self.run_dir.path))
+
+    def _result(self, outcome: Outcome, message: str, output_written: bool = False, written: str = "") -> RunResult:
         stats = self.engine.stats() if self.engine else None
         if stats is not None:
             self.totals.generated_tokens = stats.num_generated_tokens
@@ -399,7 +442,7 @@ class Run:
             # every record was read here: a keep field none had is said
             missing = tuple(f for f in self.spec.build.keep_fields if f not in self.totals.keep_fields_seen)
         return RunResult(outcome, self.totals, self._setup(), stats, message, profile, output_written, missing,
-                         time.monotonic() - self.started)
+                         time.monotonic() - self.started, written)
 
     def _setup(self) -> RunSetup:
         """The model as given and where it loaded from (a .gguf file, an embedded model's cache folder, a folder, or

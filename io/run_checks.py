@@ -17,14 +17,42 @@ from conveyor.io.records.build_options import BuildOptions
 from conveyor.io.records.prompt_template import PromptTemplate
 from conveyor.io.records.prompts import has_chat_template
 from conveyor.io.records.readers import Reader
-from conveyor.io.rows.writers import STDOUT, check_keep_fields, infer_output_format
+from conveyor.io.rows.writers import OUTPUT_EXTENSIONS, STDOUT, check_keep_fields, infer_output_format
 from conveyor.io.run_spec import RunSpec
 from conveyor.io.state.paths import check_output_path
+from conveyor.io.storage import check_scheme, info, is_remote
+
+
+def output_folder(spec: RunSpec) -> str | None:
+    """The folder of a part-file output (-o ending in "/", an existing folder, or --rows-per-file), without its
+    trailing "/"; None for one output file."""
+    output = spec.output
+    path = output.path
+    if path == STDOUT:
+        return None
+    remote = is_remote(path)
+    folder = output.rows_per_file is not None or path.endswith("/") or \
+        (os.path.isdir(path) if not remote else (info(path) or {}).get("type") == "directory")
+    return path.rstrip("/") or "/" if folder else None
 
 
 def check_output(spec: RunSpec) -> str:
-    """The output's format (from its name or --output-format), its path and --keep-fields checked."""
+    """The output's format (from its name or --output-format; a folder's parts: Parquet unless it is given), its
+    path and --keep-fields checked."""
     output = spec.output
+    check_scheme(output.path, "-o")
+    folder = output_folder(spec)
+    if is_remote(output.path) and spec.state.run_dir is None:
+        raise SpecError(f"-o {output.path}: give --run-dir too: the run's state (its journal and lock) lives in a "
+                        "local or shared folder, not in the store")
+    if folder is not None:
+        if os.path.splitext(folder)[1].lower() in OUTPUT_EXTENSIONS and not os.path.isdir(folder):
+            raise SpecError(f"--rows-per-file: -o {output.path} names a file; part files go into a folder: name one "
+                            f"(-o {os.path.splitext(folder)[0]}/)")
+        check_keep_fields(spec.build.keep_fields)
+        return output.format or "parquet"
+    if output.path == STDOUT and output.rows_per_file is not None:
+        raise SpecError("--rows-per-file: part files go into a folder, not to stdout; name one (-o answers/)")
     check_output_path(output.path)
     fmt = infer_output_format(output.path, output.format)
     check_keep_fields(spec.build.keep_fields)

@@ -200,6 +200,7 @@ class RunResult:
     output_written: bool = False  # the output file was written (a shard writes it only when it merges)
     keep_fields_missing: tuple[str, ...] = ()  # --keep-fields that no record of the input had (a column of nulls)
     wall_s: float = 0.0  # from the run's start (before its checks and the model's load) to this result
+    written: str = ""  # what was written, where it was not one file named by -o (a folder's parts)
 
     def figures_state(self) -> dict[str, Any]:
         """What the summary's latency and occupancy figures are made of (`run_figures`), as plain data: a Ray

@@ -32,7 +32,8 @@ from conveyor.io.rows.sink_options import ON_ERROR, CommitPolicy
 from conveyor.io.rows.writers import OUTPUT_FORMATS
 
 # What building a spec takes besides the dataclasses below: the request options and the run's grammar.
-__all__ = ["BuildOptions", "InputOptions", "OutputOptions", "PoolingOptions", "RunSpec", "StateOptions", "run_grammar"]
+__all__ = ["DEFAULT_ROWS_PER_FILE", "BuildOptions", "InputOptions", "OutputOptions", "PoolingOptions", "RunSpec", "StateOptions", "run_grammar"]
+DEFAULT_ROWS_PER_FILE = 10_000  # records a part file holds where -o names a folder and --rows-per-file is not given
 CONFIG_VERSION = 2  # of generation_config: which settings a manifest records (io/state/run_dir.Manifest)
 
 
@@ -50,9 +51,11 @@ class InputOptions:
 
 @dataclass(frozen=True)
 class OutputOptions:
-    path: str  # the output file
+    path: str  # the output file, or a folder of part files (a path ending in "/", an existing folder)
     format: str | None = option(None, name="output_format", choices=OUTPUT_FORMATS)  # None: from the extension
     on_error: str = option(ON_ERROR[0], choices=ON_ERROR)  # bad records: an error row, no row, or stop
+    # part files of N records each in the folder -o names (io/rows/parts.py); None: one file, unless -o is a folder
+    rows_per_file: int | None = option(None, positive=True)
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -142,6 +145,7 @@ ROW_NEUTRAL = frozenset({
     "engine.device", "engine.backend", "engine.fused_forward", "engine.cpu_isa",
     # the input's identity is its fingerprint; the output is written from the journal, in any format
     "input.format", "input.split", "input.limit", "output.format",
+    "output.rows_per_file",
     # what a bad record's row is: its error row is in the journal under each (skip leaves it out of the output
     # when it is written, fail stops the run), so a run stopped by fail resumes with record or skip
     "output.on_error",

@@ -9,12 +9,13 @@ from pathlib import Path
 
 from conveyor.io.errors import SpecError
 from conveyor.io.rows.writers import STDOUT, infer_output_format
-from conveyor.io.run_checks import check_output
+from conveyor.io.run_checks import check_output, output_folder
 from conveyor.io.run_report import Outcome
 from conveyor.io.run_spec import RunSpec
 from conveyor.io.state.paths import check_run_paths
 from conveyor.io.state.run_dir import STATE_FILES, RunDir
 from conveyor.io.state.shards import MergeResult, Shard, ShardError, ShardSet, mark_done, merge
+from conveyor.io.storage import is_remote
 
 
 def base_run_dir(spec: RunSpec) -> Path:
@@ -52,6 +53,7 @@ class SplitRun:
     def __init__(self, spec: RunSpec) -> None:
         self.spec = spec
         self.output_format = ""
+        self.output_folder: str | None = None
 
     def open(self) -> Path:
         """The run directory (made where it is not yet); SpecError where the spec cannot run split."""
@@ -64,16 +66,20 @@ class SplitRun:
         if spec.output.path == STDOUT:
             raise SpecError("-o -: not with --executor ray, which writes the output from its shards; name a file")
         self.output_format = check_output(spec)
+        self.output_folder = output_folder(spec)  # shards that write their own part files there: no merge
         run_dir = base_run_dir(spec)
-        check_run_paths(spec.input.path, spec.output.path, run_dir, STATE_FILES)
-        if not Path(spec.input.path).exists():
+        check_run_paths(spec.input.path, spec.output.path, run_dir, STATE_FILES,
+                        folder=output_folder(spec) is not None)
+        if not is_remote(spec.input.path) and not Path(spec.input.path).exists():
             raise SpecError(f"{spec.input.path}: no such input file or directory")
         run_dir.mkdir(parents=True, exist_ok=True)
         return run_dir
 
     def merge(self) -> MergeResult:
-        """Write the output from this run's finished shards, in input order."""
-        return merge(base_run_dir(self.spec), self.spec.output.path, self.output_format)
+        """Write the output from this run's finished shards, in input order; where they wrote part files, check and
+        count their rows only."""
+        return merge(base_run_dir(self.spec), self.spec.output.path, self.output_format,
+                     write=self.output_folder is None)
 
 
 def merge_shards(output: str, run_dir: str | None = None, output_format: str | None = None) -> MergeResult:

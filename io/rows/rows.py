@@ -30,6 +30,7 @@ OUTPUT_COLUMNS = ("id", "index", "status", "output", "finish_reason", "prompt_to
 OPTIONAL_COLUMNS = ("logprobs", "prompt_logprobs", "prompt_logprob_sum", "sample_index", "input_index", "reasoning",
                     "prompt_tokens_truncated",  # the prompt tokens truncation cut
                     "draft_tokens", "accepted_draft_tokens")  # --speculative: fed to the model, and accepted
+_POOLING_OPTIONAL = ("input_index", "prompt_tokens_truncated")  # what a pooling task's rows may hold of them
 SAMPLE_INDEX = "sample_index"  # 0 to n - 1; a run's files have it where some record has n > 1, or --n > 1
 
 # The pooling tasks' rows: their own columns instead of a completion's. A record with several inputs (a list of
@@ -61,6 +62,12 @@ def pack_vector(values) -> str:
 def unpack_vector(text: str) -> list[float]:
     data = base64.b64decode(text)
     return list(struct.unpack(f"<{len(data) // 4}f", data))
+
+
+def part_columns(task: str) -> tuple[str, ...]:
+    """The optional columns every part file of a `task` run has, whether or not its rows hold them: the parts of
+    one folder read as one table."""
+    return _POOLING_OPTIONAL if task != "generate" else tuple(c for c in OPTIONAL_COLUMNS if c != "input_index")
 
 
 def vector_size(rows) -> int | None:

@@ -115,7 +115,8 @@ class JournalSink(RecordSink):
     def __init__(self, journal: Journal, policy: CommitPolicy = CommitPolicy(), on_error: str = ON_ERROR[0],
                  token_text: Callable[[int], str] = str, totals: RunTotals | None = None,
                  engine_in_flight: Callable[[], dict[str, InFlight]] | None = None,
-                 partials: dict[int, dict] | None = None, task: str = "generate", labels: tuple[str, ...] = ()) -> None:
+                 partials: dict[int, dict] | None = None, task: str = "generate", labels: tuple[str, ...] = (),
+                 after_commit: Callable[[], None] | None = None) -> None:
         if on_error not in ON_ERROR:
             raise ValueError(f"on_error must be one of {', '.join(ON_ERROR)}, got {on_error!r}")
         self.journal = journal
@@ -127,6 +128,7 @@ class JournalSink(RecordSink):
         self.partials = dict(partials or {})  # index -> a partial not yet continued
         self.task = task  # a pooling task's rows are its own (rows.pooled_row); `labels`: a classifier's
         self.labels = labels
+        self.after_commit = after_commit  # (a part-file output writes the parts whose records all have rows)
         self.in_flight: dict[str, tuple[BuiltRequest, str, int]] = {}  # request id -> (record, where read, sample)
         self.samples: dict[int, dict[int, dict]] = {}  # index of a record with n > 1 -> its finished samples' rows
         self._last_commit = time.monotonic()
@@ -285,6 +287,8 @@ class JournalSink(RecordSink):
             self.journal.set_partials(partials)
             self.totals.in_flight_saved = len(partials)
         self.journal.commit()
+        if self.after_commit is not None:
+            self.after_commit()
         self._last_commit = time.monotonic() if now is None else now
 
     def close(self, completed: bool) -> None:

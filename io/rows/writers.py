@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import sys
+import tempfile
 import time
 from typing import IO, Any, Iterable, Iterator
 
@@ -30,10 +31,11 @@ from conveyor.io.rows.rows import (
     unpack_vector,
 )
 from conveyor.io.state.atomic import atomic_file
+from conveyor.io.storage import is_remote, put
 
 OUTPUT_FORMATS = ("parquet", "jsonl", "openai-batch")
 STDOUT = "-"  # -o -: the finished output goes to stdout
-_EXTENSIONS = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl"}
+OUTPUT_EXTENSIONS = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl"}
 _INT64 = (-2**63, 2**63)
 
 
@@ -49,7 +51,7 @@ def infer_output_format(path: str, output_format: str | None) -> str:
         return output_format
     if path == STDOUT:
         return "jsonl"
-    fmt = _EXTENSIONS.get(os.path.splitext(path.lower())[1])
+    fmt = OUTPUT_EXTENSIONS.get(os.path.splitext(path.lower())[1])
     if fmt is None:
         raise SpecError(f"cannot tell the output format of {path!r} from its extension; name it .parquet or "
                          f".jsonl, or pass --output-format ({', '.join(OUTPUT_FORMATS)})")
@@ -68,13 +70,14 @@ def check_keep_fields(keep_fields: tuple[str, ...]) -> None:
 
 def write_output(rows: Iterable[dict], path: str, output_format: str, keep_fields: tuple[str, ...] = (),
                  model_name: str = "", row_group_size: int = 4096, optional: Iterable[str] = (),
-                 task: str = "generate", vector_size: int | None = None) -> int:
+                 task: str = "generate", vector_size: int | None = None, staging: str | None = None) -> int:
     """Stream `rows` (output-row dicts, input order) to `path` atomically; returns the rows written.
 
     `optional`: which OPTIONAL_COLUMNS the file has (those some row of the run holds). Keys beyond the columns
     (such as `kind`) are ignored, except that openai-batch reads `kind` ("completion" -> a text_completion
     body; anything else -> chat). `task`: the run's (its rows' columns: `rows.output_columns`); an embedding
-    run's Parquet column holds `vector_size` floats a row (None: a list whose length varies).
+    run's Parquet column holds `vector_size` floats a row (None: a list whose length varies). A `path` in object
+    storage is written to a temporary file in the local folder `staging` first, then put there in one upload.
     """
     if output_format not in OUTPUT_FORMATS:
         raise SpecError(f"--output-format {output_format!r} is not one of {', '.join(OUTPUT_FORMATS)}")
@@ -85,14 +88,34 @@ def write_output(rows: Iterable[dict], path: str, output_format: str, keep_field
     if output_format != "openai-batch":  # a row per sample; openai-batch: a line per record, its n choices
         rows = _sample_rows(rows, SAMPLE_INDEX in extra)
     if output_format == "parquet":
-        with atomic_file(path, "wb") as f:
+        with _destination(path, "wb", staging) as f:
             return _write_parquet(rows, f, keep_fields, row_group_size, extra, columns, vector_size)
-    with (_stdout() if path == STDOUT else atomic_file(path, "w")) as f:
+    with (_stdout() if path == STDOUT else _destination(path, "w", staging)) as f:
         if output_format == "jsonl":
             return _write_jsonl(rows, f, columns + extra + keep_fields)
         if task != "generate":
             return _write_lines(rows, f, lambda row, created: pooling_line(row, task, model_name, created))
         return _write_lines(rows, f, lambda row, created: _openai_record_line(row, model_name, created))
+
+
+@contextlib.contextmanager
+def _destination(path: str, mode: str, staging: str | None) -> Iterator[IO]:
+    """A file that appears at `path` whole or not at all: renamed onto a local path (`atomic_file`), or uploaded to
+    a store in one piece from a temporary file in `staging`."""
+    if not is_remote(path):
+        with atomic_file(path, mode) as f:
+            yield f
+        return
+    if staging is None:
+        raise ValueError(f"writing {path}: a file in a store is staged in a local folder, and none was given")
+    fd, local = tempfile.mkstemp(dir=staging, prefix=".upload-")
+    try:
+        with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8", "newline": "\n"})) as f:
+            yield f
+        put(local, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(local)
 
 
 @contextlib.contextmanager

@@ -15,16 +15,30 @@ Imports neither torch nor `conveyor.core`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import itertools
 import json
 import sqlite3
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from conveyor.io.errors import JournalCorrupt
 from conveyor.io.rows.rows import SAMPLES_KEY
+
+
+@dataclasses.dataclass(frozen=True)
+class PartEntry:
+    """A part of a part-file output as the journal records it (io/rows/parts.py)."""
+
+    first: int  # its records: [first, stop)
+    stop: int
+    name: str  # its file's name in the output folder
+    state: str  # "writing": its file may or may not be there yet; "written": it is
+    rows: int = 0  # the output rows in it
+    digest: str = ""  # of the journal rows it was written from
+
 
 _SCHEMA_VERSION = 4  # 2: rows.digest; 3: partials; 4: rows.origin and rows.place, the match index
 _PAGE = 4096  # rows fetched per query when streaming
@@ -48,6 +62,10 @@ _SCHEMA = [
     # A record still generating when the run committed: the tokens it had generated (and their logprobs, where
     # asked for), so a resumed run continues it instead of starting it over. Gone once its row is committed.
     "CREATE TABLE IF NOT EXISTS partials (idx INTEGER PRIMARY KEY, num_tokens INTEGER NOT NULL, state TEXT NOT NULL)",
+    # Part-file output (io/rows/parts.py): each part's records [first, stop), its file's name, "writing" from just
+    # before its file is written to once it is there, then "written" with the digest of the rows it holds.
+    "CREATE TABLE IF NOT EXISTS parts (part INTEGER PRIMARY KEY, first INTEGER NOT NULL, stop INTEGER NOT NULL,"
+    " name TEXT NOT NULL, state TEXT NOT NULL, rows INTEGER NOT NULL, digest TEXT NOT NULL)",
 ]
 
 # SQLite primary result codes (sqlite3.h); the extended code's low byte is the primary one.
@@ -267,6 +285,53 @@ class Journal:
                     return 0, 0
                 raise
         return count, tokens or 0
+
+    def parts(self) -> dict[int, PartEntry]:
+        """The parts of a part-file output the journal records (part number -> entry), none for a journal of an
+        earlier release."""
+        with self._guard():
+            try:
+                found = self._conn.execute("SELECT part, first, stop, name, state, rows, digest FROM parts").fetchall()
+            except sqlite3.OperationalError as e:
+                if "no such table" in str(e):
+                    return {}
+                raise
+        return {row[0]: PartEntry(*row[1:]) for row in found}
+
+    def record_part(self, part: int, entry: PartEntry) -> None:
+        """Record `part` as `entry`, durable on return (its own transaction; buffered rows stay buffered)."""
+        with self._guard():
+            self._conn.execute("INSERT OR REPLACE INTO parts(part, first, stop, name, state, rows, digest) VALUES "
+                               "(?, ?, ?, ?, ?, ?, ?)", (part, *dataclasses.astuple(entry)))
+
+    def forget_parts(self, parts: Iterable[int]) -> None:
+        """Record the `parts` as never written."""
+        with self._guard():
+            self._conn.executemany("DELETE FROM parts WHERE part = ?", ((p,) for p in parts))
+
+    def meta_value(self, key: str) -> str | None:
+        """A value kept under `key` (`set_meta_value`), or None."""
+        with self._guard():
+            return self._meta(key)
+
+    def set_meta_value(self, key: str, value: str) -> None:
+        with self._guard():
+            self._conn.execute("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", (key, value))
+
+    def count_between(self, first: int, stop: int) -> int:
+        """The committed rows of the records [first, stop)."""
+        with self._guard():
+            return self._conn.execute("SELECT COUNT(*) FROM rows WHERE idx >= ? AND idx < ?",
+                                      (first, stop)).fetchone()[0]
+
+    def row_texts_between(self, first: int, stop: int) -> Iterator[tuple[int, str]]:
+        """(index, the row as stored) of the committed rows of the records [first, stop), in index order, page by
+        page."""
+        sql = "SELECT idx, row FROM rows WHERE idx >= ? ORDER BY idx LIMIT ?"
+        for idx, text in self._paged(sql, first):
+            if idx >= stop:
+                return
+            yield idx, text
 
     def commit(self) -> int:
         """Write all buffered rows, id claims and partials in one transaction (a row's partial deleted with it);

@@ -17,12 +17,17 @@ class PathClash(InputError):
     """The output or the run directory would write over the input, or cannot be written as asked."""
 
 
-def check_run_paths(source: str, output: str, run_dir: str | os.PathLike, state_files: tuple[str, ...]) -> None:
+def check_run_paths(source: str, output: str, run_dir: str | os.PathLike, state_files: tuple[str, ...],
+                    folder: bool = False) -> None:
     """Raise PathClash when the output or the run directory (or one of its `state_files`, or its manifest or
     lock) is the input, or when the output exists and is not a regular file (a folder, a device, a FIFO, a socket,
     a link into /dev or /proc: the final rename would replace it). The output's temporary file needs no
-    check: it is a fresh name made with O_EXCL beside the output (`conveyor.io.state.atomic`). "-" is stdout."""
-    check_output_path(output)
+    check: it is a fresh name made with O_EXCL beside the output (`conveyor.io.state.atomic`). "-" is stdout.
+    `folder`: -o is a folder of part files; a URL in a store is no local file, so nothing to compare."""
+    if not folder:
+        check_output_path(output)
+    if "://" in output:
+        output = "-"
     out = Path(output)
     inputs = _input_files(source)
     if not inputs:

@@ -377,6 +377,10 @@ class RunDir:
                     out["num_partials"], out["partial_tokens"] = journal.partial_tokens()
                     out["contiguous_prefix"] = journal.contiguous_prefix()
                     out["last_commit_time"] = journal.last_commit_time()
+                    layout = journal.meta_value("parts_layout")
+                    if layout is not None:  # a part-file output: its folder, part size, and the parts written
+                        out["parts"] = {**json.loads(layout), "written": sum(
+                            entry.state == "written" for entry in journal.parts().values())}
             except (JournalCorrupt, OSError) as exc:
                 out["journal_error"] = str(exc)
         out["lock_holder"] = self.lock_holder() if self.path.exists() else None

@@ -248,9 +248,11 @@ class MergeResult:
         return bool(self.errors) and not self.skipped_errors
 
 
-def merge(run_dir: str | Path, output: str, output_format: str | None = None) -> MergeResult:
+def merge(run_dir: str | Path, output: str, output_format: str | None = None, write: bool = True) -> MergeResult:
     """Write `output` from the finished shards under `run_dir`, in input order, as the shards' runs would have
-    (their keep fields, model name, --on-error); ShardError while a shard is missing, unfinished or drifted."""
+    (their keep fields, model name, --on-error); ShardError while a shard is missing, unfinished or drifted. An
+    output in a store is staged in `run_dir`. Without `write` (shards that wrote their own part files), the rows
+    are checked and counted only."""
     from conveyor.io.rows.writers import write_output
 
     shards = ShardSet(run_dir)
@@ -271,6 +273,10 @@ def merge(run_dir: str | Path, output: str, output_format: str | None = None) ->
             counts["rows"] += 1
             yield row
 
+    if not write:
+        for _ in rows():
+            pass
+        return MergeResult(counts["rows"], counts["errors"], len(members), skip)
     config = first.manifest.generation_config
     fmt = output_format or first.manifest.output_format
     task = config.get("task", "generate")
@@ -278,5 +284,5 @@ def merge(run_dir: str | Path, output: str, output_format: str | None = None) ->
     served = config.get("served_model_names") or [first.manifest.model]  # (the name result lines give, as a run's)
     write_output(rows(), output, fmt, tuple(config.get("keep_fields") or ()), model_name=served[0],
                  optional=shards.columns(members) | ({SAMPLE_INDEX} if "n" in config else set()), task=task,
-                 vector_size=size)
+                 vector_size=size, staging=str(run_dir))
     return MergeResult(counts["rows"], counts["errors"], len(members), skip)

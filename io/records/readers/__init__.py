@@ -12,8 +12,16 @@ from conveyor.io.records.readers.fingerprint import fingerprint, fingerprints_co
 from conveyor.io.records.readers.hf_datasets import DatasetsFolderReader, HubDatasetReader, is_datasets_folder
 from conveyor.io.records.readers.json_array import JsonArrayReader
 from conveyor.io.records.readers.jsonl import JsonlReader
-from conveyor.io.records.readers.record import DEFAULT_MAX_RECORD_BYTES, FORMATS, RawRecord, Reader, is_stream
+from conveyor.io.records.readers.record import (
+    DEFAULT_MAX_RECORD_BYTES,
+    FORMATS,
+    RawRecord,
+    Reader,
+    is_stream,
+    open_binary,
+)
 from conveyor.io.records.readers.tabular import CsvReader, ParquetReader
+from conveyor.io.storage import check_scheme, info, is_remote
 
 __all__ = ["DEFAULT_MAX_RECORD_BYTES", "FORMATS", "InputError", "RawRecord", "Reader", "fingerprint", "fingerprints_content",
            "open_reader"]
@@ -43,6 +51,9 @@ def open_reader(source: str, input_format: str | None = None, split: str | None 
             raise InputError(source, None, f"{fmt} cannot be read from stdin; pass a file path, or pipe JSONL")
         return JsonlReader(source, is_gzip=False, max_record_bytes=cap) if fmt == "jsonl" else \
             JsonArrayReader(source, cap)
+    check_scheme(source, "the input")
+    if is_remote(source):
+        return _remote_reader(source, fmt, split, cap)
     path = Path(source)
     if not path.exists():
         if fmt == "datasets" or split is not None:
@@ -58,10 +69,28 @@ def open_reader(source: str, input_format: str | None = None, split: str | None 
         raise InputError(source, None, f"--split applies to Hugging Face datasets, not to a {fmt} file; drop it")
     if not os.access(path, os.R_OK):
         raise InputError(source, None, "cannot be read (permission denied); check its permissions")
+    if fmt == "jsonl" and is_stream(source):  # a pipe: sniffing would eat its first bytes
+        return JsonlReader(source, is_gzip=source.lower().endswith(".gz"), max_record_bytes=cap)
+    return _file_reader(source, fmt, cap, split)
+
+
+def _remote_reader(source: str, fmt: str | None, split: str | None, cap: int) -> Reader:
+    """The reader of one object in object storage (a URL), streamed."""
+    if fmt == "datasets" or split is not None:
+        raise InputError(source, None, "a datasets folder is read from a local path; name one Parquet, JSONL, JSON "
+                                       "or CSV object in the store, or copy the folder to a local disk")
+    found = info(source)
+    if found is None:
+        raise InputError(source, None, "no such object; check the URL and the store's credentials")
+    if found.get("type") == "directory":
+        raise InputError(source, None, "is a folder in the store; name one file in it")
+    return _file_reader(source, fmt or _format_from_name(source), cap)
+
+
+def _file_reader(source: str, fmt: str, cap: int, split: str | None = None) -> Reader:
+    """The reader of a file (or an object) of format `fmt`."""
     if fmt == "jsonl":
-        if is_stream(source):  # a pipe: sniffing would eat its first bytes
-            return JsonlReader(source, is_gzip=source.lower().endswith(".gz"), max_record_bytes=cap)
-        with open(path, "rb") as f:
+        with open_binary(source) as f:
             is_gzip = f.read(2) == _GZIP_MAGIC
         return JsonlReader(source, is_gzip=is_gzip, max_record_bytes=cap)
     if fmt == "json":

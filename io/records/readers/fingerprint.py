@@ -12,13 +12,17 @@ from pathlib import Path
 
 from conveyor.io.errors import InputError
 from conveyor.io.records.readers.hf_datasets import MARKER_FILES
+from conveyor.io.storage import is_remote, remote_fingerprint
 
 
 def fingerprint(source: str) -> str:
-    """Hex digest for a local file or datasets folder; "stdin" for "-"; "hub:<name>" for a hub dataset;
+    """Hex digest for a local file or datasets folder; "remote:<etag>:<size>" for an object in a store (its
+    ETag or version); "stdin" for "-"; "hub:<name>" for a hub dataset;
     "stream:<path>" for a pipe or device, which cannot be read twice."""
     if source == "-":
         return "stdin"
+    if is_remote(source):
+        return remote_fingerprint(source)
     path = Path(source)
     if not path.exists():
         return f"hub:{source}"
@@ -32,8 +36,8 @@ def fingerprint(source: str) -> str:
 
 def fingerprints_content(digest: str) -> bool:
     """Whether a fingerprint is a hash of the input's content (a file's "sha256:...", a datasets folder's bare
-    hex), so that an unchanged fingerprint means unchanged records; "stdin", "stream:..." and "hub:..." are not."""
-    return digest.startswith("sha256:") or (len(digest) == 64 and all(c in "0123456789abcdef" for c in digest))
+    hex, an object's ETag), so that an unchanged fingerprint means unchanged records; "stdin", "stream:..." and "hub:..." are not."""
+    return digest.startswith(("sha256:", "remote:")) or (len(digest) == 64 and all(c in "0123456789abcdef" for c in digest))
 
 
 def fingerprint_input(path: str | Path) -> str:

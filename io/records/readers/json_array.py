@@ -25,6 +25,7 @@ from conveyor.io.records.readers.record import (
     digest_of,
     is_stream,
     location,
+    open_text,
     oversized,
     to_record,
 )
@@ -56,7 +57,7 @@ class JsonArrayReader(Reader):
             if self.source == "-":
                 f = io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8-sig", newline="")
             else:
-                f = open(self.source, encoding="utf-8-sig", newline="")
+                f = open_text(self.source)
         except OSError as e:
             raise InputError(self.source, None, f"cannot be read ({e.strerror or e}); check the path "
                                                 "and its permissions") from e

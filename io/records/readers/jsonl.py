@@ -24,6 +24,7 @@ from conveyor.io.records.readers.record import (
     digest_of,
     is_stream,
     location,
+    open_binary,
     oversized,
 )
 
@@ -53,11 +54,11 @@ class JsonlReader(Reader):
             yield sys.stdin.buffer  # not ours to close
             return
         try:
-            f = gzip.open(self.source, "rb") if self.is_gzip else open(self.source, "rb", buffering=_BUFFER)
+            raw = open_binary(self.source, _BUFFER)
         except OSError as e:
             raise InputError(self.source, None, f"cannot be read ({e.strerror or e}); check the path "
                                                 "and its permissions") from e
-        with f:
+        with raw, (gzip.GzipFile(fileobj=raw, mode="rb") if self.is_gzip else raw) as f:
             yield f
 
     def iter_from(self, start_index: int) -> Iterator[RawRecord]:

@@ -7,12 +7,15 @@ Pure Python: no conveyor.core, no torch.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import math
 import os
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import IO, Any, Callable, Iterator, TextIO
+
+from conveyor.io.storage import is_remote, open_read
 
 BOM = b"\xef\xbb\xbf"
 FORMATS = ("jsonl", "json", "parquet", "csv", "datasets")
@@ -69,7 +72,18 @@ def _given(raw: RawRecord) -> Callable[[], RawRecord]:
 
 def is_stream(source: str) -> bool:
     """stdin, a pipe or a device: it can be read once only, so nothing may peek at it or count it."""
-    return source == "-" or not os.path.isfile(source)
+    return source == "-" or (not is_remote(source) and not os.path.isfile(source))
+
+
+def open_binary(source: str, buffering: int = -1) -> IO[bytes]:
+    """A file or an object-storage URL (streamed in ranged reads), opened to read bytes."""
+    return open_read(source) if is_remote(source) else open(source, "rb", buffering=buffering)
+
+
+def open_text(source: str) -> TextIO:
+    """A file or an object-storage URL opened as UTF-8 text (a BOM dropped, line ends kept as they are)."""
+    return io.TextIOWrapper(open_binary(source), encoding="utf-8-sig", newline="") if is_remote(source) else \
+        open(source, encoding="utf-8-sig", newline="")
 
 
 def location(index: int, line: int | None = None, element_line: int | None = None) -> str:

@@ -6,6 +6,7 @@ Parquet skips whole row groups on resume using their row counts; CSV cells stay 
 from __future__ import annotations
 
 import csv
+import io
 import sys
 from typing import Iterator
 
@@ -17,8 +18,10 @@ from conveyor.io.records.readers.record import (
     first_line,
     is_stream,
     location,
+    open_binary,
     table_row,
 )
+from conveyor.io.storage import is_remote
 
 BATCH_ROWS = 1024
 
@@ -38,7 +41,7 @@ class ParquetReader(Reader):
         import pyarrow.parquet as pq
 
         try:
-            return pq.ParquetFile(self.source)
+            return pq.ParquetFile(open_binary(self.source) if is_remote(self.source) else self.source)
         except (pa.ArrowException, OSError, ValueError) as e:
             raise InputError(self.source, None, f"not a readable Parquet file ({first_line(e)}); "
                                                 "check the file, or pass --input-format") from e
@@ -93,7 +96,8 @@ class CsvReader(Reader):
     def _rows(self) -> Iterator[tuple[int, list[str]]]:
         """(start line, cells) per non-blank row, header included. Undecodable bytes stay as surrogates."""
         try:
-            f = open(self.source, encoding="utf-8-sig", errors="surrogateescape", newline="")
+            f = io.TextIOWrapper(open_binary(self.source), encoding="utf-8-sig", errors="surrogateescape",
+                                 newline="")
         except OSError as e:
             raise InputError(self.source, None, f"cannot be read ({e.strerror or e}); check the path "
                                                 "and its permissions") from e

@@ -1,0 +1,138 @@
+"""Part-file output (`-o folder/`, `--rows-per-file N`): parts appear while the run goes and read as one table in
+input order; a kill -9 and resume writes each part exactly once; the folder is checked against the journal (a
+stray part, a changed part size, a removed part, an input that grew, --restart, shards)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+
+import pyarrow.dataset as ds
+from cli_helpers import Child, num_committed, run_in_process, stable, tiny_args, write_jsonl
+
+RECORDS = [{"id": f"r{i}", "prompt": f"Count the letters of word number {i}, then say why."} for i in range(48)]
+GREEDY = ["--max-tokens", "24", "--temperature", "0", "--max-num-seqs", "4"]
+
+
+def _table(folder) -> list[dict]:
+    """The folder as one table (pyarrow.dataset, the way DuckDB and datasets read it), rows in file order."""
+    return ds.dataset(str(folder), format="parquet").to_table().to_pylist()
+
+
+def _files(folder) -> dict[str, tuple[int, int]]:
+    """Each part file's (inode, mtime_ns): a part written again gets a new inode (its temporary file's)."""
+    return {name: (os.stat(folder / name).st_ino, os.stat(folder / name).st_mtime_ns)
+            for name in sorted(os.listdir(folder)) if name.startswith("part-")}
+
+
+def _single(tmp_path, tiny_model, src) -> list[dict]:
+    out = tmp_path / "single.jsonl"
+    result = run_in_process("run", src, "-o", out, *tiny_args(tiny_model), *GREEDY, "-q")
+    assert result.code == 0, result.err
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def test_parts_appear_while_the_run_goes_and_kill_9_resume_writes_each_once(tmp_path, tiny_model):
+    src = write_jsonl(tmp_path / "in.jsonl", RECORDS)
+    folder = tmp_path / "answers"
+    command = ["run", src, "-o", f"{folder}/", "--rows-per-file", "10", *tiny_args(tiny_model), *GREEDY,
+               "--checkpoint-every", "2", "--max-num-seqs", "2"]
+    child = Child(command, tmp_path, "killed")
+    child.wait_until(lambda: (folder / "part-00001.parquet").exists(), what="the second part")
+    child.freeze()
+    assert child.is_alive(), "the run ended before its parts could be seen while it ran"
+    seen = _table(folder)  # the rows so far, in input order, from whole parts only
+    assert len(seen) % 10 == 0 and len(seen) >= 20
+    assert [row["index"] for row in seen] == list(range(len(seen)))
+    assert num_committed(tmp_path / "answers.conveyor") < len(RECORDS)
+    before = _files(folder)
+    child.kill9()
+
+    result = run_in_process("run", *command[1:], "-q")
+    assert result.code == 0, result.err
+    assert "wrote 5 parts (48 rows)" in result.err
+    after = _files(folder)
+    assert list(after) == [f"part-0000{k}.parquet" for k in range(5)]
+    assert all(after[name] == before[name] for name in before), "a part written before the kill was written again"
+    assert stable(_table(folder)) == stable(_single(tmp_path, tiny_model, src))
+
+    again = run_in_process("run", *command[1:], "-q")  # finished: nothing is computed or written again
+    assert again.code == 0, again.err
+    assert _files(folder) == after
+
+
+def test_a_part_killed_between_its_file_and_its_record_is_kept_and_a_lost_one_written_again(tmp_path, tiny_model):
+    src = write_jsonl(tmp_path / "in.jsonl", RECORDS[:20])
+    folder = tmp_path / "out"
+    args = ["run", src, "-o", f"{folder}/", "--rows-per-file", "5", *tiny_args(tiny_model), *GREEDY, "-q"]
+    assert run_in_process(*args).code == 0
+    files = _files(folder)
+    journal = tmp_path / "out.conveyor" / "journal.sqlite"
+    with sqlite3.connect(journal) as db:  # as a process killed after part 1's rename, before its record, leaves it
+        db.execute("UPDATE parts SET state = 'writing' WHERE part = 1")
+    (folder / "part-00003.parquet").unlink()  # and a part removed by hand
+    result = run_in_process(*args[:-1])
+    assert result.code == 0, result.err
+    assert "part-00003.parquet was written earlier and is gone" in result.err
+    now = _files(folder)
+    assert now["part-00001.parquet"] == files["part-00001.parquet"]
+    assert [now[n] == files[n] for n in sorted(files)] == [True, True, True, False]
+    assert [row["index"] for row in _table(folder)] == list(range(20))
+    with sqlite3.connect(journal) as db:
+        assert db.execute("SELECT part, state, rows FROM parts ORDER BY part").fetchall() == \
+            [(k, "written", 5) for k in range(4)]
+
+
+def test_the_folder_is_checked_against_the_run(tmp_path, tiny_model):
+    src = write_jsonl(tmp_path / "in.jsonl", RECORDS[:12])
+    folder = tmp_path / "out"
+    folder.mkdir()
+    (folder / "part-00000.parquet").write_bytes(b"not ours")
+    args = ["run", src, "-o", folder, *tiny_args(tiny_model), *GREEDY, "--output-format", "jsonl", "-q"]
+    refused = run_in_process(*args[:-3], "-q")  # an existing folder is a part-file output (Parquet by default)
+    assert refused.code == 2 and "holds part files this run did not write (part-00000.parquet)" in refused.err
+    result = run_in_process(*args, "--rows-per-file", "5")  # JSONL parts are another layout's names: no clash
+    assert result.code == 0, result.err
+    assert sorted(os.listdir(folder)) == ["part-00000.jsonl", "part-00000.parquet", "part-00001.jsonl",
+                                          "part-00002.jsonl"]
+    lines = [json.loads(line) for k in range(3) for line in (folder / f"part-0000{k}.jsonl").read_text().splitlines()]
+    assert [row["index"] for row in lines] == list(range(12))
+
+    changed = run_in_process(*args, "--rows-per-file", "4")
+    assert changed.code == 2 and "--rows-per-file 4" in changed.err and "resume with --rows-per-file 5" in changed.err
+
+    grown = write_jsonl(tmp_path / "in.jsonl", RECORDS[:17])  # the input grew: the last part now holds more records
+    files = {name: os.stat(folder / name).st_ino for name in os.listdir(folder)}
+    result = run_in_process("run", grown, *args[2:], "--rows-per-file", "5")
+    assert result.code == 0, result.err
+    now = {name: os.stat(folder / name).st_ino for name in os.listdir(folder)}
+    assert now["part-00000.jsonl"] == files["part-00000.jsonl"] and now["part-00001.jsonl"] == files["part-00001.jsonl"]
+    assert now["part-00002.jsonl"] != files["part-00002.jsonl"] and "part-00003.jsonl" in now
+    assert len((folder / "part-00002.jsonl").read_text().splitlines()) == 5
+
+    restart = run_in_process(*args, "--rows-per-file", "6", "--restart")
+    assert restart.code == 0, restart.err
+    assert sorted(n for n in os.listdir(folder) if n.endswith(".jsonl")) == \
+        ["part-00000.jsonl", "part-00001.jsonl", "part-00002.jsonl"]
+
+
+def test_bad_part_options_are_usage_errors(tmp_path, tiny_model):
+    src = write_jsonl(tmp_path / "in.jsonl", RECORDS[:2])
+    for args, message in ((["-o", tmp_path / "x.parquet", "--rows-per-file", "5"], "names a file"),
+                          (["-o", "-", "--rows-per-file", "5", "--run-dir", tmp_path / "rd"], "not to stdout"),
+                          (["-o", f"{tmp_path}/p/", "--rows-per-file", "0"], "--rows-per-file")):
+        result = run_in_process("run", src, *args, *tiny_args(tiny_model))
+        assert result.code == 2 and message in result.err, (args, result.err)
+
+
+def test_shards_write_their_own_parts_into_one_folder(tmp_path, tiny_model):
+    src = write_jsonl(tmp_path / "in.jsonl", RECORDS[:23])
+    folder = tmp_path / "out"
+    for shard in ("1/2", "0/2"):
+        result = run_in_process("run", src, "-o", f"{folder}/", "--rows-per-file", "10", "--shard", shard,
+                                *tiny_args(tiny_model), *GREEDY, "-q")
+        assert result.code == 0, result.err
+    assert sorted(os.listdir(folder)) == [f"part-0000{k}-shard-{s}-of-2.parquet" for k in range(3) for s in range(2)]
+    rows = sorted(_table(folder), key=lambda row: row["index"])
+    assert stable(rows) == stable(_single(tmp_path, tiny_model, src))
