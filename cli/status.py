@@ -105,6 +105,11 @@ def _show_shards(path: Path, shards: list[ShardStatus], output: str) -> int:
             out.write(f"  resume with: {info['command']}\n")
     out.write(f"all:    {done}" + (f" / {total}" if total is not None else "") + f"  (errors {errors}); "
               f"{finished} of {count} shards finished, {running} running\n")
+    parts = [one.info.get("parts") for one in shards if one.info is not None]
+    if finished == count and parts and all(parts):  # shards that wrote their own part files: nothing to merge
+        out.write(f"output: {sum(p['written'] for p in parts)} parts written in {parts[0]['folder']}/ by the "
+                  f"{count} shards\n")
+        return 0
     if finished == count:
         written = Path(output).exists()
         out.write(f"output: {output} {'written' if written else 'not written yet'} "

@@ -4,6 +4,7 @@ from each shard's journal, merged in input order by `state/shards.py`."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -83,7 +84,11 @@ class SplitRun:
 
 
 def merge_shards(output: str, run_dir: str | None = None, output_format: str | None = None) -> MergeResult:
-    """`conveyor merge`: `output` from the finished shards under `run_dir` (default: the output's)."""
+    """`conveyor merge`: `output` from the finished shards under `run_dir` (default: the output's); SpecError for a
+    folder of part files, which its shards wrote themselves."""
+    if output.endswith("/") or os.path.isdir(output):
+        raise SpecError(f"{output} is a folder of part files: each shard wrote its own parts there as it finished, "
+                        "so there is nothing to merge (`conveyor status` shows them)")
     if output_format is not None:
         output_format = infer_output_format(output, output_format)
     return merge(Path(run_dir) if run_dir else RunDir.default_for(output), output, output_format)

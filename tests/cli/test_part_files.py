@@ -21,7 +21,7 @@ def _table(folder) -> list[dict]:
 
 
 def _files(folder) -> dict[str, tuple[int, int]]:
-    """Each part file's (inode, mtime_ns): a part written again gets a new inode (its temporary file's)."""
+    """Each part file's (inode, mtime_ns): a part written again is another file, written later."""
     return {name: (os.stat(folder / name).st_ino, os.stat(folder / name).st_mtime_ns)
             for name in sorted(os.listdir(folder)) if name.startswith("part-")}
 
@@ -103,13 +103,23 @@ def test_the_folder_is_checked_against_the_run(tmp_path, tiny_model):
     assert changed.code == 2 and "--rows-per-file 4" in changed.err and "resume with --rows-per-file 5" in changed.err
 
     grown = write_jsonl(tmp_path / "in.jsonl", RECORDS[:17])  # the input grew: the last part now holds more records
-    files = {name: os.stat(folder / name).st_ino for name in os.listdir(folder)}
+    files = _files(folder)
     result = run_in_process("run", grown, *args[2:], "--rows-per-file", "5")
     assert result.code == 0, result.err
-    now = {name: os.stat(folder / name).st_ino for name in os.listdir(folder)}
+    now = _files(folder)
     assert now["part-00000.jsonl"] == files["part-00000.jsonl"] and now["part-00001.jsonl"] == files["part-00001.jsonl"]
     assert now["part-00002.jsonl"] != files["part-00002.jsonl"] and "part-00003.jsonl" in now
     assert len((folder / "part-00002.jsonl").read_text().splitlines()) == 5
+
+    edited = write_jsonl(tmp_path / "in.jsonl", [*RECORDS[:7], {"id": "r7", "prompt": "Edited."}, *RECORDS[8:17]])
+    files = _files(folder)
+    result = run_in_process("run", edited, *args[2:-1], "--rows-per-file", "5")  # a record of part 1 changed
+    assert result.code == 0, result.err
+    assert "1 parts held rows that changed (part-00001.jsonl)" in result.err
+    now = _files(folder)
+    assert [now[f"part-0000{k}.jsonl"] == files[f"part-0000{k}.jsonl"] for k in range(4)] == [True, False, True, True]
+    rows = [json.loads(line) for line in (folder / "part-00001.jsonl").read_text().splitlines()]
+    assert [row["index"] for row in rows] == [5, 6, 7, 8, 9] and rows[2]["id"] == "r7"
 
     restart = run_in_process(*args, "--rows-per-file", "6", "--restart")
     assert restart.code == 0, restart.err
@@ -136,3 +146,17 @@ def test_shards_write_their_own_parts_into_one_folder(tmp_path, tiny_model):
     assert sorted(os.listdir(folder)) == [f"part-0000{k}-shard-{s}-of-2.parquet" for k in range(3) for s in range(2)]
     rows = sorted(_table(folder), key=lambda row: row["index"])
     assert stable(rows) == stable(_single(tmp_path, tiny_model, src))
+    status = run_in_process("status", f"{folder}/")
+    assert status.code == 0 and "6 parts written in" in status.out, status.out
+    merge = run_in_process("merge", f"{folder}/")
+    assert merge.code == 2 and "nothing to merge" in merge.err
+
+
+def test_status_counts_the_parts(tmp_path, tiny_model):
+    src = write_jsonl(tmp_path / "in.jsonl", RECORDS[:9])
+    result = run_in_process("run", src, "-o", tmp_path / "out", "--rows-per-file", "4", *tiny_args(tiny_model),
+                            *GREEDY, "-q", "--limit", "5")
+    assert result.code == 0, result.err
+    status = run_in_process("status", tmp_path / "out")
+    assert "parts:  2 written" in status.out and "finished: every part is written" in status.out, status.out
+    assert status.code == 0

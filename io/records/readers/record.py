@@ -76,8 +76,11 @@ def is_stream(source: str) -> bool:
 
 
 def open_binary(source: str, buffering: int = -1) -> IO[bytes]:
-    """A file or an object-storage URL (streamed in ranged reads), opened to read bytes."""
-    return open_read(source) if is_remote(source) else open(source, "rb", buffering=buffering)
+    """A file or an object-storage URL (streamed in ranged reads), opened to read bytes (a buffered stream either
+    way: `readline(limit)`, `peek`)."""
+    if is_remote(source):
+        return io.BufferedReader(open_read(source), buffer_size=buffering if buffering > 0 else io.DEFAULT_BUFFER_SIZE)
+    return open(source, "rb", buffering=buffering)
 
 
 def open_text(source: str) -> TextIO:
