@@ -24,14 +24,15 @@ from conveyor.io.storage import check_scheme, info, is_remote
 
 
 def output_folder(spec: RunSpec) -> str | None:
-    """The folder of a part-file output (-o ending in "/", an existing folder, or --rows-per-file), without its
-    trailing "/"; None for one output file."""
+    """The folder of a part-file output (-o ending in "/", an existing folder not named like an output file, or
+    --rows-per-file), without its trailing "/"; None for one output file."""
     output = spec.output
     path = output.path
     if path == STDOUT:
         return None
     remote = is_remote(path)
-    folder = output.rows_per_file is not None or path.endswith("/") or \
+    named_as_file = os.path.splitext(path)[1].lower() in OUTPUT_EXTENSIONS  # (a folder named so is a mistake)
+    folder = output.rows_per_file is not None or path.endswith("/") or not named_as_file and \
         (os.path.isdir(path) if not remote else (info(path) or {}).get("type") == "directory")
     return path.rstrip("/") or "/" if folder else None
 

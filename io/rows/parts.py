@@ -78,7 +78,6 @@ class PartWriter:
         self.limit = limit  # --limit: no part reaches past it
         self.parts: dict[int, PartEntry] = journal.parts()
         self.next = 0  # the lowest part not known to be written with its whole range
-        self.written_now = 0  # parts this process wrote
 
     # -- when the run opens ----------------------------------------------------------------------------------
 
@@ -185,7 +184,6 @@ class PartWriter:
 
         written = self.write_rows(rows(), self.layout.path(part), first, stop)
         self._record(part, first, stop, "written", written, digest.hexdigest())
-        self.written_now += 1
 
     def _record(self, part: int, first: int, stop: int, state: str, rows: int, digest: str | None = None) -> None:
         entry = PartEntry(first, stop, self.layout.name(part), state, rows,

@@ -46,7 +46,8 @@ def check_output_path(output: str) -> None:
     """PathClash where -o exists and is not a regular file ("-", stdout, is not a path)."""
     kind = None if output == "-" else _kind(Path(output))
     if kind == "folder":
-        raise PathClash(output, None, "-o names an existing folder; name the output file (.parquet or .jsonl)")
+        raise PathClash(output, None, "-o names an existing folder; name the output file (.parquet or .jsonl), or "
+                                      f"end it with / to write part files into it (-o {output.rstrip('/')}/)")
     if kind is not None:
         raise PathClash(output, None, f"-o names {kind}, not a file: the output is written to a file by rename, "
                                       "which would replace it; name a file, or -o - for stdout")
