@@ -1,14 +1,17 @@
 """`--executor ray` on a local Ray instance (2 CPUs, the tiny model): 2 workers give a single run's rows row for
-row; a worker killed with `ray.kill` mid-run is restarted by Ray and resumes its shard; a driver given SIGTERM
+row, and a summary over both workers' rows; a worker killed with `ray.kill` mid-run is restarted by Ray and resumes
+its shard, writing each of its part files once; a driver given SIGTERM
 stops its workers and exits 75, and one killed with kill -9 is resumed by the same command; nothing is lost or
 written twice."""
 
 from __future__ import annotations
 
+import json
 import signal
 import threading
 import time
 
+import numpy as np
 import pytest
 from cli_helpers import Child, assert_same_rows, num_committed, read_rows, run_in_process, tiny_args, write_jsonl
 
@@ -39,23 +42,36 @@ def local_ray():
     ray.shutdown()
 
 
-def test_two_workers_equal_a_single_run(tmp_path, tiny_model, single, local_ray):
+def test_two_workers_equal_a_single_run_and_the_summary_is_over_every_workers_rows(tmp_path, tiny_model, single,
+                                                                                  local_ray):
     src = write_jsonl(tmp_path / "in.jsonl", RECORDS)
     out = tmp_path / "out.parquet"
-    result = run_in_process(*_args(tiny_model, src, out, "--executor", "ray", "--num-workers", "2"))
+    result = run_in_process(*_args(tiny_model, src, out, "--executor", "ray", "--num-workers", "2",
+                                   "--summary-json", tmp_path / "summary.json"))
     assert result.code == 3, result.err
-    assert_same_rows(read_rows(out), single)
+    rows = read_rows(out)
+    assert_same_rows(rows, single)
     assert sorted(p.name for p in (tmp_path / "out.parquet.conveyor").iterdir() if p.is_dir()) == \
         ["shard-0-of-2", "shard-1-of-2"]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    ok = [row for row in rows if row["status"] == "ok"]
+    for key in ("ttft_s", "latency_s", "queue_s"):  # (an exact max: the driver merged both workers' rows)
+        assert summary[key]["max"] == max(row[key] for row in ok)
+        assert summary[key]["p50"] == pytest.approx(float(np.percentile([row[key] for row in ok], 50)), abs=2e-6)
+    assert summary["model"] == str(tiny_model) and summary["records"] == len(RECORDS)
+    assert summary["steps"] > 0 and 0 < summary["occupancy"] <= 1
+    assert summary["wall_s"] >= summary["elapsed_s"] > 0
 
 
-def test_a_worker_killed_mid_run_is_restarted_and_resumes(tmp_path, tiny_model, single, local_ray):
+def test_a_worker_killed_mid_run_is_restarted_and_resumes_writing_its_parts_once(tmp_path, tiny_model, single,
+                                                                                 local_ray):
     src = write_jsonl(tmp_path / "in.jsonl", RECORDS)
-    out = tmp_path / "out.jsonl"
-    shard_dir = tmp_path / "out.jsonl.conveyor" / "shard-1-of-2"
+    out = tmp_path / "out"
+    shard_dir = tmp_path / "out.conveyor" / "shard-1-of-2"
     result = {}
     driver = threading.Thread(target=lambda: result.update(r=run_in_process(
-        *_args(tiny_model, src, out, "--executor", "ray", "--num-workers", "2"))))
+        *_args(tiny_model, src, f"{out}/", "--executor", "ray", "--num-workers", "2", "--rows-per-file", "8",
+               "--output-format", "jsonl"))))
     driver.start()
     deadline = time.monotonic() + 120
     while num_committed(shard_dir, strict=False) < 4 and driver.is_alive() and time.monotonic() < deadline:
@@ -66,7 +82,10 @@ def test_a_worker_killed_mid_run_is_restarted_and_resumes(tmp_path, tiny_model, 
     driver.join(timeout=300)
     assert not driver.is_alive() and result["r"].code == 3, result
     assert 0 < killed_at < len(RECORDS) // 2  # it died mid-shard
-    assert_same_rows(read_rows(out), single)
+    parts = sorted(out.iterdir())  # each shard's own parts, every one there
+    assert [p.name for p in parts] == [f"part-0000{k}-shard-{s}-of-2.jsonl" for k in range(6) for s in range(2)]
+    assert_same_rows(sorted((row for part in parts for row in read_rows(part)), key=lambda row: row["index"]),
+                     single)
 
 
 def test_a_driver_stopped_by_sigterm_or_killed_with_kill_9_resumes_to_the_same_output(tmp_path, tiny_model):
