@@ -63,6 +63,11 @@ class PartLayout:
         return json.dumps({"folder": self.folder, "records": self.records, "name": self.name(0)})
 
 
+def _some(names: list[str]) -> str:
+    """The first few of `names`, for a message."""
+    return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+
+
 class PartWriter:
     """The parts of one run's journal. `write_rows(rows, path, first, stop)` writes the journal rows (decoded, input
     order) of the records [first, stop) to one part's file atomically and returns the output rows it wrote; `say`
@@ -82,43 +87,50 @@ class PartWriter:
     # -- when the run opens ----------------------------------------------------------------------------------
 
     def open(self, restart: bool, rows_changed: bool) -> None:
-        """Check the folder against the journal: a part size that changed is refused; parts of another folder or
-        format forgotten; a part killed while it was written kept where its file is there; a recorded part whose
-        file is gone, and the folder's part files the journal does not record (`restart`: all), removed or written
-        again. `rows_changed`: rows changed under the journal (a changed input, --retry-errors): `revalidate`."""
+        """Check the folder against the journal: a part size that changed is refused; parts of another format or
+        shard layout forgotten; a part killed while it was written kept where its file is there; recorded parts
+        whose files are gone (another folder, removed by hand) written again; the folder's part files the journal
+        does not record removed (`restart`: all of them), or refused where the run has no rows yet (another run's).
+        `rows_changed`: rows changed under the journal (a changed input, --retry-errors): `revalidate`."""
         journal, layout = self.journal, self.layout
         stored = journal.meta_value(_LAYOUT_KEY)
-        if stored is not None and stored != layout.key() and self.parts:
-            before = json.loads(stored)
+        before = json.loads(stored) if stored is not None else None
+        if before is not None and self.parts:
             if before["records"] != layout.records:
                 raise SpecError(f"--rows-per-file {layout.records}: the {len(self.parts)} parts this run wrote so far "
                                 f"hold {before['records']} records each; resume with --rows-per-file "
                                 f"{before['records']}, or pass --restart to write every part again")
-            self.say(f"the parts so far were written to {before['folder']} as {before['name']}, ...: every part is "
-                     f"written again to {layout.folder}")
-            self._forget(list(self.parts), remove_files=False)
+            if before["name"] != layout.name(0):
+                self.say(f"the parts so far were written as {before['name']}, ...: every part is written again as "
+                         f"{layout.name(0)}, ...")
+                self._forget(list(self.parts), remove_files=False)
         journal.set_meta_value(_LAYOUT_KEY, layout.key())
         on_disk = {name for name in self._names() if layout.is_ours(name)}
         if restart and on_disk:
             for name in sorted(on_disk):
                 self._remove(name)
-            self.say(f"--restart: removed the {len(on_disk)} part files of the earlier run from {layout.folder}")
+            self.say(f"--restart: removed the {len(on_disk)} part files of the earlier run from {layout.folder}/")
             on_disk = set()
         if on_disk and not self.parts and not journal.num_committed():
-            shown = ", ".join(sorted(on_disk)[:3]) + (", ..." if len(on_disk) > 3 else "")
-            raise SpecError(f"-o {layout.folder}: the folder holds part files this run did not write ({shown}); "
-                            "remove them, choose another folder, or pass --restart to replace them")
+            raise SpecError(f"-o {layout.folder}/: the folder holds part files this run did not write "
+                            f"({_some(sorted(on_disk))}); remove them, choose another folder, or pass --restart to "
+                            "replace them")
+        gone = []
         for part, entry in sorted(self.parts.items()):
             if entry.state == "writing" and entry.name in on_disk:  # killed after its file appeared: kept
                 self._record(part, entry.first, entry.stop, "written", entry.rows or self._count_rows(entry))
             elif entry.name not in on_disk:
                 if entry.state == "written":
-                    self.say(f"{entry.name} was written earlier and is gone from {layout.folder}: it is written "
-                             "again")
+                    gone.append(entry.name)
                 self._forget([part], remove_files=False)
+        if gone:
+            self.say(f"{len(gone)} parts written earlier are not in {layout.folder}/ ({_some(gone)}): written again")
         stray = sorted(on_disk - {entry.name for entry in self.parts.values()})
-        for name in stray:  # (a part forgotten while its file could not be removed)
+        for name in stray:
             self._remove(name)
+        if stray:
+            self.say(f"removed {len(stray)} part files from {layout.folder}/ that this run's journal does not record "
+                     f"({_some(stray)})")
         if rows_changed:
             self.revalidate()
 
@@ -129,8 +141,8 @@ class PartWriter:
         if stale:
             names = [self.parts[p].name for p in stale]
             self._forget(stale, remove_files=True)
-            self.say(f"{len(stale)} parts held rows that changed ({', '.join(names[:3])}"
-                     f"{', ...' if len(names) > 3 else ''}): removed, and written again when their records have rows")
+            self.say(f"{len(stale)} parts held rows that changed ({_some(names)}): removed, and written again when "
+                     "their records have rows")
 
     # -- while it runs, and at its end -----------------------------------------------------------------------
 
