@@ -83,6 +83,7 @@ class PartWriter:
         self.limit = limit  # --limit: no part reaches past it
         self.parts: dict[int, PartEntry] = journal.parts()
         self.next = 0  # the lowest part not known to be written with its whole range
+        self._last_count: tuple[int, int, int] | None = None  # a shard's (part's first record, rows, rows committed)
 
     # -- when the run opens ----------------------------------------------------------------------------------
 
@@ -155,10 +156,24 @@ class PartWriter:
             if self.limit is not None and stop > self.limit:
                 return
             if not self._written_as(part, first, stop):
-                if self.journal.count_between(first, stop) != self.layout.expected(first, stop):
+                if not self._complete(first, stop):
                     return
                 self._write(part, first, stop)
             self.next += 1
+
+    def _complete(self, first: int, stop: int) -> bool:
+        """Whether every record of [first, stop) this run answers has its row: the journal's contiguous prefix says
+        so at no cost; a shard's records are counted, only once enough rows were committed since the last count."""
+        journal = self.journal
+        if self.layout.shard is None:
+            return journal.contiguous_prefix() >= stop
+        expected, committed = self.layout.expected(first, stop), journal.num_committed()
+        last = self._last_count
+        if last is not None and last[0] == first and committed - last[2] < expected - last[1]:
+            return False
+        found = journal.count_between(first, stop)
+        self._last_count = (first, found, committed)
+        return found == expected
 
     def finish(self, total: int) -> tuple[int, int]:
         """Write every part left, the last one holding the records up to `total` (the input's, after --limit), and
