@@ -73,6 +73,8 @@ def test_a_remote_input_to_a_remote_file_and_a_changed_input_reuses_rows(s3, tmp
     assert grown.code == 0, grown.err
     assert "reused 20, new 10" in grown.out + grown.err
     assert stable(_rows(s3, "s3://data/out.parquet")) == expected
+    status = run_in_process("status", "s3://data/out.parquet", "--run-dir", tmp_path / "rd")
+    assert status.code == 0 and "finished: s3://data/out.parquet is written" in status.out, status.out
 
 
 def test_remote_parts_survive_kill_9_and_read_as_one_table(s3, tmp_path, tiny_model):
