@@ -69,10 +69,7 @@ class PoolingEngine:
         """What decides a result's bits here beyond the model and the settings: the route and the kernels."""
         if not self.exact:
             return self.model.describe()
-        from conveyor.core.backends.cpu.backend import kernels_arithmetic
-        from conveyor.core.backends.cpu.kernels import cpu_kernels
-
-        return f"{self.model.describe()}, {kernels_arithmetic(cpu_kernels(), self.model.dtype)}"
+        return f"{self.model.describe()}, {self.model.packed.arithmetic(self.model.dtype)}"
 
     def in_flight(self) -> dict:
         """Nothing is half-done between steps: a stopped request runs again whole."""
@@ -93,12 +90,10 @@ class PoolingEngine:
     def info(self) -> EngineInfo:
         dtype = str(self.model.dtype).removeprefix("torch.")
         path = getattr(self.model.model.config, "name_or_path", None) or None
-        from conveyor.core.backends.cpu.kernels import cpu_isa
-
         return EngineInfo(model_path=path, dtype=dtype, backend=self.model.describe(),
                           max_num_seqs=self.config.max_num_seqs,
                           max_num_batched_tokens=self.config.max_num_batched_tokens, max_model_len=self.max_model_len,
-                          cpu_isa=cpu_isa() if self.exact else None)
+                          cpu_isa=self.model.packed.cpu_isa() if self.exact else None)
 
     # -- the loop ------------------------------------------------------------------------------------------------
 

@@ -7,8 +7,7 @@ checkpoint cannot do is refused before its weights are read, naming both.
 
 Two routes run them:
 - packed (the CPU with conveyor's kernels, the BERT-family encoders and the fused decoder families): many sequences
-  in one pass, exact (`backends/cpu/encoder.py`, `backends/cpu/packed_decoder.py`); the heads' linears are the
-  kernels' too;
+  in one pass, exact (`backends/cpu/packed_pooling.py`); the heads' linears are the kernels' too;
 - alone (anything else, and other devices): the model's own transformers forward, one sequence at a time, so a
   sequence's result never depends on the others (slower: it says so).
 """
@@ -20,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from conveyor.core.errors import ConfigError, UnsupportedModel
+from conveyor.core.backends import packed_pooling
+from conveyor.core.errors import ConfigError
 from conveyor.core.model_files import hub_snapshot
 from conveyor.core.pooling_config import ModelKind, PoolingConfig, check_task, context_limit, model_kind, pooling_config
 from conveyor.core.pooling_params import TokenSequence
@@ -37,44 +37,9 @@ class PoolingModel:
         self.name = name
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        self.packed = None
-        self.head = None
-        self.why_alone = "not on the CPU"
         # (a BERT-style pair's token types, where the model's forward takes them: DistilBERT's does not)
         self._takes_types = "token_type_ids" in inspect.signature(model.forward).parameters
-        if self.device.type == "cpu":
-            self._packed_route()
-
-    def _packed_route(self) -> None:
-        from conveyor.core.backends.cpu.kernels import cpu_kernels, kernels_missing_reason
-
-        ops = cpu_kernels()
-        if ops is None:
-            self.why_alone = f"conveyor's C++ kernels are unavailable: {kernels_missing_reason()}"
-            return
-        before = self.model.config._attn_implementation  # (a decoder's probe switches it to conveyor's)
-        if self.kind.encoder:
-            from conveyor.core.backends.cpu.encoder import PackedEncoder
-
-            packed, why = PackedEncoder.build(self.model, ops)
-        else:
-            from conveyor.core.backends.cpu.packed_decoder import PackedDecoder
-
-            try:
-                packed, why = PackedDecoder.build(self.model, self.name, ops)
-            except UnsupportedModel as e:  # its own forward computes it as it defines it
-                packed, why = None, str(e)
-        head = None
-        if packed is not None and self.kind.classifier:
-            head, why = _exact_head(self.model, ops)
-            if head is None:
-                packed = None
-        if packed is None:  # its own forward, with its own attention
-            if self.model.config._attn_implementation != before:
-                self.model.set_attn_implementation(before)
-            self.why_alone = why
-            return
-        self.packed, self.head, self.ops = packed, head, ops
+        self.packed, self.why_alone = packed_pooling(model, kind.encoder, kind.classifier, name, pooling, _pool)
 
     @property
     def exact_packing(self) -> bool:
@@ -90,21 +55,7 @@ class PoolingModel:
     def run(self, sequences: list[TokenSequence]) -> list[torch.Tensor]:
         if self.packed is None:
             return [self._alone(s) for s in sequences]
-        starts, at = [], 0
-        for s in sequences:
-            starts.append(at)
-            at += len(s.token_ids)
-        if not self.kind.encoder and (self.kind.classifier or self.pooling == "last"):  # one row per sequence
-            hidden = self.packed(sequences, [start + len(s.token_ids) - 1 for start, s in zip(starts, sequences)])
-            if self.kind.classifier:
-                return list(self.head(hidden).float().unbind(0))
-            return [row.float().clone() for row in hidden.unbind(0)]
-        hidden = self.packed(sequences) if self.kind.encoder else self.packed(sequences, list(range(at)))
-        if self.kind.classifier:  # an encoder's head, on the first token
-            return list(self.head(hidden.index_select(0, torch.tensor(starts))).float().unbind(0))
-        if self.pooling == "mean":  # each sequence's rows summed in order by the kernel
-            return list(self.ops.mean_pool(hidden, torch.tensor([*starts, at])).unbind(0))
-        return [_pool(hidden, start, len(s.token_ids), self.pooling) for start, s in zip(starts, sequences)]
+        return self.packed.run(sequences)
 
     def _alone(self, s: TokenSequence) -> torch.Tensor:
         ids = torch.tensor([s.token_ids], device=self.device)
@@ -129,27 +80,6 @@ def _pool(hidden: torch.Tensor, first: int, n: int, method: str) -> torch.Tensor
     for row in rows[1:]:
         total += row
     return total / n
-
-
-def _exact_head(model: torch.nn.Module, ops):
-    """(the classification head of `model` with the kernels' linears, None), or (None, why not)."""
-    from conveyor.core.backends.cpu.linears import Linear
-
-    def linear(m):
-        return Linear(m.weight.detach(), None if m.bias is None else m.bias.detach(), ops)
-
-    kids = {n for n, _ in model.named_children()}
-    classifier = getattr(model, "classifier", None)
-    if "score" in kids and isinstance(model.score, torch.nn.Linear):  # a decoder's: on the last token
-        score = linear(model.score)
-        return score, None
-    if "bert" in kids and isinstance(classifier, torch.nn.Linear) and model.bert.pooler is not None:
-        dense, out = linear(model.bert.pooler.dense), linear(classifier)
-        return (lambda x: out(torch.tanh(dense(x)))), None
-    if classifier is not None and {n for n, _ in classifier.named_children()} >= {"dense", "out_proj"}:
-        dense, out = linear(classifier.dense), linear(classifier.out_proj)  # RoBERTa's, on <s>
-        return (lambda x: out(torch.tanh(dense(x)))), None
-    return None, f"a classification head of modules {sorted(kids)}"
 
 
 def load_pooling_model(model: str, task: str, device: str, dtype: str, pooling: str | None

@@ -103,6 +103,16 @@ def _triton_runs(device: torch.device) -> bool:
     return True
 
 
+def packed_pooling(model: torch.nn.Module, encoder: bool, classifier: bool, name: str, pooling: str, pool):
+    """(the packed exact route of a pooling model where its device has one, "") or (None, why not): on the CPU,
+    conveyor's kernels (`cpu/packed_pooling.py`); `pool(hidden, first, n, method)` pools one sequence's rows."""
+    if next(model.parameters()).device.type != "cpu":
+        return None, "not on the CPU"
+    from conveyor.core.backends.cpu.packed_pooling import PackedPooling
+
+    return PackedPooling.build(model, encoder, classifier, name, pooling, pool)
+
+
 def select_backend(model: torch.nn.Module, name: str = "auto", fused_forward: bool = True,
                    max_num_seqs: int = 64, max_num_batched_tokens: int = 2048) -> Backend:
     """The backend `name` for `model` (on its device); ConfigError naming the field where it cannot run."""

@@ -51,7 +51,7 @@ def test_embeddings_equal_transformers_forward_with_the_same_pooling(pooling_mod
     if route == "packed" and cpu_kernels() is None:
         pytest.skip("the packed route needs conveyor's C++ kernels")
     if route == "alone":  # the model's own forward, one sequence at a time
-        monkeypatch.setattr("conveyor.core.backends.cpu.kernels.cpu_kernels", lambda: None)
+        monkeypatch.setattr("conveyor.core.backends.cpu.packed_pooling.cpu_kernels", lambda: None)
     folder = pooling_models(name)
     engine = _engine(folder, "embed")
     assert engine.model.pooling == pooling  # read from the checkpoint's sentence-transformers config
