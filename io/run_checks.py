@@ -47,7 +47,8 @@ def check_output(spec: RunSpec) -> str:
         raise SpecError(f"-o {output.path}: give --run-dir too: the run's state (its journal and lock) lives in a "
                         "local or shared folder, not in the store")
     if folder is not None:
-        if os.path.splitext(folder)[1].lower() in OUTPUT_EXTENSIONS and not os.path.isdir(folder):
+        if os.path.splitext(folder)[1].lower() in OUTPUT_EXTENSIONS and not output.path.endswith("/") and \
+                not os.path.isdir(folder):
             raise SpecError(f"--rows-per-file: -o {output.path} names a file; part files go into a folder: name one "
                             f"(-o {os.path.splitext(folder)[0]}/)")
         check_keep_fields(spec.build.keep_fields)

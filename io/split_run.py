@@ -69,8 +69,7 @@ class SplitRun:
         self.output_format = check_output(spec)
         self.output_folder = output_folder(spec)  # shards that write their own part files there: no merge
         run_dir = base_run_dir(spec)
-        check_run_paths(spec.input.path, spec.output.path, run_dir, STATE_FILES,
-                        folder=output_folder(spec) is not None)
+        check_run_paths(spec.input.path, spec.output.path, run_dir, STATE_FILES, folder=self.output_folder is not None)
         if not is_remote(spec.input.path) and not Path(spec.input.path).exists():
             raise SpecError(f"{spec.input.path}: no such input file or directory")
         run_dir.mkdir(parents=True, exist_ok=True)
