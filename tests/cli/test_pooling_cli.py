@@ -9,6 +9,7 @@ import base64
 import json
 import struct
 
+import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
 from cli_helpers import Child, journal_state, read_rows, run_in_process, write_jsonl
@@ -51,6 +52,15 @@ def test_embeddings_to_parquet_are_fixed_size_float32_vectors_in_input_order(poo
     jsonl = tmp_path / "e.jsonl"  # the same vectors as JSON lists
     assert run_in_process("run", _texts(tmp_path), "-o", jsonl, "--model", pooling_models("bert-mean"), *F32).code == 0
     assert [r["embedding"] for r in read_rows(jsonl)] == [r["embedding"] for r in rows]
+
+    parts = tmp_path / "parts"  # and in part files: the same columns in each (the task's optional ones too)
+    assert run_in_process("run", _texts(tmp_path), "-o", f"{parts}/", "--rows-per-file", "3", "--model",
+                          pooling_models("bert-mean"), *F32, "--keep-fields", "topic").code == 0
+    assert sorted(p.name for p in parts.iterdir()) == ["part-00000.parquet", "part-00001.parquet", "part-00002.parquet"]
+    folder = ds.dataset(str(parts), format="parquet").to_table()
+    assert str(folder.schema.field("embedding").type) == "fixed_size_list<element: float>[64]"
+    same = ["id", "index", "status", "embedding", "prompt_tokens", "error", "topic"]  # (not the timings)
+    assert folder.select(same).to_pylist() == table.select(same).to_pylist()
 
 
 def test_bad_records_are_error_rows_and_truncation_applies(pooling_models, tmp_path):
