@@ -200,7 +200,11 @@ class PartWriter:
         return entry is not None and entry.state == "written" and (entry.first, entry.stop) == (first, stop)
 
     def _write(self, part: int, first: int, stop: int) -> None:
-        """Write one part's file from the journal's rows, recorded "writing" before and "written" after."""
+        """Write one part's file from the journal's rows, recorded "writing" before and "written" after. A file the
+        part had (written for fewer records: an input that grew) is removed first, so that a "writing" part whose
+        file is there on resume is always the new one."""
+        if part in self.parts:
+            self._remove(self.parts[part].name)
         self._record(part, first, stop, "writing", 0)
         digest = hashlib.sha256()
 

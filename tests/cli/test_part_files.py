@@ -84,7 +84,11 @@ def test_a_part_killed_between_its_file_and_its_record_is_kept_and_a_lost_one_wr
             [(k, "written", 5) for k in range(4)]
 
 
-def test_the_folder_is_checked_against_the_run(tmp_path, tiny_model):
+def _dies(*args, **kwargs):
+    raise OSError("died while writing")
+
+
+def test_the_folder_is_checked_against_the_run(tmp_path, tiny_model, monkeypatch):
     src = write_jsonl(tmp_path / "in.jsonl", RECORDS[:12])
     folder = tmp_path / "out"
     folder.mkdir()
@@ -104,6 +108,11 @@ def test_the_folder_is_checked_against_the_run(tmp_path, tiny_model):
 
     grown = write_jsonl(tmp_path / "in.jsonl", RECORDS[:17])  # the input grew: the last part now holds more records
     files = _files(folder)
+    with monkeypatch.context() as patch:  # a process that dies while it writes the longer last part again
+        patch.setattr("conveyor.io.rows.writers._write_jsonl", _dies)
+        died = run_in_process("run", grown, *args[2:], "--rows-per-file", "5")
+    assert died.code == 1 and "died while writing" in died.err, died.err
+    assert "part-00002.jsonl" not in os.listdir(folder)  # the shorter one is gone, never taken for the longer one
     result = run_in_process("run", grown, *args[2:], "--rows-per-file", "5")
     assert result.code == 0, result.err
     now = _files(folder)
