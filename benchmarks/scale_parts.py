@@ -18,26 +18,10 @@ import sys
 import time
 from pathlib import Path
 
+from memory import build_tiny_model  # (benchmarks/memory.py: the tests' tiny model)
+
 CONVEYOR = [sys.executable, "-m", "conveyor.cli"]
 PART = 100_000  # records a part
-
-
-def tiny_model(folder: Path) -> Path:
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    from conveyor.core.model_loader import ensure_embedded
-
-    if (folder / "config.json").exists():
-        return folder
-    tokenizer = AutoTokenizer.from_pretrained(ensure_embedded("smollm2-135m-instruct"))
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
 
 
 def records(path: Path, n: int) -> Path:
@@ -118,7 +102,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
-    model = tiny_model(args.work / "tiny-model")
+    model = build_tiny_model(args.work / "tiny-model")
     results = []
     for n in args.records:
         results.append(one_size(n, args.work, model))

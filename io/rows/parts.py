@@ -43,9 +43,9 @@ class PartLayout:
         suffix = f"-shard-{self.shard.index}-of-{self.shard.count}" if self.shard is not None else ""
         return f"part-{part:05d}{suffix}.{self.extension}"
 
-    def path(self, part: int) -> str:
-        return join(self.folder, self.name(part)) if is_remote(self.folder) else \
-            os.path.join(self.folder, self.name(part))
+    def path_of(self, name: str) -> str:
+        """The path (or URL) of the file `name` in the folder."""
+        return join(self.folder, name) if is_remote(self.folder) else os.path.join(self.folder, name)
 
     def is_ours(self, name: str) -> bool:
         """Whether `name` is a part file this layout writes (its shard's, of its format)."""
@@ -213,7 +213,7 @@ class PartWriter:
                 digest.update(text.encode())
                 yield json.loads(text)
 
-        written = self.write_rows(rows(), self.layout.path(part), first, stop)
+        written = self.write_rows(rows(), self.layout.path_of(self.layout.name(part)), first, stop)
         self._record(part, first, stop, "written", written, digest.hexdigest())
 
     def _record(self, part: int, first: int, stop: int, state: str, rows: int, digest: str | None = None) -> None:
@@ -238,7 +238,7 @@ class PartWriter:
 
     def _count_rows(self, entry: PartEntry) -> int:
         """The output rows of a part whose file a killed process left (read from its file)."""
-        with open_binary(self._path_of(entry.name)) as f:
+        with open_binary(self.layout.path_of(entry.name)) as f:
             if self.layout.extension == "parquet":
                 import pyarrow.parquet as pq
 
@@ -246,10 +246,6 @@ class PartWriter:
             return sum(1 for _ in f)
 
     # -- the folder ------------------------------------------------------------------------------------------
-
-    def _path_of(self, name: str) -> str:
-        folder = self.layout.folder
-        return join(folder, name) if is_remote(folder) else os.path.join(folder, name)
 
     def _names(self) -> list[str]:
         folder = self.layout.folder
@@ -261,7 +257,7 @@ class PartWriter:
             return []
 
     def _remove(self, name: str) -> None:
-        path = self._path_of(name)
+        path = self.layout.path_of(name)
         if is_remote(path):
             remove(path)
         else:
