@@ -1,7 +1,7 @@
 """The AVX2 route of the CPU kernels (`--cpu-isa avx2`) where this CPU runs the AVX-512 one: the kernels' own
 tests (every shape, M in 1..2048, both dtypes), the decoder families' greedy float32 against transformers and a
 record's independence from its batch on the fused forward, the engine's exactness in float32 (the route's default
-dtype), a request resumed from its tokens so far (greedy and seeded: the same bits as uninterrupted) and the CLI's
+dtype) and in bf16 under a 48-token budget, a request resumed from its tokens so far (greedy and seeded: the same bits as uninterrupted) and the CLI's
 route, rerun in a child process on that route (the kernels load one route per process). Where this CPU has only AVX2 the whole suite runs on it already."""
 
 import os
@@ -19,6 +19,8 @@ ON_THE_ROUTE = [
     "core/test_cpu_kernels.py", "core/test_sampler.py",
     "core/test_exactness_engine.py::test_among_47_others_in_shuffled_order[float32]",
     "core/test_exactness_engine.py::test_under_forced_preemption[float32]",
+    # bf16 widened on this route, in the steps a 48-token budget cuts (as --max-num-batched-tokens 48 does)
+    "core/test_exactness_engine.py::test_with_a_48_token_budget_that_chunks_the_prompts[bfloat16]",
     "core/test_model_families.py::test_a_record_does_not_depend_on_its_batch_on_the_fused_route",
     "core/test_continuation.py", "cli/test_cpu_isa.py",
 ]
