@@ -211,5 +211,5 @@ def _note_loading(model: str) -> None:
     from conveyor.core import EMBEDDED_MODELS, is_embedded_cached
 
     first_use = model in EMBEDDED_MODELS and not is_embedded_cached(model)
-    extra = " (first use: fetching and converting it once, about a minute)" if first_use else ""
+    extra = " (first use: fetching and converting it once, about 20 seconds)" if first_use else ""
     sys.stderr.write(f"conveyor: loading {model}{extra}\n")

@@ -1,5 +1,6 @@
 """The embedded model's first-use conversion: one converter at a time, nothing half-converted left,
-the leftovers of a converter that was killed cleared (conversion faked: no torch, no download)."""
+the leftovers of a converter that was killed cleared (conversion faked: no torch, no download); a GGUF file
+parsed once while it converts."""
 
 from __future__ import annotations
 
@@ -66,3 +67,27 @@ def test_a_damaged_cached_folder_is_named_with_what_to_do(cache, monkeypatch):
     _fake_conversion(monkeypatch, [])
     with pytest.raises(ModelLoadError, match="has no config.json; delete that folder"):
         ensure_embedded(DEFAULT_MODEL)
+
+
+def test_a_gguf_file_is_parsed_once_inside_the_block_and_as_often_as_asked_outside(tmp_path):
+    gguf = pytest.importorskip("gguf")
+    np = pytest.importorskip("numpy")
+    path = tmp_path / "tiny.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(2)
+    writer.add_tensor("token_embd.weight", np.ones((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    original = gguf.GGUFReader
+    with model_loader.gguf_parsed_once():
+        first = gguf.GGUFReader(path)
+        assert gguf.GGUFReader(str(path)) is first  # the same parse, however the path is spelled
+        assert first.fields["general.architecture"].contents() == "llama"
+        assert [t.name for t in first.tensors] == ["token_embd.weight"]
+        name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
+        assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2) is name_map
+        assert name_map.get_name("model.embed_tokens") == "token_embd"
+    assert gguf.GGUFReader is original
+    assert gguf.GGUFReader(path) is not gguf.GGUFReader(path)

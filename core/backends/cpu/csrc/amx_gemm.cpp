@@ -31,7 +31,7 @@
 #include <unistd.h>
 #endif
 
-namespace {
+namespace conveyor_amx_gemm {  // named: these files share a translation unit (kernels.py, _UNITS)
 
 constexpr int64_t PANEL = 32;      // output columns per panel (two column tiles)
 constexpr int64_t KSTEP = 32;      // bf16 values of K per tile row (64 bytes)
@@ -136,7 +136,7 @@ void amx_gemm_impl(const c10::BFloat16* x, const c10::BFloat16* tail, const c10:
 
 #endif  // CONVEYOR_AMX
 
-}  // namespace
+}  // namespace conveyor_amx_gemm
 
 // CONVEYOR_NO_AMX=1 (read once per process) runs the routes of CPUs without tiles instead: AVX512-BF16
 // pair products for bf16 linears and attention, so those routes can be checked on a CPU with AMX.
@@ -157,6 +157,7 @@ bool amx_gemm_available() {
 // x [M, K] bf16 (K a multiple of 32), packed [ceil(N / 32), K / 32, 2, 16, 16, 2] (linears.pack_amx),
 // bias [N] or None -> y [M, N] bf16; act 1: GELU (erf) of it, applied as each block is stored.
 at::Tensor amx_gemm(at::Tensor x, at::Tensor packed, int64_t N, c10::optional<at::Tensor> bias, int64_t act) {
+  using namespace conveyor_amx_gemm;
   TORCH_CHECK(amx_gemm_available(), "amx_gemm: this CPU or build has no AMX tiles");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16,
               "amx_gemm: x [M, K] and packed weights in bfloat16");

@@ -19,7 +19,7 @@
 
 #include "vec16.h"
 
-namespace {
+namespace conveyor_encoder_attention {  // named: these files share a translation unit (kernels.py, _UNITS)
 
 static inline v16f max16(v16f a, v16f b) { return select16(a > b, a, b); }
 
@@ -132,11 +132,12 @@ void attend_sequence(const scalar_t* qkv, float* out, int64_t first, int64_t L, 
   }
 }
 
-}  // namespace
+}  // namespace conveyor_encoder_attention
 
 // qkv [T, 3 * H * D] (each token's q, then k, then v; heads of D), starts [S + 1] (sequence s is rows
 // starts[s] .. starts[s + 1]) -> [T, H * D] float32: softmax(scale q.k) v over each row's own sequence.
 at::Tensor packed_attention(at::Tensor qkv, at::Tensor starts, int64_t heads, double scale) {
+  using namespace conveyor_encoder_attention;
   TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) % (3 * heads) == 0, "qkv must be [T, 3 * heads * head_dim]");
   qkv = qkv.contiguous();
   starts = starts.contiguous();

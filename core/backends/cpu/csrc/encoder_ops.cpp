@@ -15,7 +15,7 @@
 
 #include "vec16.h"
 
-namespace {
+namespace conveyor_encoder_ops {  // named: these files share a translation unit (kernels.py, _UNITS)
 
 inline int64_t grain(int64_t row_elems) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(row_elems, 1)); }
 
@@ -83,10 +83,11 @@ void check(const at::Tensor& x, const char* name) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous(), name, " must be a contiguous CPU [rows, n]");
 }
 
-}  // namespace
+}  // namespace conveyor_encoder_ops
 
 // LayerNorm(h + delta) * w + b, row by row (w, b in h's dtype).
 at::Tensor add_layer_norm(at::Tensor h, at::Tensor delta, at::Tensor w, at::Tensor b, double eps) {
+  using namespace conveyor_encoder_ops;
   check(h, "h");
   check(delta, "delta");
   TORCH_CHECK(delta.sizes() == h.sizes() && delta.scalar_type() == h.scalar_type(), "delta must match h");
@@ -105,6 +106,7 @@ at::Tensor add_layer_norm(at::Tensor h, at::Tensor delta, at::Tensor w, at::Tens
 // The mean of each sequence's rows (sequence s: rows starts[s] .. starts[s + 1]), in float32: the rows added in
 // order, then divided by their count.
 at::Tensor mean_pool(at::Tensor h, at::Tensor starts) {
+  using namespace conveyor_encoder_ops;
   check(h, "h");
   starts = starts.contiguous();
   const int64_t S = starts.size(0) - 1;

@@ -26,7 +26,7 @@
 
 #include "vec16.h"
 
-namespace {
+namespace conveyor_fused_ops {  // named: these files share a translation unit (kernels.py, _UNITS)
 
 // Round a float through scalar_t (a no-op for float): mimics torch storing an intermediate.
 template <typename scalar_t>
@@ -306,7 +306,7 @@ void act_mul_rows(const scalar_t* gu, scalar_t* out, int64_t T, int64_t I, Vec v
   });
 }
 
-}  // namespace
+}  // namespace conveyor_fused_ops
 
 // Shared with sampling.cpp.
 void check_rows(const at::Tensor& x, const char* name) {
@@ -318,6 +318,7 @@ void check_rows(const at::Tensor& x, const char* name) {
 // normalized row rounded to it (Llama's form); a float32 w of a bf16 / fp16 h multiplies in float32, rounded once
 // (Gemma's 1 + w, OLMo-2's w).
 at::Tensor rms_norm(at::Tensor h, c10::optional<at::Tensor> delta, at::Tensor w, double eps) {
+  using namespace conveyor_fused_ops;
   check_rows(h, "hidden states");
   const bool float_w = w.scalar_type() == at::kFloat && h.scalar_type() != at::kFloat;
   TORCH_CHECK(w.dim() == 1 && w.size(0) == h.size(1) && (float_w || w.scalar_type() == h.scalar_type()),
@@ -340,6 +341,7 @@ at::Tensor rms_norm(at::Tensor h, c10::optional<at::Tensor> delta, at::Tensor w,
 // whole q / k) RMS-normalized with weight w [n]: Llama's form where w has x's dtype, the float-weight form where
 // w is float32 and x is not.
 void norm_runs_inplace(at::Tensor x, int64_t offset, int64_t groups, int64_t n, at::Tensor w, double eps) {
+  using namespace conveyor_fused_ops;
   check_rows(x, "rows");
   TORCH_CHECK(offset + groups * n <= x.size(1) && w.dim() == 1 && w.size(0) == n, "norm_runs: shape mismatch");
   const bool float_w = w.scalar_type() == at::kFloat && x.scalar_type() != at::kFloat;
@@ -354,6 +356,7 @@ void norm_runs_inplace(at::Tensor x, int64_t offset, int64_t groups, int64_t n, 
 
 // In place: x <- cap * tanh(x / cap) over x [T, N].
 void softcap_inplace(at::Tensor x, double cap) {
+  using namespace conveyor_fused_ops;
   check_rows(x, "rows");
   TORCH_CHECK(cap > 0, "softcap must be > 0");
   AT_DISPATCH_V2(x.scalar_type(), "softcap", AT_WRAP([&] {
@@ -365,6 +368,7 @@ void softcap_inplace(at::Tensor x, double cap) {
 // none); then k, v stored at slots.
 void rope_store(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor slots, at::Tensor k_cache,
                 at::Tensor v_cache, int64_t num_heads) {
+  using namespace conveyor_fused_ops;
   check_rows(qkv, "qkv");
   const Pool pool = pool_of(k_cache, v_cache);
   const int64_t T = qkv.size(0), D = pool.D;
@@ -393,6 +397,7 @@ void rope_store(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor slots
 // k, v [T, Hkv, D] (already rotated) stored at slots, in the pool's layout: the KV write of the
 // transformers forward's attention (attention.py), where rope_store's rotary is the model's own.
 void store_kv(at::Tensor k, at::Tensor v, at::Tensor slots, at::Tensor k_cache, at::Tensor v_cache) {
+  using namespace conveyor_fused_ops;
   const Pool pool = pool_of(k_cache, v_cache);
   TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.size(1) == pool.Hkv && k.size(2) == pool.D,
               "store_kv: k and v must be [T, Hkv, D] of the pool");
@@ -420,6 +425,7 @@ at::Tensor silu_mul(at::Tensor gu) { return act_mul(gu, 0); }
 
 // act(gate) * up for act 0 SiLU, 1 GELU-tanh.
 at::Tensor act_mul(at::Tensor gu, int64_t act) {
+  using namespace conveyor_fused_ops;
   check_rows(gu, "gate_up");
   TORCH_CHECK(gu.size(1) % 2 == 0, "gate_up width must be even");
   TORCH_CHECK(act == 0 || act == 1, "act must be 0 (SiLU) or 1 (GELU-tanh)");

@@ -40,6 +40,8 @@
 #define CONVEYOR_HAS_MXCSR 1
 #endif
 
+namespace conveyor_paged_attention {  // named: these files share a translation unit (kernels.py, _UNITS)
+
 // Attention weights of far-away keys underflow into subnormal floats, which x86 CPUs process
 // up to 100x slower; flush them to zero (FTZ + DAZ) while the kernel runs, on every worker thread.
 struct FlushDenormals {
@@ -495,11 +497,16 @@ static PoolPath pool_path(bool bf16, int64_t head_dim, int64_t block_size, int64
   return PoolPath::kFma;
 }
 
+}  // namespace conveyor_paged_attention
+
 // Whether a pool of this shape is laid out in bf16 pairs (and attended to with bf16 products). One
 // answer for the kernel, rope_store / store_kv and KVCache.
 bool kv_pairs(bool bf16, int64_t head_dim, int64_t block_size, int64_t group) {
+  using namespace conveyor_paged_attention;
   return pool_path(bf16, head_dim, block_size, group) != PoolPath::kFma;
 }
+
+namespace conveyor_paged_attention {
 
 template <typename scalar_t>
 static void paged_attention_kernel(const scalar_t* q,        // [T, H, D], rows q_stride apart
@@ -661,11 +668,14 @@ static void paged_attention_kernel(const scalar_t* q,        // [T, H, D], rows 
   });
 }
 
+}  // namespace conveyor_paged_attention
+
 // window > 0: each query sees its last `window` keys only; softcap > 0: scores capped by softcap * tanh(. /
 // softcap); sinks: [H] float32 logits, one per query head, in the softmax's denominator (or None).
 at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor tables,
                            at::Tensor token_req, at::Tensor token_ctx, int64_t block_size, double scale,
                            int64_t window, double softcap, c10::optional<at::Tensor> sinks) {
+  using namespace conveyor_paged_attention;
   TORCH_CHECK(q.dim() == 3, "q must be [T, H, D]");
   const bool pairs = k_cache.dim() == 5;
   TORCH_CHECK(pairs ? v_cache.dim() == 5 : k_cache.dim() == 4 && v_cache.dim() == 3,

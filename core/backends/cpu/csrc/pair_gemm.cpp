@@ -26,7 +26,7 @@
 #define CONVEYOR_PAIR_GEMM 1
 #endif
 
-namespace {
+namespace conveyor_pair_gemm {  // named: these files share a translation unit (kernels.py, _UNITS)
 
 constexpr int64_t PW = 32;
 constexpr int MR = 14;
@@ -96,7 +96,7 @@ void pair_gemm_impl(const c10::BFloat16* x, const c10::BFloat16* packed, const c
 
 #endif  // CONVEYOR_PAIR_GEMM
 
-}  // namespace
+}  // namespace conveyor_pair_gemm
 
 bool pair_gemm_available() {
 #ifdef CONVEYOR_PAIR_GEMM
@@ -109,6 +109,7 @@ bool pair_gemm_available() {
 // x [M, K] bf16 (K even), packed [ceil(N / 32), K / 2, 32, 2] (linears.pack_pairs), bias [N] or None
 // -> y [M, N] bf16; act 1: GELU (erf) of it, applied as each block is stored.
 at::Tensor pair_gemm(at::Tensor x, at::Tensor packed, int64_t N, c10::optional<at::Tensor> bias, int64_t act) {
+  using namespace conveyor_pair_gemm;
   TORCH_CHECK(pair_gemm_available(), "pair_gemm: this build has no AVX512-BF16");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16,
               "pair_gemm: x [M, K] and packed weights in bfloat16");

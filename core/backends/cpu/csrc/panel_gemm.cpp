@@ -28,7 +28,7 @@
 #include "row_blocks.h"
 #include "vec16.h"
 
-namespace {
+namespace conveyor_panel_gemm {  // named: these files share a translation unit (kernels.py, _UNITS)
 
 constexpr int64_t PW = 32;          // panel width: two vectors
 #ifdef CONVEYOR_AVX2
@@ -138,11 +138,12 @@ void panel_gemm_impl(const float* xf, const scalar_t* packed, const scalar_t* bi
   });
 }
 
-}  // namespace
+}  // namespace conveyor_panel_gemm
 
 // x [M, K], packed [ceil(N / 32), K, 32] (see linears.pack_panels), bias [N] or None -> [M, N]; act 1: GELU
 // (erf) of it, applied as each block is stored.
 at::Tensor panel_gemm(at::Tensor x, at::Tensor packed, int64_t N, c10::optional<at::Tensor> bias, int64_t act) {
+  using namespace conveyor_panel_gemm;
   TORCH_CHECK(x.dim() == 2 && packed.dim() == 3 && packed.size(2) == PW && x.size(1) == packed.size(1),
               "panel_gemm: x [M, K] with packed [N/32, K, 32]");
   TORCH_CHECK(packed.size(0) == (N + PW - 1) / PW, "panel_gemm: packed panels do not match N");

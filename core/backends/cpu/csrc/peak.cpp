@@ -10,7 +10,7 @@
 
 #include "vec16.h"
 
-namespace {
+namespace conveyor_peak {  // named: these files share a translation unit (kernels.py, _UNITS)
 
 constexpr int CHAINS = 12;  // independent accumulators: more than the FMA latency x throughput of current cores
 constexpr int64_t INNER = 1 << 14;
@@ -50,7 +50,7 @@ int64_t run(float* sink) {
   return INNER * CHAINS * 16;
 }
 
-}  // namespace
+}  // namespace conveyor_peak
 
 bool peak_bf16_available() {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -61,6 +61,7 @@ bool peak_bf16_available() {
 }
 
 double fma_peak_gflops(double seconds, bool bf16) {
+  using namespace conveyor_peak;
   const int threads = at::get_num_threads();
   std::vector<double> rate(threads, 0.0);
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {

@@ -17,10 +17,11 @@
 
 void check_rows(const at::Tensor& x, const char* name);  // fused_ops.cpp
 
+namespace conveyor_sampling {  // named: these files share a translation unit (kernels.py, _UNITS)
 
 // First index of the row's largest value; NaN is never the largest (a row of NaN and -inf gives 0).
 template <typename scalar_t>
-static int64_t first_max(const scalar_t* row, int64_t V) {
+int64_t first_max(const scalar_t* row, int64_t V) {
   float m = -INFINITY;
   int64_t best = 0;
   for (int64_t j = 0; j < V; ++j) {
@@ -274,11 +275,14 @@ void sample_rows_impl(const scalar_t* x, int64_t V, const int64_t* rows, const f
   });
 }
 
+}  // namespace conveyor_sampling
+
 // logits [B, V] (float32 / bf16 / fp16, contiguous), rows [n] int64 (which rows to sample), temps
 // [n] float32 (> 0), u [n] float64 in [0, 1), top_k [n] int64 (<= 0: off), top_p [n] float32 (1: off),
 // min_p [n] float32 (0: off) -> [n] int64 token ids.
 at::Tensor sample_rows(at::Tensor logits, at::Tensor rows, at::Tensor temps, at::Tensor u, at::Tensor top_k,
                        at::Tensor top_p, at::Tensor min_p) {
+  using namespace conveyor_sampling;
   check_rows(logits, "logits");
   TORCH_CHECK(logits.size(1) > 0, "logits must have at least one column");
   TORCH_CHECK(rows.scalar_type() == at::kLong && top_k.scalar_type() == at::kLong && u.scalar_type() == at::kDouble &&
@@ -308,6 +312,7 @@ at::Tensor sample_rows(at::Tensor logits, at::Tensor rows, at::Tensor temps, at:
 // x [R, V] -> [R] int64: index of each row's first maximum, like torch.argmax(x, -1), in one
 // vectorized pass per row (torch's argmax reads ~1 GB/s on this kind of CPU).
 at::Tensor argmax_rows(at::Tensor x) {
+  using namespace conveyor_sampling;
   check_rows(x, "logits");
   TORCH_CHECK(x.size(1) > 0, "logits must have at least one column");
   auto out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
