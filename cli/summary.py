@@ -82,6 +82,8 @@ def _figure_rows(s: RunSummary) -> list[tuple[str, str]]:
     if setup.model:
         ran = ", ".join(value for value in (setup.dtype, setup.backend, setup.cpu_isa) if value)
         rows.append(("model", f"{setup.model} ({ran})" if ran else setup.model))
+    if setup.batch_invariant is False:  # the backend said why on stderr as the run started
+        rows.append(("batch-invariant", "no: a record's output can change with its batch"))
     for figures, name in ((s.ttft_s, "time to first token"), (s.latency_s, "latency"), (s.queue_s, "queue time"),
                           (s.tpot_s, "time per output token")):
         if any(v is not None for v in figures.values()):

@@ -66,6 +66,7 @@ class EngineInfo:
     max_num_batched_tokens: int  # tokens a step's forward pass holds at most
     max_model_len: int  # tokens a request may hold, prompt and output
     cpu_isa: str | None = None  # the instructions of the cpu kernels it runs (kernels.cpu_isa); None off them
+    batch_invariant: bool = True  # whether it meets the exactness contract (a record's bits whatever its batch)
 
 
 @dataclass(frozen=True)
@@ -353,4 +354,4 @@ class Engine:
         return EngineInfo(model_path=getattr(getattr(self.model, "config", None), "name_or_path", None) or None,
                           dtype=dtype, backend=self.backend.name, max_num_seqs=self.config.max_num_seqs,
                           max_num_batched_tokens=self.config.max_num_batched_tokens, max_model_len=self.max_model_len,
-                          cpu_isa=self.backend.cpu_isa())
+                          cpu_isa=self.backend.cpu_isa(), batch_invariant=self.backend.inexact_reason() is None)

@@ -93,7 +93,7 @@ class PoolingEngine:
         return EngineInfo(model_path=path, dtype=dtype, backend=self.model.describe(),
                           max_num_seqs=self.config.max_num_seqs,
                           max_num_batched_tokens=self.config.max_num_batched_tokens, max_model_len=self.max_model_len,
-                          cpu_isa=self.model.packed.cpu_isa() if self.exact else None)
+                          cpu_isa=self.model.packed.cpu_isa() if self.exact else None, batch_invariant=self.exact)
 
     # -- the loop ------------------------------------------------------------------------------------------------
 

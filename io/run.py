@@ -457,7 +457,8 @@ class Run:
             path = info.model_path or model
             if Path(path).expanduser().exists():
                 path = str(Path(path).expanduser().resolve())
-        return RunSetup(model, path, info.dtype, info.backend, info.max_num_seqs, task, info.cpu_isa)
+        return RunSetup(model, path, info.dtype, info.backend, info.max_num_seqs, task, info.cpu_isa,
+                        info.batch_invariant)
 
     def _noting_keep_fields(self, records):
         """`records`, noting which --keep-fields they have (one no record has is said in the summary)."""

@@ -49,6 +49,7 @@ class RunSetup:
     max_num_seqs: int | None = None
     task: str = "generate"  # or the pooling task it ran (embed, classify, score, rerank, reward)
     cpu_isa: str | None = None  # the cpu kernels' instructions (amx, avx512bf16, avx512, avx2); None off them
+    batch_invariant: bool | None = None  # whether its backend meets the exactness contract; None where none loaded
 
 
 @dataclass(frozen=True)
@@ -134,7 +135,7 @@ class RunSummary:
             "structured_outputs_cut": self.structured_outputs_cut,
             "reuse": self.reuse, "retried_errors": self.retried_errors,
             "task": s.task, "records_per_s": self.records_per_s, "prompt_tokens_per_s": self.prompt_tokens_per_s,
-            "cpu_isa": s.cpu_isa,
+            "cpu_isa": s.cpu_isa, "batch_invariant": s.batch_invariant,
             "status": self.outcome.value,
         }
 

@@ -1,5 +1,5 @@
-"""`--cpu-isa`: the summary names the kernels' route that ran (`cpu_isa`), and a route that cannot run, or would
-change nothing, is a usage error before the model loads. (tests/core/test_avx2_route.py reruns this file on the
+"""`--cpu-isa`: the summary names the kernels' route that ran (`cpu_isa`) and whether the run was batch-invariant,
+and a route that cannot run, or would change nothing, is a usage error before the model loads. (tests/core/test_avx2_route.py reruns this file on the
 AVX2 route.)"""
 
 from __future__ import annotations
@@ -24,13 +24,17 @@ def test_the_summary_names_the_route_that_ran(records, tmp_path, tiny_model):
     assert result.code == 0, result.err
     ran = json.loads(summary.read_text())
     assert ran["cpu_isa"] == cpu_isa()
+    assert ran["batch_invariant"] is (ran["backend"] == "cpu")  # the tiny Llama runs the fused forward there
     if requested_isa() == "avx2":
         assert ran["cpu_isa"] == "avx2" and ran["backend"] == "cpu"
         info = json.loads((tmp_path / "out.jsonl.conveyor" / "run.json").read_text())
         assert info["arithmetic"].endswith(", AVX2 route")
     result = run_in_process("run", records, "-o", tmp_path / "torch.jsonl", *tiny_args(tiny_model), "--max-tokens",
                             "2", "--quiet", "--summary-json", summary, "--backend", "torch")
-    assert result.code == 0 and json.loads(summary.read_text())["cpu_isa"] is None, result.err
+    assert result.code == 0, result.err
+    ran = json.loads(summary.read_text())
+    assert ran["cpu_isa"] is None and ran["batch_invariant"] is False
+    assert "not batch-invariant" in result.err
 
 
 def test_a_cpu_isa_that_would_change_nothing_or_cannot_run_is_refused(records, tmp_path, tiny_model, monkeypatch):
