@@ -83,7 +83,7 @@ def test_a_gguf_file_is_parsed_once_inside_the_block_and_as_often_as_asked_outsi
     original = gguf.GGUFReader
     with model_loader.gguf_parsed_once():
         first = gguf.GGUFReader(path)
-        assert gguf.GGUFReader(str(path)) is first  # the same parse, however the path is spelled
+        assert gguf.GGUFReader(str(path)) is first  # the same parse, from a Path or its str
         assert first.fields["general.architecture"].contents() == "llama"
         assert [t.name for t in first.tensors] == ["token_embd.weight"]
         name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
