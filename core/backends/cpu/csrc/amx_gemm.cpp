@@ -32,6 +32,7 @@
 #endif
 
 namespace conveyor_amx_gemm {  // named: these files share a translation unit (kernels.py, _UNITS)
+namespace {  // (internal linkage, as before the files shared a unit)
 
 constexpr int64_t PANEL = 32;      // output columns per panel (two column tiles)
 constexpr int64_t KSTEP = 32;      // bf16 values of K per tile row (64 bytes)
@@ -136,6 +137,7 @@ void amx_gemm_impl(const c10::BFloat16* x, const c10::BFloat16* tail, const c10:
 
 #endif  // CONVEYOR_AMX
 
+}  // namespace
 }  // namespace conveyor_amx_gemm
 
 // CONVEYOR_NO_AMX=1 (read once per process) runs the routes of CPUs without tiles instead: AVX512-BF16

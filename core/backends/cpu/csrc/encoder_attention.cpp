@@ -20,6 +20,7 @@
 #include "vec16.h"
 
 namespace conveyor_encoder_attention {  // named: these files share a translation unit (kernels.py, _UNITS)
+namespace {  // (internal linkage, as before the files shared a unit)
 
 static inline v16f max16(v16f a, v16f b) { return select16(a > b, a, b); }
 
@@ -132,6 +133,7 @@ void attend_sequence(const scalar_t* qkv, float* out, int64_t first, int64_t L, 
   }
 }
 
+}  // namespace
 }  // namespace conveyor_encoder_attention
 
 // qkv [T, 3 * H * D] (each token's q, then k, then v; heads of D), starts [S + 1] (sequence s is rows

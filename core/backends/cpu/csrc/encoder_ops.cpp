@@ -16,6 +16,7 @@
 #include "vec16.h"
 
 namespace conveyor_encoder_ops {  // named: these files share a translation unit (kernels.py, _UNITS)
+namespace {  // (internal linkage, as before the files shared a unit)
 
 inline int64_t grain(int64_t row_elems) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(row_elems, 1)); }
 
@@ -83,6 +84,7 @@ void check(const at::Tensor& x, const char* name) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous(), name, " must be a contiguous CPU [rows, n]");
 }
 
+}  // namespace
 }  // namespace conveyor_encoder_ops
 
 // LayerNorm(h + delta) * w + b, row by row (w, b in h's dtype).

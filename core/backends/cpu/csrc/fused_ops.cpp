@@ -27,6 +27,7 @@
 #include "vec16.h"
 
 namespace conveyor_fused_ops {  // named: these files share a translation unit (kernels.py, _UNITS)
+namespace {  // (internal linkage, as before the files shared a unit)
 
 // Round a float through scalar_t (a no-op for float): mimics torch storing an intermediate.
 template <typename scalar_t>
@@ -306,6 +307,7 @@ void act_mul_rows(const scalar_t* gu, scalar_t* out, int64_t T, int64_t I, Vec v
   });
 }
 
+}  // namespace
 }  // namespace conveyor_fused_ops
 
 // Shared with sampling.cpp.

@@ -27,6 +27,7 @@
 #endif
 
 namespace conveyor_pair_gemm {  // named: these files share a translation unit (kernels.py, _UNITS)
+namespace {  // (internal linkage, as before the files shared a unit)
 
 constexpr int64_t PW = 32;
 constexpr int MR = 14;
@@ -96,6 +97,7 @@ void pair_gemm_impl(const c10::BFloat16* x, const c10::BFloat16* packed, const c
 
 #endif  // CONVEYOR_PAIR_GEMM
 
+}  // namespace
 }  // namespace conveyor_pair_gemm
 
 bool pair_gemm_available() {

@@ -29,6 +29,7 @@
 #include "vec16.h"
 
 namespace conveyor_panel_gemm {  // named: these files share a translation unit (kernels.py, _UNITS)
+namespace {  // (internal linkage, as before the files shared a unit)
 
 constexpr int64_t PW = 32;          // panel width: two vectors
 #ifdef CONVEYOR_AVX2
@@ -138,6 +139,7 @@ void panel_gemm_impl(const float* xf, const scalar_t* packed, const scalar_t* bi
   });
 }
 
+}  // namespace
 }  // namespace conveyor_panel_gemm
 
 // x [M, K], packed [ceil(N / 32), K, 32] (see linears.pack_panels), bias [N] or None -> [M, N]; act 1: GELU

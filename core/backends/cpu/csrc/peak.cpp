@@ -11,6 +11,7 @@
 #include "vec16.h"
 
 namespace conveyor_peak {  // named: these files share a translation unit (kernels.py, _UNITS)
+namespace {  // (internal linkage, as before the files shared a unit)
 
 constexpr int CHAINS = 12;  // independent accumulators: more than the FMA latency x throughput of current cores
 constexpr int64_t INNER = 1 << 14;
@@ -50,6 +51,7 @@ int64_t run(float* sink) {
   return INNER * CHAINS * 16;
 }
 
+}  // namespace
 }  // namespace conveyor_peak
 
 bool peak_bf16_available() {

@@ -21,7 +21,7 @@ namespace conveyor_sampling {  // named: these files share a translation unit (k
 
 // First index of the row's largest value; NaN is never the largest (a row of NaN and -inf gives 0).
 template <typename scalar_t>
-int64_t first_max(const scalar_t* row, int64_t V) {
+static int64_t first_max(const scalar_t* row, int64_t V) {
   float m = -INFINITY;
   int64_t best = 0;
   for (int64_t j = 0; j < V; ++j) {
