@@ -1,6 +1,6 @@
 """`--cpu-isa`: the summary names the kernels' route that ran (`cpu_isa`) and whether the run was batch-invariant,
-and a route that cannot run, or would change nothing, is a usage error before the model loads. (tests/core/test_avx2_route.py reruns this file on the
-AVX2 route.)"""
+and a route that cannot run, or would change nothing, is a usage error before the model loads.
+(tests/core/test_avx2_route.py reruns this file on the AVX2 route.)"""
 
 from __future__ import annotations
 
