@@ -47,6 +47,6 @@ def _runs_avx2_as_well() -> bool:
 def test_the_avx2_route_in_a_child_process():
     args = [*(str(TESTS / t) for t in ON_THE_ROUTE), *_families_on_the_cpu_route()]
     env = {**os.environ, "CONVEYOR_CPU_ISA": "avx2"}
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args], env=env,
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", *args], env=env,
                           capture_output=True, text=True, timeout=1500)
     assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-4000:] + done.stderr[-2000:]

@@ -209,6 +209,6 @@ def test_every_row_of_an_moe_mlp_equals_that_row_alone(dtype, m, seed, weights_i
 @pytest.mark.skipif(ops is None or not ops.amx_gemm_available() or os.environ.get("CONVEYOR_NO_AMX") == "1",
                     reason="no AMX here: the routes without tiles are the ones tested above")
 def test_the_routes_of_cpus_without_amx_in_a_child_process():
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", __file__],
                           env={**os.environ, "CONVEYOR_NO_AMX": "1"}, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-3000:] + done.stderr[-2000:]
