@@ -78,6 +78,8 @@ def test_seeded_sampling_is_independent_of_batch_composition_and_row_order(sampl
     for i, token in alone.items():
         assert together[i] == token
         assert shuffled[perm.index(i)] == token
+    greedy = [i for i, p in enumerate(params) if p.temperature == 0]  # the greedy rows among the sampled ones
+    assert greedy and all(together[i] == logits[i].argmax().item() for i in greedy)
 
 
 def test_different_seeds_give_different_tokens(sampler):
