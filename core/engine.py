@@ -65,8 +65,8 @@ class EngineInfo:
     max_num_seqs: int  # requests a step runs at most
     max_num_batched_tokens: int  # tokens a step's forward pass holds at most
     max_model_len: int  # tokens a request may hold, prompt and output
+    batch_invariant: bool  # whether it meets the exactness contract (a record's bits whatever its batch)
     cpu_isa: str | None = None  # the instructions of the cpu kernels it runs (kernels.cpu_isa); None off them
-    batch_invariant: bool = True  # whether it meets the exactness contract (a record's bits whatever its batch)
 
 
 @dataclass(frozen=True)
