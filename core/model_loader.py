@@ -8,6 +8,7 @@ cached as a safetensors folder under the user's cache directory, so later loads 
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import os
 import subprocess
@@ -275,15 +276,19 @@ def _fetch_gguf(spec: EmbeddedModel, tmp: Path) -> Path:
 
 @contextlib.contextmanager
 def gguf_parsed_once():
-    """Within the block, each GGUF file is parsed once and gguf's tensor-name map built once per architecture.
-    transformers parses a file's metadata again for its tokenizer, its config and its weights (each parse reads the
-    whole vocabulary as Python objects), and builds the name map again for every module of the model: the embedded
-    default's first conversion took 29 s on 2 cores, 15 s without the repeats. Both are pure reads of the file, so
-    what loads is the same."""
+    """Within the block, each GGUF file is parsed once, its metadata turned into transformers' dicts once, and gguf's
+    tensor-name map built once per architecture. transformers parses a file's metadata again for its tokenizer, its
+    config and its weights (each parse reads the whole vocabulary as Python objects, then converts every value of it
+    again), and builds the name map again for every module of the model: the embedded default's first conversion
+    took 29 s on 2 cores, 15 s without the repeats. All are pure reads of the file (each caller gets its own copy of
+    the dicts), so what loads is the same."""
     import gguf
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
 
     reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    checkpoint = gguf_utils.load_gguf_checkpoint
     readers: dict = {}
+    metadata: dict = {}
 
     def reader(path, mode="r"):
         key = (os.fspath(path), mode)
@@ -291,11 +296,21 @@ def gguf_parsed_once():
             readers[key] = reader_class(path, mode)
         return readers[key]
 
+    def metadata_once(path, return_tensors=False, *args, **kwargs):
+        if return_tensors or args or kwargs:  # the weights: read once anyway
+            return checkpoint(path, return_tensors, *args, **kwargs)
+        key = os.fspath(path)
+        if key not in metadata:
+            metadata[key] = checkpoint(path)
+        return copy.deepcopy(metadata[key])
+
     gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.lru_cache(maxsize=None)(name_map)
+    gguf_utils.load_gguf_checkpoint = metadata_once
     try:
         yield
     finally:
         gguf.GGUFReader, gguf.get_tensor_name_map = reader_class, name_map
+        gguf_utils.load_gguf_checkpoint = checkpoint
 
 
 def _convert_gguf(gguf: Path, out: Path) -> None:
@@ -311,12 +326,16 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     config.dtype = torch.float32
-    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    missing, unexpected = plain.load_state_dict(quantized.state_dict(), strict=False)
+    with torch.device("meta"):  # no random weights made only to be replaced (1.3 s of the first conversion)
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = plain.load_state_dict(quantized.state_dict(), strict=False, assign=True)
     missing = [k for k in missing if k not in getattr(plain, "_tied_weights_keys", {})]
     if missing or unexpected:
         raise ModelLoadError(f"converting {gguf}: weights do not match the config (missing {missing[:3]}, "
                              f"unexpected {unexpected[:3]})")
+    plain.tie_weights()
+    if any(p.is_meta for p in plain.state_dict().values()):
+        raise ModelLoadError(f"converting {gguf}: the file does not hold every weight of the model")
     plain.generation_config = quantized.generation_config
     plain.save_pretrained(out)
     tokenizer.save_pretrained(out)

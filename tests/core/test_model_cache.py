@@ -91,3 +91,26 @@ def test_a_gguf_file_is_parsed_once_inside_the_block_and_as_often_as_asked_outsi
         assert name_map.get_name("model.embed_tokens") == "token_embd"
     assert gguf.GGUFReader is original
     assert gguf.GGUFReader(path) is not gguf.GGUFReader(path)
+
+
+def test_a_gguf_files_metadata_is_converted_once_inside_the_block_and_each_caller_gets_its_own_copy(tmp_path,
+                                                                                                   monkeypatch):
+    pytest.importorskip("gguf")
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    calls = []
+
+    def checkpoint(path, return_tensors=False, *args, **kwargs):
+        calls.append((path, return_tensors))
+        return {"config": {"model_type": "llama", "layers": [1, 2]}, "tokenizer": {}}
+
+    monkeypatch.setattr(gguf_utils, "load_gguf_checkpoint", checkpoint)
+    path = tmp_path / "tiny.gguf"
+    with model_loader.gguf_parsed_once():
+        first = gguf_utils.load_gguf_checkpoint(path)
+        first["config"]["layers"].append(3)  # a caller's changes stay its own
+        second = gguf_utils.load_gguf_checkpoint(str(path), return_tensors=False)
+        assert second == {"config": {"model_type": "llama", "layers": [1, 2]}, "tokenizer": {}}
+        gguf_utils.load_gguf_checkpoint(path, return_tensors=True)  # the weights: read each time they are asked for
+    assert calls == [(path, False), (path, True)]
+    assert gguf_utils.load_gguf_checkpoint is checkpoint
