@@ -13,9 +13,9 @@ ops = cpu_kernels()
 pytestmark = pytest.mark.skipif(ops is None, reason="no C++ kernels here (no compiler, or a CPU without "
                                                     "AVX-512): the torch fallback is tested instead")
 
-# (layout, dtype): the plain layout's FMA path in float32 and bf16, and the bf16 products of the pair layout
-# where this CPU has them (AMX tiles, or AVX512-BF16 vectors).
-ROUTES = [("plain", torch.float32), ("plain", torch.bfloat16),
+# (layout, dtype): the plain layout's FMA path in float32, bf16 and float16 (over float32 copies of its K/V), and
+# the bf16 products of the pair layout where this CPU has them (AMX tiles, or AVX512-BF16 vectors).
+ROUTES = [("plain", torch.float32), ("plain", torch.bfloat16), ("plain", torch.float16),
           pytest.param("pairs", torch.bfloat16, marks=pytest.mark.skipif(
               ops is None or not ops.kv_pairs(True, 64, 16, 3), reason="no bf16 products on this CPU"))]
 
@@ -52,7 +52,7 @@ def _check_reference(out, q, keys, values, tables, reqs, ctxs, block_size, dtype
         assert torch.allclose(out[i].double(), want, atol=tol, rtol=tol), (i, c)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("head_dim, block_size, heads", [(64, 16, (9, 3)), (128, 16, (4, 4)), (32, 16, (8, 2)),
                                                          (16, 4, (4, 2)), (64, 8, (6, 3)),
                                                          (64, 16, (20, 2))])  # a group of 10: two passes
@@ -63,6 +63,19 @@ def test_plain_pool_matches_a_dense_reference(dtype, head_dim, block_size, heads
     q = torch.randn(len(contexts), heads[0], head_dim, generator=g).to(dtype)
     out = _attend(q, kv, tables, range(len(contexts)), contexts)
     _check_reference(out, q, keys, values, tables, range(len(contexts)), contexts, block_size, dtype)
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+def test_float16_is_float32_over_the_same_values_rounded_once(head_dim):
+    """float16 attends over float32 copies of its keys and values: every output is float32's over the same (widened)
+    q, keys and values, rounded to float16 once, bit for bit, for decodes and prompt chunks alike."""
+    g = torch.Generator().manual_seed(head_dim)
+    contexts, rows = _LARGE_STEP
+    kv, keys, values, tables = _pool(contexts, (9, 3), head_dim, 16, "plain", torch.float16, g)
+    wide = filled_pool(keys.float(), values.float(), 16, "plain")
+    q = torch.randn(len(rows), 9, head_dim, generator=g).half()
+    reqs, ctxs = [r for r, _ in rows], [c for _, c in rows]
+    assert torch.equal(_attend(q, kv, tables, reqs, ctxs), _attend(q.float(), wide, tables, reqs, ctxs).half())
 
 
 @pytest.mark.parametrize("layout, dtype", ROUTES)

@@ -45,9 +45,9 @@ _CSRC = Path(__file__).parent / "csrc"
 # so that the ATen and pybind11 headers (5 and 9 s a unit on 2 cores, most of a small file's time) are parsed once a
 # unit instead of once a file; the two take about the same time. Each file keeps its internals in a namespace named
 # after it, so that the files of a unit cannot take each other's helpers.
-_UNITS = (("paged_attention.cpp", "fused_ops.cpp", "sampling.cpp"),
-          ("bindings.cpp", "decoder.cpp", "panel_gemm.cpp", "pair_gemm.cpp", "amx_gemm.cpp", "encoder_attention.cpp",
-           "encoder_ops.cpp", "peak.cpp"))
+_UNITS = (("paged_attention.cpp", "fused_ops.cpp", "sampling.cpp", "panel_gemm.cpp"),
+          ("bindings.cpp", "decoder.cpp", "pair_gemm.cpp", "amx_gemm.cpp", "encoder_attention.cpp", "encoder_ops.cpp",
+           "peak.cpp"))
 _module = None
 _tried = False
 _why_not: str | None = None  # why cpu_kernels() is None, once it is
@@ -249,10 +249,11 @@ def _import_extension(name: str, library: Path):
 
 def build_tag() -> str:
     """What a build depends on, hashed: the CPU (`cpu_tag`), torch's version (its ABI), the compiler
-    flags and every file of `csrc/` (headers included). A change to any of them builds afresh."""
+    flags, the translation units (`_UNITS`: what a unit may inline) and every file of `csrc/` (headers included). A
+    change to any of them builds afresh."""
     import torch
 
-    h = hashlib.sha256(f"{cpu_tag()}|{torch.__version__}|{' '.join(_cflags())}".encode())
+    h = hashlib.sha256(f"{cpu_tag()}|{torch.__version__}|{' '.join(_cflags())}|{_UNITS}".encode())
     for path in sorted(_CSRC.iterdir()):
         if path.is_file():
             h.update(path.name.encode() + b"\0" + path.read_bytes())

@@ -580,6 +580,8 @@ static void paged_attention_kernel(const scalar_t* q,        // [T, H, D], rows 
     FlushDenormals ftz;
     std::vector<float> qf(R * G * D), out_f((R * G + 15) / 16 * 16 * D), scores;
     std::vector<Span> spans(R * G);
+    std::vector<float> wide_k, wide_v;  // float16 only: the task's keys and values widened
+    std::vector<int64_t> wide_table;
 #ifdef CONVEYOR_AMX
     bool tiles = false;
 #endif
@@ -644,15 +646,42 @@ static void paged_attention_kernel(const scalar_t* q,        // [T, H, D], rows 
         for (int64_t g = 0; g < G; ++g)  // query vector r * G + g: row t0 + r, head h * G + g
           for (int64_t d = 0; d < D; ++d)
             qf[(r * G + g) * D + d] = static_cast<float>(q[(t0 + r) * q_stride + (h * G + g) * D + d]) * scale;
-      if (fast && D == 64) {
-        attend_dispatch<4>(qf.data(), k_cache, v_cache, table, ctx, spans.data(), softcap, h, vecs, Hkv,
-                           scores.data(), out_f.data());
-      } else if (fast && D == 128) {
-        attend_dispatch<8>(qf.data(), k_cache, v_cache, table, ctx, spans.data(), softcap, h, vecs, Hkv,
-                           scores.data(), out_f.data());
-      } else if (fast && D == 32) {
-        attend_dispatch<2>(qf.data(), k_cache, v_cache, table, ctx, spans.data(), softcap, h, vecs, Hkv,
-                           scores.data(), out_f.data());
+      if (fast) {
+        // float16 attends over float32 copies of the task's keys and values, in a pool of one KV head whose
+        // blocks are in table order: widening is exact, so the bits are those of float16 read in place, and
+        // the build does not compile every head dim x query vectors variant of the fast path a third time
+        // (float16 is no default on a CPU; its attention pays one more pass over its keys and values).
+        auto widened = [&](auto&& attend) {
+          if constexpr (std::is_same_v<scalar_t, c10::Half>) {
+            const int64_t nb = (ctx + bs - 1) / bs;
+            wide_k.resize(nb * D * bs);
+            wide_v.resize(nb * bs * D);
+            wide_table.resize(nb);
+            for (int64_t b = 0; b < nb; ++b) {
+              wide_table[b] = b;
+              const scalar_t* kb = k_cache + (table[b] * Hkv + h) * D * bs;
+              for (int64_t j = 0; j < D * bs; ++j) wide_k[b * D * bs + j] = static_cast<float>(kb[j]);
+              for (int64_t o = 0; o < bs; ++o) {
+                const scalar_t* vr = v_cache + ((table[b] * bs + o) * Hkv + h) * D;
+                for (int64_t d = 0; d < D; ++d) wide_v[(b * bs + o) * D + d] = static_cast<float>(vr[d]);
+              }
+            }
+            attend(wide_k.data(), wide_v.data(), wide_table.data(), int64_t{0}, int64_t{1});
+          } else {
+            attend(k_cache, v_cache, table, h, Hkv);
+          }
+        };
+        widened([&](const auto* kc, const auto* vc, const int64_t* tb, int64_t kh, int64_t nkh) {
+          if (D == 64)
+            attend_dispatch<4>(qf.data(), kc, vc, tb, ctx, spans.data(), softcap, kh, vecs, nkh, scores.data(),
+                               out_f.data());
+          else if (D == 128)
+            attend_dispatch<8>(qf.data(), kc, vc, tb, ctx, spans.data(), softcap, kh, vecs, nkh, scores.data(),
+                               out_f.data());
+          else
+            attend_dispatch<2>(qf.data(), kc, vc, tb, ctx, spans.data(), softcap, kh, vecs, nkh, scores.data(),
+                               out_f.data());
+        });
       } else {  // R == 1 here
         attend_generic(qf.data(), k_cache, v_cache, table, ctx, spans.data(), softcap, h, G, Hkv, D, bs, scores.data(),
                        out_f.data());
