@@ -231,6 +231,19 @@ static void attend_dispatch(const float* qf, const scalar_t* k_cache, const scal
   }
 }
 
+// The fast path (block size 16) at head dim D: 32, 64 or 128.
+template <typename scalar_t>
+static void attend_fast(int64_t D, const float* qf, const scalar_t* k_cache, const scalar_t* v_cache,
+                        const int64_t* table, int64_t ctx, const Span* spans, float softcap, int64_t h, int64_t vecs,
+                        int64_t Hkv, float* scores, float* out_f) {
+  if (D == 64)
+    attend_dispatch<4>(qf, k_cache, v_cache, table, ctx, spans, softcap, h, vecs, Hkv, scores, out_f);
+  else if (D == 128)
+    attend_dispatch<8>(qf, k_cache, v_cache, table, ctx, spans, softcap, h, vecs, Hkv, scores, out_f);
+  else
+    attend_dispatch<2>(qf, k_cache, v_cache, table, ctx, spans, softcap, h, vecs, Hkv, scores, out_f);
+}
+
 // Any block size / head_dim: plain loops.
 template <typename scalar_t>
 static void attend_generic(const float* __restrict__ qf, const scalar_t* __restrict__ k_cache,
@@ -651,37 +664,26 @@ static void paged_attention_kernel(const scalar_t* q,        // [T, H, D], rows 
         // blocks are in table order: widening is exact, so the bits are those of float16 read in place, and
         // the build does not compile every head dim x query vectors variant of the fast path a third time
         // (float16 is no default on a CPU; its attention pays one more pass over its keys and values).
-        auto widened = [&](auto&& attend) {
-          if constexpr (std::is_same_v<scalar_t, c10::Half>) {
-            const int64_t nb = (ctx + bs - 1) / bs;
-            wide_k.resize(nb * D * bs);
-            wide_v.resize(nb * bs * D);
-            wide_table.resize(nb);
-            for (int64_t b = 0; b < nb; ++b) {
-              wide_table[b] = b;
-              const scalar_t* kb = k_cache + (table[b] * Hkv + h) * D * bs;
-              for (int64_t j = 0; j < D * bs; ++j) wide_k[b * D * bs + j] = static_cast<float>(kb[j]);
-              for (int64_t o = 0; o < bs; ++o) {
-                const scalar_t* vr = v_cache + ((table[b] * bs + o) * Hkv + h) * D;
-                for (int64_t d = 0; d < D; ++d) wide_v[(b * bs + o) * D + d] = static_cast<float>(vr[d]);
-              }
+        if constexpr (std::is_same_v<scalar_t, c10::Half>) {
+          const int64_t nb = (ctx + bs - 1) / bs;
+          wide_k.resize(nb * D * bs);
+          wide_v.resize(nb * bs * D);
+          wide_table.resize(nb);
+          for (int64_t b = 0; b < nb; ++b) {
+            wide_table[b] = b;
+            const scalar_t* kb = k_cache + (table[b] * Hkv + h) * D * bs;
+            for (int64_t j = 0; j < D * bs; ++j) wide_k[b * D * bs + j] = static_cast<float>(kb[j]);
+            for (int64_t o = 0; o < bs; ++o) {
+              const scalar_t* vr = v_cache + ((table[b] * bs + o) * Hkv + h) * D;
+              for (int64_t d = 0; d < D; ++d) wide_v[(b * bs + o) * D + d] = static_cast<float>(vr[d]);
             }
-            attend(wide_k.data(), wide_v.data(), wide_table.data(), int64_t{0}, int64_t{1});
-          } else {
-            attend(k_cache, v_cache, table, h, Hkv);
           }
-        };
-        widened([&](const auto* kc, const auto* vc, const int64_t* tb, int64_t kh, int64_t nkh) {
-          if (D == 64)
-            attend_dispatch<4>(qf.data(), kc, vc, tb, ctx, spans.data(), softcap, kh, vecs, nkh, scores.data(),
-                               out_f.data());
-          else if (D == 128)
-            attend_dispatch<8>(qf.data(), kc, vc, tb, ctx, spans.data(), softcap, kh, vecs, nkh, scores.data(),
-                               out_f.data());
-          else
-            attend_dispatch<2>(qf.data(), kc, vc, tb, ctx, spans.data(), softcap, kh, vecs, nkh, scores.data(),
-                               out_f.data());
-        });
+          attend_fast(D, qf.data(), wide_k.data(), wide_v.data(), wide_table.data(), ctx, spans.data(), softcap, 0,
+                      vecs, 1, scores.data(), out_f.data());
+        } else {
+          attend_fast(D, qf.data(), k_cache, v_cache, table, ctx, spans.data(), softcap, h, vecs, Hkv, scores.data(),
+                      out_f.data());
+        }
       } else {  // R == 1 here
         attend_generic(qf.data(), k_cache, v_cache, table, ctx, spans.data(), softcap, h, G, Hkv, D, bs, scores.data(),
                        out_f.data());
