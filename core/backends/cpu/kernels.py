@@ -19,7 +19,7 @@ behind (`cache_build.py`), and later runs import the cached library directly.
 Set CONVEYOR_NO_KERNELS=1 to force the torch backend, CONVEYOR_KERNEL_ARCH to build the native route for a named
 -march instead of this CPU, CONVEYOR_NO_AMX=1 to run the routes of CPUs without AMX tiles on one that has them. The
 kernel sources include only the ATen headers they use, not torch/extension.h, and compile as two translation units
-side by side (`_UNITS`): the first build takes about 30 s on 2 cores, on a thread beside the model's conversion and
+side by side (`_UNITS`): the first build takes about 25 s on 2 cores, on a thread beside the model's conversion and
 load (`build_in_background`).
 """
 
@@ -42,12 +42,13 @@ from conveyor.core.cache_build import cache_dir, cached_build
 _NAME = "conveyor_cpu_kernels"
 _CSRC = Path(__file__).parent / "csrc"
 # The build's two translation units, compiled side by side: each the `csrc/` files listed, included into one unit,
-# so that the ATen and pybind11 headers (5 and 9 s a unit on 2 cores, most of a small file's time) are parsed once a
-# unit instead of once a file; the two take about the same time. Each file keeps its internals in a namespace named
-# after it, so that the files of a unit cannot take each other's helpers.
-_UNITS = (("paged_attention.cpp", "fused_ops.cpp", "sampling.cpp", "panel_gemm.cpp"),
-          ("bindings.cpp", "decoder.cpp", "pair_gemm.cpp", "amx_gemm.cpp", "encoder_attention.cpp", "encoder_ops.cpp",
-           "peak.cpp"))
+# so that the ATen and pybind11 headers (2-4 and 6-9 s a unit on 2 cores, most of a small file's time) are parsed once
+# a unit instead of once a file; the two take about the same time. Only the second (pybind11, the decoder's torch ops)
+# includes more of ATen than `ATen/core/Tensor.h`: outputs are made with `new_empty`, not `at::empty`, whose header
+# alone cost 2 s more. Each file keeps its internals in a namespace named after it, so that the files of a unit cannot
+# take each other's helpers.
+_UNITS = (("paged_attention.cpp", "fused_ops.cpp", "sampling.cpp", "panel_gemm.cpp", "pair_gemm.cpp"),
+          ("bindings.cpp", "decoder.cpp", "amx_gemm.cpp", "encoder_attention.cpp", "encoder_ops.cpp", "peak.cpp"))
 _module = None
 _tried = False
 _why_not: str | None = None  # why cpu_kernels() is None, once it is
@@ -110,7 +111,7 @@ def _load():
         def build(scratch: Path) -> Path:
             from torch.utils.cpp_extension import load
 
-            sys.stderr.write(f"conveyor: compiling the C++ CPU kernels once, beside the model's load (about 30 s "
+            sys.stderr.write(f"conveyor: compiling the C++ CPU kernels once, beside the model's load (about 25 s "
                              f"on 2 cores; cached in {folder})\n")
             start = time.monotonic()
             built.append(load(name=name, sources=unit_sources(scratch), build_directory=str(scratch),

@@ -15,8 +15,6 @@
 // also asks the kernel for permission to use the tile registers (Linux >= 5.16). Elsewhere the
 // engine keeps oneDNN.
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <algorithm>
@@ -167,14 +165,14 @@ at::Tensor amx_gemm(at::Tensor x, at::Tensor packed, int64_t N, c10::optional<at
   TORCH_CHECK(K % KSTEP == 0 && packed.is_contiguous() && packed.dim() == 6 && packed.size(1) == K / KSTEP &&
                   packed.size(0) == (N + PANEL - 1) / PANEL,
               "amx_gemm: packed weights do not match x [M, K] and N");
-  auto y = at::empty({M, N}, x.options());
+  auto y = x.new_empty({M, N});
   if (M == 0) return y;
 #ifdef CONVEYOR_AMX
   auto xc = x.contiguous();
   const int64_t full_rows = M / 16 * 16;
   at::Tensor tail;  // the last M % 16 rows, zero-padded to a whole tile; only when there are some
   if (full_rows < M) {
-    tail = at::zeros({16, K}, x.options());
+    tail = x.new_zeros({16, K});
     std::memcpy(tail.data_ptr<c10::BFloat16>(), xc.data_ptr<c10::BFloat16>() + full_rows * K,
                 (M - full_rows) * K * sizeof(c10::BFloat16));
   }

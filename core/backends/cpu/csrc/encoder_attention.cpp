@@ -7,7 +7,6 @@
 // at a time). Exactness: a row's arithmetic depends on its own sequence only (its length and values), in a fixed
 // order, so it is the same bits alone and packed with any others.
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
 #include <ATen/Dispatch_v2.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -147,7 +146,7 @@ at::Tensor packed_attention(at::Tensor qkv, at::Tensor starts, int64_t heads, do
   const int64_t S = starts.size(0) - 1;
   const int64_t* st = starts.data_ptr<int64_t>();
   TORCH_CHECK(S >= 1 && st[0] == 0 && st[S] == T, "starts must run from 0 to the row count");
-  auto out = at::empty({T, H * D}, qkv.options().dtype(at::kFloat));
+  auto out = qkv.new_empty({T, H * D}, qkv.options().dtype(at::kFloat));
   AT_DISPATCH_V2(qkv.scalar_type(), "packed_attention", AT_WRAP([&] {
     const scalar_t* in = qkv.data_ptr<scalar_t>();
     float* o = out.data_ptr<float>();

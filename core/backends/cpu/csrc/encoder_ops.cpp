@@ -3,8 +3,6 @@
 // kernel as it stores: `act` of the linears). Each row (each sequence) is computed on its own, in a fixed order:
 // the same bits whatever rows share the step.
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
 #include <ATen/Dispatch_v2.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -96,7 +94,7 @@ at::Tensor add_layer_norm(at::Tensor h, at::Tensor delta, at::Tensor w, at::Tens
   TORCH_CHECK(w.numel() == h.size(1) && b.numel() == h.size(1) && w.scalar_type() == h.scalar_type() &&
               b.scalar_type() == h.scalar_type(), "w and b must be [n] in h's dtype");
   auto wc = w.contiguous(), bc = b.contiguous();
-  auto y = at::empty_like(h);
+  auto y = h.new_empty(h.sizes());
   AT_DISPATCH_V2(h.scalar_type(), "add_layer_norm", AT_WRAP([&] {
     add_layer_norm_rows<scalar_t>(h.data_ptr<scalar_t>(), delta.data_ptr<scalar_t>(), wc.data_ptr<scalar_t>(),
                                   bc.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(), h.size(0), h.size(1),
@@ -112,7 +110,7 @@ at::Tensor mean_pool(at::Tensor h, at::Tensor starts) {
   check(h, "h");
   starts = starts.contiguous();
   const int64_t S = starts.size(0) - 1;
-  auto out = at::empty({S, h.size(1)}, h.options().dtype(at::kFloat));
+  auto out = h.new_empty({S, h.size(1)}, h.options().dtype(at::kFloat));
   AT_DISPATCH_V2(h.scalar_type(), "mean_pool", AT_WRAP([&] {
     mean_rows<scalar_t>(h.data_ptr<scalar_t>(), starts.data_ptr<int64_t>(), out.data_ptr<float>(), S, h.size(1));
   }), at::kFloat, at::kBFloat16, at::kHalf);

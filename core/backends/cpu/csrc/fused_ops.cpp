@@ -11,8 +11,6 @@
 // 7-21% faster at 167 and 653 rows, bit for bit the same results.
 #pragma GCC optimize("fp-contract=off")
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
 #include <ATen/Dispatch_v2.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -330,7 +328,7 @@ at::Tensor rms_norm(at::Tensor h, c10::optional<at::Tensor> delta, at::Tensor w,
     TORCH_CHECK(delta->sizes() == h.sizes() && delta->scalar_type() == h.scalar_type(), "residual delta mismatch");
   }
   auto wc = w.contiguous();
-  auto y = at::empty_like(h);
+  auto y = h.new_empty(h.sizes());
   AT_DISPATCH_V2(h.scalar_type(), "rms_norm", AT_WRAP([&] {
     rms_norm_rows<scalar_t>(h.data_ptr<scalar_t>(), delta.has_value() ? delta->data_ptr<scalar_t>() : nullptr,
                             float_w ? nullptr : wc.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(), h.size(0), h.size(1),
@@ -432,7 +430,7 @@ at::Tensor act_mul(at::Tensor gu, int64_t act) {
   TORCH_CHECK(gu.size(1) % 2 == 0, "gate_up width must be even");
   TORCH_CHECK(act == 0 || act == 1, "act must be 0 (SiLU) or 1 (GELU-tanh)");
   const int64_t T = gu.size(0), I = gu.size(1) / 2;
-  auto out = at::empty({T, I}, gu.options());
+  auto out = gu.new_empty({T, I});
   AT_DISPATCH_V2(gu.scalar_type(), "act_mul", AT_WRAP([&] {
     const scalar_t* g = gu.data_ptr<scalar_t>();
     scalar_t* o = out.data_ptr<scalar_t>();

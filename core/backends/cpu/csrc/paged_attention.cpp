@@ -19,7 +19,6 @@
 // later keys get weight exactly 0, and adding 0 x v changes no sum); every sum runs in key order. So a
 // row's output is the same alone and in any step (tests/core/test_exactness_kernels.py).
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
 #include <ATen/Dispatch_v2.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -738,7 +737,7 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                 "sinks must be [num_heads] float32");
     variant.sinks = sink_values.data_ptr<float>();
   }
-  auto out = at::empty({T, H, D}, q.options());
+  auto out = q.new_empty({T, H, D});
   AT_DISPATCH_V2(q.scalar_type(), "paged_attention", AT_WRAP([&] {
     paged_attention_kernel<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
                                      v_cache.data_ptr<scalar_t>(), tables.data_ptr<int64_t>(),

@@ -12,7 +12,6 @@
 // x broadcast a pair at a time from the rows themselves, rows in L2-sized chunks, the next panel
 // prefetched by the chunk's row blocks between them.
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <algorithm>
@@ -119,7 +118,7 @@ at::Tensor pair_gemm(at::Tensor x, at::Tensor packed, int64_t N, c10::optional<a
   TORCH_CHECK(K % 2 == 0 && packed.is_contiguous() && packed.dim() == 4 && packed.size(1) == K / 2 &&
                   packed.size(2) == PW && packed.size(3) == 2 && packed.size(0) == (N + PW - 1) / PW,
               "pair_gemm: packed weights do not match x [M, K] and N");
-  auto y = at::empty({M, N}, x.options());
+  auto y = x.new_empty({M, N});
   if (M == 0) return y;
 #ifdef CONVEYOR_PAIR_GEMM
   auto xc = x.contiguous();

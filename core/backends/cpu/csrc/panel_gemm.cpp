@@ -16,7 +16,6 @@
 // whole panel's time instead of bursting in its first block. Float32, bf16 and fp16 weights (the latter
 // two widened to float as loaded).
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
 #include <ATen/Dispatch_v2.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -153,7 +152,7 @@ at::Tensor panel_gemm(at::Tensor x, at::Tensor packed, int64_t N, c10::optional<
               "panel_gemm: packed must be contiguous, in x's dtype");
   const int64_t M = x.size(0), K = x.size(1);
   auto xf = x.to(at::kFloat).contiguous();
-  auto y = at::empty({M, N}, x.options());
+  auto y = x.new_empty({M, N});
   if (M == 0) return y;
   c10::optional<at::Tensor> b;
   if (bias.has_value() && bias->defined()) {

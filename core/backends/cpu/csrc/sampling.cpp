@@ -2,7 +2,6 @@
 // top-k / top-p / min-p by inverse CDF. Rows never share work, so a row's token depends on its own
 // logits, parameters and draw only.
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
 #include <ATen/Dispatch_v2.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -300,7 +299,7 @@ at::Tensor sample_rows(at::Tensor logits, at::Tensor rows, at::Tensor temps, at:
               "rows, temps, u, top_k, top_p and min_p must have one entry per sampled row");
   const int64_t* r = rows.data_ptr<int64_t>();
   for (int64_t k = 0; k < n; ++k) TORCH_CHECK(r[k] >= 0 && r[k] < logits.size(0), "row index out of range");
-  auto out = at::empty({n}, rows.options());
+  auto out = rows.new_empty({n});
   AT_DISPATCH_V2(logits.scalar_type(), "sample_rows", AT_WRAP([&] {
     sample_rows_impl<scalar_t>(logits.data_ptr<scalar_t>(), logits.size(1), r, temps.data_ptr<float>(),
                                u.data_ptr<double>(), top_k.data_ptr<int64_t>(), top_p.data_ptr<float>(),
@@ -315,7 +314,7 @@ at::Tensor argmax_rows(at::Tensor x) {
   using namespace conveyor_sampling;
   check_rows(x, "logits");
   TORCH_CHECK(x.size(1) > 0, "logits must have at least one column");
-  auto out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
+  auto out = x.new_empty({x.size(0)}, x.options().dtype(at::kLong));
   AT_DISPATCH_V2(x.scalar_type(), "argmax_rows", AT_WRAP([&] {
     argmax_rows_impl<scalar_t>(x.data_ptr<scalar_t>(), out.data_ptr<int64_t>(), x.size(0), x.size(1));
   }), at::kFloat, at::kBFloat16, at::kHalf);
