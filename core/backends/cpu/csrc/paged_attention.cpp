@@ -398,6 +398,8 @@ static void attend_dpbf16(const c10::BFloat16* qv, const c10::BFloat16* k_cache,
   for (int64_t v0 = 0; v0 < vecs; v0 += QS) {
     const int64_t nq = std::min(QS, vecs - v0);
     const c10::BFloat16* q = qv + v0 * 64;
+    for (int64_t b = 1; b < std::min<int64_t>(PF, num_blocks); ++b)  // the blocks before the first prefetched in the loop
+      prefetch_l2(k_cache + (table[b] * Hkv + h) * PBLOCK, PBLOCK);
     for (int64_t b = 0; b < num_blocks; ++b) {
       const c10::BFloat16* kb = k_cache + (table[b] * Hkv + h) * PBLOCK;
       if (b + PF < num_blocks) prefetch_l2(k_cache + (table[b + PF] * Hkv + h) * PBLOCK, PBLOCK);
