@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 
+from conveyor.cli import collector
 from conveyor.cli import options as opt
 from conveyor.cli.config import Invocation, build_config
 from conveyor.cli.exit_codes import ExitCode, UsageError
@@ -133,6 +134,7 @@ def execute(invocation: Invocation) -> int:
     if cli.executor == "ray":
         from conveyor.cli.ray_executor import run_on_ray
 
+        collector.release()  # this process loads no model
         return run_on_ray(invocation)
     if cli.num_workers is not None:
         raise UsageError("--num-workers: only with --executor ray (one engine per worker); without it, run shards "
@@ -158,6 +160,7 @@ def execute(invocation: Invocation) -> int:
             run.load_engine()
         elif not cli.quiet:
             say("every record has a row: writing the output from the run's journal, without loading the model")
+        collector.release()
         try:
             with progress:
                 result = run.execute(stopper.should_stop, lambda: progress.update(run.progress))
