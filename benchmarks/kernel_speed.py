@@ -17,7 +17,8 @@ bytes of W, x and y read or written at the read bandwidth measured here (a sum o
 
 Attention: the paged kernel (`paged_attention`, the pool in the engine's layout for the dtype), --rows decode
 rows (one query each) at contexts of --contexts keys, and one prefill chunk ending at each context (its last 512
-rows, or all of them); GFLOP/s counted as 4 x heads x head_dim x keys per query row.
+rows, or all of them); GFLOP/s counted as 4 x heads x head_dim x keys per query row. A decode's KV bytes read per
+second are also given against a STREAM-like copy (bytes read plus written) measured just before and just after it.
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ def bench_linears(torch, ops, dtype, ms: list[int], args, peak: dict) -> list[di
     return rows
 
 
-def bench_attention(torch, ops, dtype, args, peak: float, copy_gbs: float) -> list[dict]:
+def bench_attention(torch, ops, dtype, args, peak: float) -> list[dict]:
     from conveyor.core.backends.cpu.backend import LAYOUTS, kv_layout
 
     cfg = model_config()
@@ -144,18 +145,22 @@ def bench_attention(torch, ops, dtype, args, peak: float, copy_gbs: float) -> li
             def call(calls=calls, turn=turn):
                 return calls[next(turn) % len(calls)]()
 
+            # The copy measured just before and just after the decode: this shared machine's memory bandwidth
+            # drifts (20-50 GB/s across a day), and a decode's fraction is only meaningful against its own minutes.
+            copy_before = copy_bandwidth(torch, args) if label == "decode" else None
             with torch.inference_mode():
                 t = time_best(call, args.min_time, args.repeats)
+            copy_gbs = (copy_before + copy_bandwidth(torch, args)) / 2 if label == "decode" else None
             flops = 4 * heads * d * float(token_ctx.sum())
             kv_gbs = kv_bytes / t / 1e9  # each key read once
             row = {"kind": label, "context": context, "rows": num_rows, "layout": layout.name, "seconds": t,
                    "gflops": flops / t / 1e9, "of_peak": flops / t / 1e9 / peak}
             if label == "decode":
-                row.update(kv_gbs=kv_gbs, of_copy_bandwidth=kv_gbs / copy_gbs)
+                row.update(kv_gbs=kv_gbs, copy_gbs=copy_gbs, of_copy_bandwidth=kv_gbs / copy_gbs)
             rows.append(row)
             print(f"  {str(dtype)[6:]:8} attention {label:7} {num_rows} rows at {context:5} keys ({layout.name}): "
                   f"{t * 1e3:8.3f} ms {flops / t / 1e9:7.1f} GFLOP/s {flops / t / 1e9 / peak:6.1%} of peak"
-                  + (f", KV read {kv_gbs:5.1f} GB/s, {kv_gbs / copy_gbs:6.1%} of the copy bandwidth"
+                  + (f", KV read {kv_gbs:5.1f} GB/s, {kv_gbs / copy_gbs:6.1%} of the copy's {copy_gbs:.1f}"
                      if label == "decode" else ""), flush=True)
     return rows
 
@@ -217,8 +222,7 @@ def main() -> None:
         if not args.attention_only:
             result["linears"] += [{**r, "dtype": name} for r in bench_linears(torch, ops, dtype, ms, args, peak)]
         attn_peak = peak["bf16"] if dtype == torch.bfloat16 and peak["bf16"] else peak["float32"]
-        result["attention"] += [{**r, "dtype": name} for r in bench_attention(torch, ops, dtype, args, attn_peak,
-                                                                                     peak["copy_gbs"])]
+        result["attention"] += [{**r, "dtype": name} for r in bench_attention(torch, ops, dtype, args, attn_peak)]
     print(f"\n({time.perf_counter() - t0:.0f} s)\n| dtype | linear | M | " + " | ".join(
         sorted({r["route"] for r in result["linears"]})) + " |")
     by = {}
