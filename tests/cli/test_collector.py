@@ -1,5 +1,5 @@
 """`conveyor run` holds the garbage collector off while the libraries and the model load, then collects once and
-freezes what is alive (cli/collector.py): the run's rows are the same, the collector is back on for the run, and
+freezes what is alive (cli/collector.py): the run writes its rows, the collector is back on for the run, and
 the process ends without the leak reports of extensions whose objects were left frozen. A caller's own process is
 never held or frozen."""
 
