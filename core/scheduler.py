@@ -110,7 +110,8 @@ class Scheduler:
            A request that cannot get the block it needs preempts the newest running request
            (possibly itself) until it can.
         2. Unless that preempted someone, waiting requests in order while the token budget, the
-           sequence cap and free blocks allow; a prompt larger than the budget left is chunked.
+           sequence cap and free blocks allow; a prompt larger than the budget left is chunked. A request
+           preempted this step (priority: for the waiting request before it) waits for the next one.
         3. With a speculator, draft tokens for the decode rows, in the budget and blocks left.
         """
         budget = _Budget(self.max_num_batched_tokens)
@@ -125,7 +126,7 @@ class Scheduler:
         forced = len(preempted)
         self._schedule_running(budget, scheduled, preempted)
         if len(preempted) == forced:  # (preempted to admit the first waiting request: admit it)
-            self._schedule_waiting(budget, scheduled)
+            self._schedule_waiting(budget, scheduled, frozenset(preempted))
         if self.speculator is not None and budget.tokens > 0:
             self._add_drafts(budget, scheduled)
         self.stats.num_steps += 1
@@ -151,10 +152,12 @@ class Scheduler:
             budget.tokens -= num_new
             i += 1
 
-    def _schedule_waiting(self, budget: _Budget, scheduled: list[ScheduledRequest]) -> None:
+    def _schedule_waiting(self, budget: _Budget, scheduled: list[ScheduledRequest], victims: frozenset[str]) -> None:
         bm = self.block_manager
         while self.waiting and budget.tokens > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            if request.req_id in victims:
+                break  # preempted this step to make room for the requests before it: it waits for the next step
             # A request that wants its prompt's logprobs computes its whole prompt: cached blocks hold K/V, not them.
             cached = [] if request.sampling.prompt_logprobs is not None else bm.find_cached_prefix(request)
             if self._prefix_being_computed(request, len(cached)):
