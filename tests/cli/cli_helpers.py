@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,6 +72,20 @@ def child_env() -> dict[str, str]:
     env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     env.pop("CONVEYOR_DEBUG", None)
     return env
+
+
+def tiny_run_argv(model: Path, tmp_path: Path, records: list[dict]) -> tuple[Path, list[str]]:
+    """The records written to an input file; the output's path and `conveyor run` over them on the tiny model."""
+    src, out = write_jsonl(tmp_path / "in.jsonl", records), tmp_path / "out.jsonl"
+    return out, ["conveyor", "run", str(src), "-o", str(out), *map(str, tiny_args(model)), "--quiet"]
+
+
+def entry_in_child(argv: list[str], setup: str = "", after: str = "") -> subprocess.CompletedProcess:
+    """`argv` through the console script's entry (`cli/entry.py`) in a fresh interpreter: the Python lines of `setup`
+    first, those of `after` once the command has exited (its SystemExit as `e`), then the process exits as it would."""
+    script = ("import sys\nfrom conveyor.cli import entry\n" + setup + f"sys.argv = {argv!r}\n"
+              "try:\n    entry.main()\nexcept SystemExit as e:\n" + textwrap.indent(after + "raise\n", "    "))
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=child_env())
 
 
 def run_child(*args, stdin: bytes | None = None, timeout: float = 600, cwd: Path | None = None) -> Result:

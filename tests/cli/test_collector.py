@@ -6,37 +6,29 @@ never held or frozen."""
 from __future__ import annotations
 
 import gc
-import subprocess
-import sys
 
-from cli_helpers import child_env, read_rows, tiny_args, write_jsonl
+from cli_helpers import entry_in_child, read_rows, tiny_run_argv
 
 from conveyor.cli import collector
 
 
 def test_a_run_holds_the_collector_through_the_load_and_freezes_what_it_built(tiny_model, tmp_path):
     records = [{"id": f"r{i}", "prompt": f"record {i}", "max_tokens": 6} for i in range(3)]
-    src, out = write_jsonl(tmp_path / "in.jsonl", records), tmp_path / "out.jsonl"
-    argv = ["conveyor", "run", str(src), "-o", str(out), *map(str, tiny_args(tiny_model)), "--quiet"]
+    out, argv = tiny_run_argv(tiny_model, tmp_path, records)
     # Each collection and whether the engine existed yet; then the collector's state after the command.
-    script = ("import gc, sys\n"
-              "from conveyor.cli import entry\n"
-              "from conveyor.io import run as io_run\n"
-              "seen = []\n"
-              "loaded = []\n"
-              "load = io_run.Run.load_engine\n"
-              "def load_engine(self):\n"
-              "    loaded.append(gc.isenabled())\n"
-              "    load(self)\n"
-              "io_run.Run.load_engine = load_engine\n"
-              "gc.callbacks.append(lambda phase, info: phase == 'start' and seen.append(bool(loaded)))\n"
-              f"sys.argv = {argv!r}\n"
-              "try:\n"
-              "    entry.main()\n"
-              "except SystemExit as e:\n"
-              "    print('exit', e.code, 'enabled during the load', loaded, 'collections before the load',\n"
-              "          seen.count(False), 'enabled', gc.isenabled(), 'frozen', gc.get_freeze_count() > 0)\n")
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=child_env())
+    proc = entry_in_child(argv, setup="import gc\n"
+                                      "from conveyor.io import run as io_run\n"
+                                      "seen = []\n"
+                                      "loaded = []\n"
+                                      "load = io_run.Run.load_engine\n"
+                                      "def load_engine(self):\n"
+                                      "    loaded.append(gc.isenabled())\n"
+                                      "    load(self)\n"
+                                      "io_run.Run.load_engine = load_engine\n"
+                                      "gc.callbacks.append(lambda phase, info:\n"
+                                      "                    phase == 'start' and seen.append(bool(loaded)))\n",
+                            after="print('exit', e.code, 'enabled during the load', loaded, 'collections before the load',\n"
+                                  "      seen.count(False), 'enabled', gc.isenabled(), 'frozen', gc.get_freeze_count() > 0)\n")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == ("exit 0 enabled during the load [False] collections before the load 0 enabled True "
                                    "frozen True"), proc.stdout + proc.stderr

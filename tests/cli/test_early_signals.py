@@ -8,24 +8,20 @@ import signal
 import subprocess
 import sys
 
-from cli_helpers import child_env, read_rows, run_in_process, tiny_args, write_jsonl
+from cli_helpers import child_env, entry_in_child, read_rows, run_in_process, tiny_run_argv
 
 
 def test_a_sigterm_while_the_command_starts_stops_the_run_with_75_and_it_resumes(tiny_model, tmp_path):
     records = [{"id": f"r{i}", "prompt": f"record {i}", "max_tokens": 8} for i in range(4)]
-    src, out = write_jsonl(tmp_path / "in.jsonl", records), tmp_path / "out.jsonl"
-    argv = ["conveyor", "run", str(src), "-o", str(out), *map(str, tiny_args(tiny_model)), "--quiet"]
+    out, argv = tiny_run_argv(tiny_model, tmp_path, records)
     # The entry, with the signal sent where a cron job's could land: after its first line, before the app imports.
-    script = ("import os, signal, sys\n"
-              "from conveyor.cli import entry, stop_signals\n"
-              "stop_signals.hold_early_signals()\n"
-              "os.kill(os.getpid(), signal.SIGTERM)\n"
-              f"sys.argv = {argv!r}\n"
-              "entry.main()\n")
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=child_env())
+    proc = entry_in_child(argv, setup="import os, signal\n"
+                                      "from conveyor.cli import stop_signals\n"
+                                      "stop_signals.hold_early_signals()\n"
+                                      "os.kill(os.getpid(), signal.SIGTERM)\n")
     assert proc.returncode == 75, proc.stderr
     assert "SIGTERM received" in proc.stderr
-    resumed = run_in_process("run", src, "-o", out, *tiny_args(tiny_model), "--quiet")
+    resumed = run_in_process(*argv[1:])
     assert resumed.code == 0, resumed.err
     assert [r["id"] for r in read_rows(out)] == [r["id"] for r in records]
 
@@ -58,17 +54,13 @@ def test_a_signal_after_the_runs_controller_is_gone_leaves_the_runs_exit_code(ti
     """A SIGTERM that lands once the run has ended (its rows written, its controller uninstalled) is held, and the
     process exits with the run's code, not killed by it."""
     records = [{"id": f"r{i}", "prompt": f"record {i}", "max_tokens": 4} for i in range(3)]
-    src, out = write_jsonl(tmp_path / "in.jsonl", records), tmp_path / "out.jsonl"
-    argv = ["conveyor", "run", str(src), "-o", str(out), *map(str, tiny_args(tiny_model)), "--quiet"]
-    script = ("import os, signal, sys\n"
-              "from conveyor.cli import entry, stop_signals\n"
-              "uninstall = stop_signals.StopController.uninstall\n"
-              "def late(self):\n"
-              "    uninstall(self)\n"
-              "    os.kill(os.getpid(), signal.SIGTERM)\n"
-              "stop_signals.StopController.uninstall = late\n"
-              f"sys.argv = {argv!r}\n"
-              "entry.main()\n")
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=child_env())
+    out, argv = tiny_run_argv(tiny_model, tmp_path, records)
+    proc = entry_in_child(argv, setup="import os, signal\n"
+                                      "from conveyor.cli import stop_signals\n"
+                                      "uninstall = stop_signals.StopController.uninstall\n"
+                                      "def late(self):\n"
+                                      "    uninstall(self)\n"
+                                      "    os.kill(os.getpid(), signal.SIGTERM)\n"
+                                      "stop_signals.StopController.uninstall = late\n")
     assert proc.returncode == 0, proc.stderr
     assert [r["id"] for r in read_rows(out)] == [r["id"] for r in records]
