@@ -68,3 +68,28 @@ def test_while_the_kernels_load_the_expected_backend_and_dtype_are_the_ones_they
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     expected, loaded = done.stdout.strip().rsplit(") (", 1)
     assert done.returncode == 0 and expected + ")" == "(" + loaded, done.stdout + done.stderr
+
+
+@pytest.mark.skipif(kernels.cpu_route()[0] is None or kernels.kernels_missing_reason() is not None,
+                    reason="no kernels here")
+def test_an_import_error_on_the_build_thread_is_retried_on_the_callers_thread():
+    """Two threads importing one module at once can fail ("No module named 'platformdirs._paths'" once cost a run
+    its kernels): an ImportError on the background thread is not the kernels' failure; `cpu_kernels()` loads them
+    again on its caller's thread, with no warning (a child process: here they have loaded already)."""
+    code = ("import threading, warnings\n"
+            "from conveyor.core.backends.cpu import kernels as k\n"
+            "real, calls = k.cached_build, []\n"
+            "def flaky(*args, **kw):\n"
+            "    calls.append(threading.current_thread().name)\n"
+            "    if len(calls) == 1:\n"
+            "        raise ModuleNotFoundError(\"No module named 'platformdirs._paths'\")\n"
+            "    return real(*args, **kw)\n"
+            "k.cached_build = flaky\n"
+            "k.build_in_background()\n"
+            "with warnings.catch_warnings():\n"
+            "    warnings.simplefilter('error')\n"
+            "    loaded = k.cpu_kernels() is not None\n"
+            "print(loaded, calls, k.kernels_missing_reason())\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip() == "True ['conveyor-kernels', 'MainThread'] None", \
+        done.stdout + done.stderr

@@ -66,10 +66,23 @@ def cpu_kernels():
 def build_in_background() -> None:
     """Start building (or importing) the kernels on a thread of their own, so that a first run's build overlaps
     the model's conversion and load; `cpu_kernels()` waits for it. Nothing where they loaded already, or where
-    no route runs here."""
+    no route runs here.
+
+    Python's imports are not safe against two threads importing the same module at once (a run once lost its
+    kernels to "No module named 'platformdirs._paths'" while the main thread imported platformdirs too): the
+    modules the thread imports on the way to a cached library are imported here first, and an ImportError on the
+    thread is not taken as the kernels' failure: `cpu_kernels()` then loads them again on its caller's thread."""
     if _tried or os.environ.get("CONVEYOR_NO_KERNELS") == "1" or cpu_route()[0] is None:
         return
-    threading.Thread(target=cpu_kernels, name="conveyor-kernels", daemon=True).start()
+    import torch  # noqa: F401 - the library links against torch's
+
+    cache_dir()  # platformdirs
+    threading.Thread(target=_load_in_background, name="conveyor-kernels", daemon=True).start()
+
+
+def _load_in_background() -> None:
+    with _loading:
+        _load(background=True)
 
 
 def kernels_expected() -> bool:
@@ -90,7 +103,7 @@ def _settled() -> bool:
     return _tried and not _loading.locked()
 
 
-def _load():
+def _load(background: bool = False):
     global _module, _tried, _why_not
     if _tried:
         return _module
@@ -125,6 +138,9 @@ def _load():
             _module = None
             _why_not = f"CONVEYOR_KERNEL_ARCH={kernel_arch()} has neither AVX-512 nor AVX2 + FMA"
     except Exception as e:  # noqa: BLE001 - any build failure means: use the fallback
+        if background and isinstance(e, ImportError):  # perhaps a race with the main thread's imports: retried there
+            _tried = False
+            return None
         _why_not = f"their build failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
         warnings.warn(f"conveyor: C++ CPU kernels unavailable ({_why_not}); using the slower torch fallback",
                       stacklevel=2)
