@@ -70,13 +70,16 @@ def build_in_background() -> None:
 
     Python's imports are not safe against two threads importing the same module at once (a run once lost its
     kernels to "No module named 'platformdirs._paths'" while the main thread imported platformdirs too): the
-    modules the thread imports on the way to a cached library are imported here first, and an ImportError on the
-    thread is not taken as the kernels' failure: `cpu_kernels()` then loads them again on its caller's thread."""
-    if _tried or os.environ.get("CONVEYOR_NO_KERNELS") == "1" or cpu_route()[0] is None:
+    modules the thread imports are imported here first (torch's cpp_extension only where the library is to be
+    built), and an ImportError on the thread is not taken as the kernels' failure: `cpu_kernels()` then loads them
+    again on its caller's thread."""
+    route = cpu_route()[0]
+    if _tried or os.environ.get("CONVEYOR_NO_KERNELS") == "1" or route is None:
         return
     import torch  # noqa: F401 - the library links against torch's
 
-    cache_dir()  # platformdirs
+    if not (_build_folder() / f"{module_name(route)}.so").exists():
+        import torch.utils.cpp_extension  # noqa: F401 - the build's
     threading.Thread(target=_load_in_background, name="conveyor-kernels", daemon=True).start()
 
 
@@ -118,7 +121,7 @@ def _load(background: bool = False):
         import torch  # noqa: F401 - the module links against torch's libraries
 
         name = module_name(route)
-        folder = cache_dir() / "kernels" / f"py{sys.version_info.major}{sys.version_info.minor}-{build_tag()}"
+        folder = _build_folder()
         built: list = []
 
         def build(scratch: Path) -> Path:
@@ -255,6 +258,11 @@ def cpu_isa() -> str | None:
     if ops is None:
         return None
     return "amx" if ops.amx_gemm_available() else ops.build_isa()
+
+
+def _build_folder() -> Path:
+    """Where this process's build is cached (its CPU, route, torch and sources: `build_tag`)."""
+    return cache_dir() / "kernels" / f"py{sys.version_info.major}{sys.version_info.minor}-{build_tag()}"
 
 
 def _import_extension(name: str, library: Path):
