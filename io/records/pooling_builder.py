@@ -149,6 +149,8 @@ class PoolingRequestBuilder:
                                             for name in (options.chat_field, options.messages_field)):
             return self.prompts.tokens(record, "")[1]
         value = record.get(options.prompt_field)
+        if value is None and options.prompt_field in record:  # there, with no value (null, a missing CSV cell)
+            raise Reject(f"field '{options.prompt_field}' has no value; give the record a text or remove it")
         if value is None:
             raise Reject(f"no text: expected a '{options.prompt_field}' string (or '{options.messages_field}', a "
                          f"chat), but the fields are {_fields(record)}; name yours with --prompt-field")

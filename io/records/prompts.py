@@ -51,6 +51,9 @@ class PromptTokens:
             return "chat", self._chat_tokens(messages, prefix + messages_key)
         if prompt is not None:
             return "completion", self._prompt_tokens(prompt, prefix + prompt_key)
+        empty = [key for key in (prompt_key, messages_key) if key in fields]
+        if empty:  # the field is there, with no value (JSON null, an empty CSV cell, a Parquet null)
+            raise Reject(f"field '{prefix}{empty[0]}' has no value; give the record a prompt or remove it")
         present = ", ".join(repr(key) for key in list(fields)[:12]) or "none"
         chat_field = f"a '{self.options.chat_field}' text (--chat-field), " if self.options.chat_field else ""
         raise Reject(f"no prompt: expected {chat_field}a '{prefix}{prompt_key}' string or a '{prefix}{messages_key}' "

@@ -66,14 +66,16 @@ def test_embeddings_to_parquet_are_fixed_size_float32_vectors_in_input_order(poo
 def test_bad_records_are_error_rows_and_truncation_applies(pooling_models, tmp_path):
     long = " ".join(["capital"] * 200)  # over the checkpoint's 128 tokens
     source = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "hello"}, {"prompt": ""}, {"prompt": long},
-                                                 {"text": "no prompt field"}, {"prompt": "x", "temperature": 0.5}])
+                                                 {"text": "no prompt field"}, {"prompt": "x", "temperature": 0.5},
+                                                 {"prompt": None}])
     out = tmp_path / "o.jsonl"
     result = run_in_process("run", source, "-o", out, "--model", pooling_models("bert-cls"), *F32)
     assert result.code == 3, result.err
     rows = read_rows(out)
-    assert [r["status"] for r in rows] == ["ok", "error", "error", "error", "error"]
+    assert [r["status"] for r in rows] == ["ok", "error", "error", "error", "error", "error"]
     assert "empty" in rows[1]["error"] and "at most 128" in rows[2]["error"] and "truncate" in rows[2]["error"]
     assert "'prompt'" in rows[3]["error"] and "'temperature'" in rows[4]["error"]
+    assert rows[5]["error"] == "line 6: field 'prompt' has no value; give the record a text or remove it"
     cut = run_in_process("run", source, "-o", tmp_path / "cut.jsonl", "--model", pooling_models("bert-cls"), *F32,
                          "--truncate-prompt-tokens", "auto")
     assert read_rows(tmp_path / "cut.jsonl")[2]["status"] == "ok", cut.err

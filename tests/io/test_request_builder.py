@@ -270,6 +270,8 @@ def test_unparsed_record_passes_its_error_through(tokenizer):
 @pytest.mark.parametrize("record, message", [
     ({"text": "x", "label": 1}, "line 5: no prompt: expected a 'prompt' string or a 'messages' list of chat "
                                 "messages, but the fields are 'text', 'label'"),
+    ({"prompt": None, "label": 1}, "line 5: field 'prompt' has no value; give the record a prompt or remove it"),
+    ({"messages": None}, "line 5: field 'messages' has no value"),
     ({"prompt": ""}, "line 5: field 'prompt' is empty"),
     ({"prompt": " \n\t"}, "line 5: field 'prompt' is empty"),
     ({"prompt": 12}, "line 5: field 'prompt' must be a string, got a number"),
