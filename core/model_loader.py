@@ -281,12 +281,14 @@ def gguf_parsed_once():
     config and its weights (each parse reads the whole vocabulary as Python objects, then converts every value of it
     again), and builds the name map again for every module of the model: the embedded default's first conversion
     took 29 s on 2 cores, 15 s without the repeats. All are pure reads of the file (each caller gets its own copy of
-    the dicts), so what loads is the same."""
+    the dicts), so what loads is the same. The weights' conversion shows no progress bar within the block either: it
+    is a plain tqdm, which transformers' progress switch does not reach, and wrote carriage returns into the logs of
+    runs (`--quiet` ones too)."""
     import gguf
     from transformers import modeling_gguf_pytorch_utils as gguf_utils
 
     reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
-    checkpoint = gguf_utils.load_gguf_checkpoint
+    checkpoint, bar = gguf_utils.load_gguf_checkpoint, gguf_utils.tqdm
     readers: dict = {}
     metadata: dict = {}
 
@@ -305,12 +307,12 @@ def gguf_parsed_once():
         return copy.deepcopy(metadata[key])
 
     gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.lru_cache(maxsize=None)(name_map)
-    gguf_utils.load_gguf_checkpoint = metadata_once
+    gguf_utils.load_gguf_checkpoint, gguf_utils.tqdm = metadata_once, functools.partial(bar, disable=True)
     try:
         yield
     finally:
         gguf.GGUFReader, gguf.get_tensor_name_map = reader_class, name_map
-        gguf_utils.load_gguf_checkpoint = checkpoint
+        gguf_utils.load_gguf_checkpoint, gguf_utils.tqdm = checkpoint, bar
 
 
 def _convert_gguf(gguf: Path, out: Path) -> None:

@@ -93,6 +93,23 @@ def test_a_gguf_file_is_parsed_once_inside_the_block_and_as_often_as_asked_outsi
     assert gguf.GGUFReader(path) is not gguf.GGUFReader(path)
 
 
+def test_a_gguf_files_weights_convert_without_a_progress_bar_inside_the_block(capsys):
+    """transformers' GGUF weight conversion draws a plain tqdm bar (carriage returns in a cron job's log, --quiet too)
+    that its own progress switch does not turn off; inside the block it draws nothing, and outside it still does."""
+    pytest.importorskip("gguf")
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    def convert():  # as load_gguf_checkpoint(..., return_tensors=True) iterates over the file's tensors
+        for _ in gguf_utils.tqdm(range(3), desc="Converting and de-quantizing GGUF tensors..."):
+            pass
+
+    with model_loader.gguf_parsed_once():
+        convert()
+    assert capsys.readouterr().err == ""
+    convert()
+    assert "Converting and de-quantizing" in capsys.readouterr().err
+
+
 def test_a_gguf_files_metadata_is_converted_once_inside_the_block_and_each_caller_gets_its_own_copy(tmp_path,
                                                                                                    monkeypatch):
     pytest.importorskip("gguf")
