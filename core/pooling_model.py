@@ -14,6 +14,7 @@ Two routes run them:
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from pathlib import Path
 
@@ -90,7 +91,7 @@ def load_pooling_model(model: str, task: str, device: str, dtype: str, pooling: 
     from transformers import AutoModel, AutoModelForSequenceClassification, AutoTokenizer
 
     from conveyor.core.backends import resolve_device
-    from conveyor.core.model_loader import _resolve, check_weight_files, load_config, resolve_dtype
+    from conveyor.core.model_loader import _resolve, check_weight_files, gguf_parsed_once, load_config, resolve_dtype
     from conveyor.core.model_support import architecture
 
     dev = resolve_device(device)
@@ -105,8 +106,10 @@ def load_pooling_model(model: str, task: str, device: str, dtype: str, pooling: 
         check_weight_files(model, path)
     loader = AutoModelForSequenceClassification if kind.classifier else AutoModel
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, gguf_file=gguf_file)
-        loaded, info = loader.from_pretrained(path, gguf_file=gguf_file, dtype=torch_dtype, output_loading_info=True)
+        with gguf_parsed_once() if gguf_file else contextlib.nullcontext():
+            tokenizer = AutoTokenizer.from_pretrained(path, gguf_file=gguf_file)
+            loaded, info = loader.from_pretrained(path, gguf_file=gguf_file, dtype=torch_dtype,
+                                                  output_loading_info=True)
     except (OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError("model", f"model {model}: could not load it ({first}); check the name or path") from e
