@@ -37,7 +37,14 @@ from conveyor.cli.config import Invocation
 from conveyor.cli.exit_codes import UsageError
 from conveyor.cli.notes import quiet_libraries, say
 from conveyor.cli.stop_signals import StopController
-from conveyor.cli.summary import check_summary_path, exit_code, print_summary, print_warnings, write_summary_json
+from conveyor.cli.summary import (
+    check_summary_path,
+    closing_line,
+    exit_code,
+    print_summary,
+    print_warnings,
+    write_summary_json,
+)
 from conveyor.io.run_spec import RunSpec
 
 MAX_RESTARTS = 4  # a worker that dies more often than this is a real failure, not bad luck
@@ -112,7 +119,8 @@ def run_on_ray(invocation: Invocation) -> int:
     stop_path = None
     owned = not ray.is_initialized()  # a caller (a notebook, a test) may have joined a cluster already
     if owned:
-        ray.init(address=address, include_dashboard=False, log_to_driver=not cli.quiet, logging_level="warning")
+        ray.init(address=address, include_dashboard=False, log_to_driver=not cli.quiet,
+                 logging_level="error" if cli.quiet else "warning")
     try:
         resources = ray.cluster_resources()
         gpus = int(resources.get("GPU", 0))
@@ -152,10 +160,12 @@ def run_on_ray(invocation: Invocation) -> int:
                                   wall_s=round(time.monotonic() - started, 3))
     if summary.outcome is Outcome.STOPPED:  # (a worker stopped)
         reason = stopper.reason or next(r["message"] for r in results if r["summary"].outcome is Outcome.STOPPED)
+        message = f"stopped ({reason}); run the same command again to resume"
         if cli.quiet:
             print_warnings(summary)
+            say(closing_line(summary.records, None, summary.errors, message))
         else:
-            print_summary(summary, f"stopped ({reason}); run the same command again to resume")
+            print_summary(summary, message)
         return exit_code(Outcome.STOPPED)
     merged = driver.merge()
     skip = spec.output.on_error == "skip"
@@ -164,16 +174,18 @@ def run_on_ray(invocation: Invocation) -> int:
         ok=merged.rows - (0 if skip else merged.errors), wall_s=round(time.monotonic() - started, 3),
         outcome=Outcome.SOME_ERRORS if merged.errors and not skip else Outcome.OK)
     parts = driver.output_folder is not None
-    if cli.quiet:
+    wrote = f"wrote {merged.rows:,} rows as part files in {driver.output_folder}/" if parts else \
+        f"wrote {spec.output.path}"
+    if cli.quiet:  # warnings and errors, and one closing line for a cron job's log
         print_warnings(summary)
+        say(closing_line(summary.records, summary.records, summary.errors, wrote))
     else:
         print_summary(summary, f"{workers_n} workers; " + (f"{merged.shards} shards wrote their parts" if parts else
                                                             f"merged {merged.shards} shards"))
     if cli.summary_json:
         write_summary_json(cli.summary_json, summary)
     if not cli.quiet:
-        say(f"wrote {merged.rows:,} rows as part files in {driver.output_folder}/" if parts else
-            f"wrote {spec.output.path}")
+        say(wrote)
     return exit_code(summary.outcome)
 
 

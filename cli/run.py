@@ -192,11 +192,11 @@ def execute(invocation: Invocation) -> int:
 
 def _closing_line(run, summary, message: str, result, to_stdout: bool) -> str:
     """--quiet's one line: the records with a row, the errors, and how the run ended."""
-    total = run.totals.total
-    done = f"{summary.records}/{total}" if total is not None else str(summary.records)
+    from conveyor.cli.summary import closing_line
+
     ended = message or ("wrote the output to stdout" if to_stdout else
                         (result.written or f"wrote {run.spec.output.path}") if result.output_written else "finished")
-    return f"{done} records have a row ({summary.errors} errors); {ended}"
+    return closing_line(summary.records, run.totals.total, summary.errors, ended)
 
 
 def _stop_message(stopper, result) -> str:

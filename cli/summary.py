@@ -118,6 +118,13 @@ def print_warnings(summary: RunSummary) -> None:
             "raise --max-tokens (each such row's error column says so)\n")
 
 
+def closing_line(records: int, total: int | None, errors: int, ended: str) -> str:
+    """--quiet's one line, for a cron job's log: the records with a row (of how many, where known), the errors, and
+    how the run ended."""
+    done = f"{records}/{total}" if total is not None else str(records)
+    return f"{done} records have a row ({errors} errors); {ended}"
+
+
 def print_profile(profile: dict, out) -> None:
     total = profile.get("step_s", 0.0) or 1e-9
     out.write("step time breakdown:\n")

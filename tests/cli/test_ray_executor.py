@@ -49,6 +49,8 @@ def test_two_workers_equal_a_single_run_and_the_summary_is_over_every_workers_ro
     result = run_in_process(*_args(tiny_model, src, out, "--executor", "ray", "--num-workers", "2",
                                    "--summary-json", tmp_path / "summary.json"))
     assert result.code == 3, result.err
+    # --quiet: one closing line for a cron job's log, as a local run gives
+    assert result.err_lines[-1] == f"conveyor: {len(RECORDS)}/{len(RECORDS)} records have a row (1 errors); wrote {out}"
     rows = read_rows(out)
     assert_same_rows(rows, single)
     assert sorted(p.name for p in (tmp_path / "out.parquet.conveyor").iterdir() if p.is_dir()) == \
@@ -108,6 +110,8 @@ def test_a_driver_stopped_by_sigterm_or_killed_with_kill_9_resumes_to_the_same_o
     child.send(signal.SIGTERM)  # the workers stop at their next step and commit; the driver exits 75
     stopped = child.wait(timeout=120)
     assert stopped.code == 75 and "SIGTERM" in stopped.err, stopped.err
+    last = stopped.err.strip().splitlines()[-1]
+    assert last.startswith("conveyor: ") and "records have a row (0 errors); stopped (" in last, stopped.err
     assert 2 <= committed() < len(records) and not out.exists()
     assert not list(run_dir.glob("ray-stop-*"))
     status = run_in_process("status", out)  # each shard resumes with the driver's command
@@ -119,5 +123,7 @@ def test_a_driver_stopped_by_sigterm_or_killed_with_kill_9_resumes_to_the_same_o
     done_before = committed()
     again = Child(args, tmp_path, "again").wait(timeout=300)
     assert again.code == 0, again.err
+    assert again.err.strip().splitlines()[-1] == \
+        f"conveyor: {len(records)}/{len(records)} records have a row (0 errors); wrote {out}", again.err
     assert 0 < done_before < len(records)
     assert_same_rows(read_rows(out), single)
