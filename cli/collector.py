@@ -6,8 +6,8 @@ every time their number grew by a quarter: seven full passes during the quicksta
 2 cores, each pass longer than the one before) and one more as the run ended. Held off until the engine is
 loaded, then one collection (the little garbage the load left) and `gc.freeze()`: later passes walk only the
 objects the run itself makes. At exit they are unfrozen, so the interpreter's shutdown frees them as before (left
-frozen, nanobind-based extensions list their functions as leaked). Only the console script's own process is held (`entry.py`); a Python caller's
-process is left as it is.
+frozen, nanobind-based extensions list their functions as leaked). Only the console script's own process is held
+(`entry.py`); a Python caller's process is left as it is.
 """
 
 from __future__ import annotations

@@ -74,10 +74,13 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def tiny_run_argv(model: Path, tmp_path: Path, records: list[dict]) -> tuple[Path, list[str]]:
-    """The records written to an input file; the output's path and `conveyor run` over them on the tiny model."""
+def tiny_run_argv(model: Path, tmp_path: Path, count: int, max_tokens: int) -> tuple[list[str], Path, list[str]]:
+    """`count` records r0, r1, ... of `max_tokens` each written to an input file: their ids, the output's path and
+    `conveyor run --quiet` over them on the tiny model."""
+    records = [{"id": f"r{i}", "prompt": f"record {i}", "max_tokens": max_tokens} for i in range(count)]
     src, out = write_jsonl(tmp_path / "in.jsonl", records), tmp_path / "out.jsonl"
-    return out, ["conveyor", "run", str(src), "-o", str(out), *map(str, tiny_args(model)), "--quiet"]
+    return [r["id"] for r in records], out, ["conveyor", "run", str(src), "-o", str(out), *map(str, tiny_args(model)),
+                                             "--quiet"]
 
 
 def entry_in_child(argv: list[str], setup: str = "", after: str = "") -> subprocess.CompletedProcess:

@@ -13,8 +13,7 @@ from conveyor.cli import collector
 
 
 def test_a_run_holds_the_collector_through_the_load_and_freezes_what_it_built(tiny_model, tmp_path):
-    records = [{"id": f"r{i}", "prompt": f"record {i}", "max_tokens": 6} for i in range(3)]
-    out, argv = tiny_run_argv(tiny_model, tmp_path, records)
+    ids, out, argv = tiny_run_argv(tiny_model, tmp_path, 3, max_tokens=6)
     # Each collection and whether the engine existed yet; then the collector's state after the command.
     proc = entry_in_child(argv, setup="import gc\n"
                                       "from conveyor.io import run as io_run\n"
@@ -33,7 +32,7 @@ def test_a_run_holds_the_collector_through_the_load_and_freezes_what_it_built(ti
     assert proc.stdout.strip() == ("exit 0 enabled during the load [False] collections before the load 0 enabled True "
                                    "frozen True"), proc.stdout + proc.stderr
     assert "leaked" not in proc.stderr, proc.stderr
-    assert [r["id"] for r in read_rows(out)] == [r["id"] for r in records]
+    assert [r["id"] for r in read_rows(out)] == ids
 
 
 def test_a_caller_process_is_left_as_it_is():

@@ -12,8 +12,7 @@ from cli_helpers import child_env, entry_in_child, read_rows, run_in_process, ti
 
 
 def test_a_sigterm_while_the_command_starts_stops_the_run_with_75_and_it_resumes(tiny_model, tmp_path):
-    records = [{"id": f"r{i}", "prompt": f"record {i}", "max_tokens": 8} for i in range(4)]
-    out, argv = tiny_run_argv(tiny_model, tmp_path, records)
+    ids, out, argv = tiny_run_argv(tiny_model, tmp_path, 4, max_tokens=8)
     # The entry, with the signal sent where a cron job's could land: after its first line, before the app imports.
     proc = entry_in_child(argv, setup="import os, signal\n"
                                       "from conveyor.cli import stop_signals\n"
@@ -23,7 +22,7 @@ def test_a_sigterm_while_the_command_starts_stops_the_run_with_75_and_it_resumes
     assert "SIGTERM received" in proc.stderr
     resumed = run_in_process(*argv[1:])
     assert resumed.code == 0, resumed.err
-    assert [r["id"] for r in read_rows(out)] == [r["id"] for r in records]
+    assert [r["id"] for r in read_rows(out)] == ids
 
 
 def test_a_held_signal_that_no_run_takes_ends_the_process_as_it_would_have():
@@ -53,8 +52,7 @@ def test_a_second_ctrl_c_during_start_up_exits_at_once_with_130():
 def test_a_signal_after_the_runs_controller_is_gone_leaves_the_runs_exit_code(tiny_model, tmp_path):
     """A SIGTERM that lands once the run has ended (its rows written, its controller uninstalled) is held, and the
     process exits with the run's code, not killed by it."""
-    records = [{"id": f"r{i}", "prompt": f"record {i}", "max_tokens": 4} for i in range(3)]
-    out, argv = tiny_run_argv(tiny_model, tmp_path, records)
+    ids, out, argv = tiny_run_argv(tiny_model, tmp_path, 3, max_tokens=4)
     proc = entry_in_child(argv, setup="import os, signal\n"
                                       "from conveyor.cli import stop_signals\n"
                                       "uninstall = stop_signals.StopController.uninstall\n"
@@ -63,4 +61,4 @@ def test_a_signal_after_the_runs_controller_is_gone_leaves_the_runs_exit_code(ti
                                       "    os.kill(os.getpid(), signal.SIGTERM)\n"
                                       "stop_signals.StopController.uninstall = late\n")
     assert proc.returncode == 0, proc.stderr
-    assert [r["id"] for r in read_rows(out)] == [r["id"] for r in records]
+    assert [r["id"] for r in read_rows(out)] == ids
