@@ -78,14 +78,15 @@ def build_in_background() -> None:
         return
     import torch  # noqa: F401 - the library links against torch's
 
-    if not (_build_folder() / f"{module_name(route)}.so").exists():
+    folder = _build_folder()
+    if not (folder / f"{module_name(route)}.so").exists():
         import torch.utils.cpp_extension  # noqa: F401 - the build's
-    threading.Thread(target=_load_in_background, name="conveyor-kernels", daemon=True).start()
+    threading.Thread(target=_load_in_background, args=(folder,), name="conveyor-kernels", daemon=True).start()
 
 
-def _load_in_background() -> None:
+def _load_in_background(folder: Path) -> None:
     with _loading:
-        _load(background=True)
+        _load(folder)
 
 
 def kernels_expected() -> bool:
@@ -106,7 +107,9 @@ def _settled() -> bool:
     return _tried and not _loading.locked()
 
 
-def _load(background: bool = False):
+def _load(background_folder: Path | None = None):
+    """The module, loaded (or built) once; `background_folder`: the build folder `build_in_background` found, on its
+    thread."""
     global _module, _tried, _why_not
     if _tried:
         return _module
@@ -121,7 +124,7 @@ def _load(background: bool = False):
         import torch  # noqa: F401 - the module links against torch's libraries
 
         name = module_name(route)
-        folder = _build_folder()
+        folder = background_folder or _build_folder()
         built: list = []
 
         def build(scratch: Path) -> Path:
@@ -141,7 +144,7 @@ def _load(background: bool = False):
             _module = None
             _why_not = f"CONVEYOR_KERNEL_ARCH={kernel_arch()} has neither AVX-512 nor AVX2 + FMA"
     except Exception as e:  # noqa: BLE001 - any build failure means: use the fallback
-        if background and isinstance(e, ImportError):  # perhaps a race with the main thread's imports: retried there
+        if background_folder is not None and isinstance(e, ImportError):  # perhaps a race with the main thread's imports: retried there
             _tried = False
             return None
         _why_not = f"their build failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
