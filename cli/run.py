@@ -146,6 +146,10 @@ def execute(invocation: Invocation) -> int:
     run = None
     try:
         quiet_libraries()
+        if cli.quiet:  # before the run opens: resolving its engine config starts the kernels' build
+            from conveyor.core.backends.cpu.kernels import quiet_build_notes
+
+            quiet_build_notes()
         progress = make_progress(cli.quiet, cli.log_every)
         run = Run(spec, command=command_line(), say=say)
         stopper.start_clock()

@@ -1,5 +1,6 @@
 """The kernel build cache is keyed by CPU: a build for one CPU's instructions is never loaded on another."""
 
+import os
 import platform
 import subprocess
 import sys
@@ -92,3 +93,31 @@ def test_an_import_error_on_the_build_thread_is_retried_on_the_callers_thread():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and done.stdout.strip() == "True ['conveyor-kernels', 'MainThread'] None", \
         done.stdout + done.stderr
+
+
+@pytest.mark.skipif(kernels.cpu_route()[0] is None, reason="no route of conveyor's kernels on this CPU: no build")
+def test_quiet_build_notes_keep_the_build_off_stderr(tmp_path):
+    """`conveyor run --quiet` turns the build's two notes off (a cron job's log gets its closing line only); without
+    it the build says what it does and what it took. A child process per case, torch's compile stubbed out (it
+    writes an empty library and returns a stand-in module) and the build cached in a folder of the test's own."""
+    code = ("import sys\n"
+            "import torch.utils.cpp_extension as ce\n"
+            "from conveyor.core.backends.cpu import kernels as k\n"
+            "class Built:\n"
+            "    def build_isa(self):\n"
+            "        return 'avx2'\n"
+            "def load(name, sources, build_directory, **kw):\n"
+            "    open(f'{build_directory}/{name}.so', 'wb').close()\n"
+            "    return Built()\n"
+            "ce.load = load\n"
+            "if sys.argv[1] == 'quiet':\n"
+            "    k.quiet_build_notes()\n"
+            "print(k.cpu_kernels() is not None)\n")
+    said = {}
+    for case in ("quiet", "loud"):
+        env = {**os.environ, "CONVEYOR_CACHE_DIR": str(tmp_path / case)}
+        done = subprocess.run([sys.executable, "-c", code, case], env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0 and done.stdout.strip() == "True", done.stdout + done.stderr
+        said[case] = done.stderr
+    assert "kernels" not in said["quiet"], said["quiet"]
+    assert "compiling the C++ CPU kernels once" in said["loud"] and "compiled the C++ CPU kernels in" in said["loud"]

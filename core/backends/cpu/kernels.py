@@ -19,7 +19,7 @@ behind (`cache_build.py`), and later runs import the cached library directly.
 Set CONVEYOR_NO_KERNELS=1 to force the torch backend, CONVEYOR_KERNEL_ARCH to build the native route for a named
 -march instead of this CPU, CONVEYOR_NO_AMX=1 to run the routes of CPUs without AMX tiles on one that has them. The
 kernel sources include only the ATen headers they use, not torch/extension.h, and compile as two translation units
-side by side (`_UNITS`): the first build takes about 25 s on 2 cores, on a thread beside the model's conversion and
+side by side (`_UNITS`): the first build takes 20-50 s on 2 cores (by CPU), on a thread beside the model's conversion and
 load (`build_in_background`).
 """
 
@@ -53,6 +53,7 @@ _module = None
 _tried = False
 _why_not: str | None = None  # why cpu_kernels() is None, once it is
 _loading = threading.Lock()  # held while the module builds or imports (build_in_background's thread, or a caller)
+_build_notes = True  # the build's two lines on stderr (`quiet_build_notes` turns them off)
 
 
 def cpu_kernels():
@@ -102,6 +103,13 @@ def kernels_expected() -> bool:
     return bool(shutil.which(os.environ.get("CXX") or "c++")) and is_ninja_available()
 
 
+def quiet_build_notes() -> None:
+    """No notes on stderr while the kernels build (`conveyor run --quiet`: a cron job's log gets warnings, errors and
+    the closing line only)."""
+    global _build_notes
+    _build_notes = False
+
+
 def _settled() -> bool:
     """Whether the kernels have loaded, or failed to, for good (no build running)."""
     return _tried and not _loading.locked()
@@ -130,12 +138,14 @@ def _load(background_folder: Path | None = None):
         def build(scratch: Path) -> Path:
             from torch.utils.cpp_extension import load
 
-            sys.stderr.write(f"conveyor: compiling the C++ CPU kernels once, beside the model's load (about 25 s "
-                             f"on 2 cores; cached in {folder})\n")
+            if _build_notes:
+                sys.stderr.write(f"conveyor: compiling the C++ CPU kernels once, beside the model's load (20-50 s "
+                                 f"on 2 cores; cached in {folder})\n")
             start = time.monotonic()
             built.append(load(name=name, sources=unit_sources(scratch), build_directory=str(scratch),
                               extra_cflags=_cflags(), extra_ldflags=["-fopenmp"], verbose=False))
-            sys.stderr.write(f"conveyor: compiled the C++ CPU kernels in {time.monotonic() - start:.0f} s\n")
+            if _build_notes:
+                sys.stderr.write(f"conveyor: compiled the C++ CPU kernels in {time.monotonic() - start:.0f} s\n")
             return scratch / f"{name}.so"
 
         library = cached_build(folder, f"{name}.so", build)
