@@ -1,9 +1,9 @@
-"""The AVX2 route of the CPU kernels (`--cpu-isa avx2`) where this CPU runs the AVX-512 one: the kernels' own
-tests (every shape, M in 1..2048, both dtypes), the decoder families' greedy float32 against transformers and a
-record's independence from its batch on the fused forward, the engine's exactness in float32 (the route's default
-dtype) and in bf16 under a 48-token budget, a request resumed from its tokens so far (greedy and seeded: the same
-bits as uninterrupted) and the CLI's route, rerun in a child process on that route (the kernels load one route per
-process). Where this CPU has only AVX2 the whole suite runs on it already."""
+"""The AVX2 route of the CPU kernels (`--cpu-isa avx2`) where this CPU runs the AVX-512 one: the kernels' own tests
+(every shape, M in 1..2048, both dtypes), the decoder families' greedy float32 against transformers and a record's
+independence from its batch on the fused forward (float32, and bf16 widened), the engine's exactness in float32 (the
+route's default dtype) and in bf16 under a 48-token budget, a request resumed from its tokens so far (greedy and
+seeded: the same bits as uninterrupted) and the CLI's route, rerun in a child process on that route (the kernels load
+one route per process). Where this CPU has only AVX2 the whole suite runs on it already."""
 
 import os
 import subprocess
