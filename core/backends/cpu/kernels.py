@@ -19,7 +19,7 @@ behind (`cache_build.py`), and later runs import the cached library directly.
 Set CONVEYOR_NO_KERNELS=1 to force the torch backend, CONVEYOR_KERNEL_ARCH to build the native route for a named
 -march instead of this CPU, CONVEYOR_NO_AMX=1 to run the routes of CPUs without AMX tiles on one that has them. The
 kernel sources include only the ATen headers they use, not torch/extension.h, and compile as two translation units
-side by side (`_UNITS`): the first build takes 20-50 s on 2 cores (by CPU), on a thread beside the model's conversion and
+side by side (`_UNITS`): the first build takes 20-60 s on 2 cores (by CPU), on a thread beside the model's conversion and
 load (`build_in_background`).
 """
 
@@ -139,7 +139,7 @@ def _load(background_folder: Path | None = None):
             from torch.utils.cpp_extension import load
 
             if _build_notes:
-                sys.stderr.write(f"conveyor: compiling the C++ CPU kernels once, beside the model's load (20-50 s "
+                sys.stderr.write(f"conveyor: compiling the C++ CPU kernels once, beside the model's load (20-60 s "
                                  f"on 2 cores; cached in {folder})\n")
             start = time.monotonic()
             built.append(load(name=name, sources=unit_sources(scratch), build_directory=str(scratch),
