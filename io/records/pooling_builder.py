@@ -24,7 +24,7 @@ from conveyor.io.records import request_options
 from conveyor.io.records.batch_lines import error_id, is_batch_line, line_body, served_names
 from conveyor.io.records.build_options import BuildOptions
 from conveyor.io.records.prompt_template import PromptTemplate
-from conveyor.io.records.prompts import PromptTokens
+from conveyor.io.records.prompts import PromptTokens, reject_a_field_without_value
 from conveyor.io.records.readers.record import RawRecord, describe, location
 from conveyor.io.records.reject import Reject
 from conveyor.io.records.request_builder import ErrorRow, own_id, unreadable
@@ -149,9 +149,9 @@ class PoolingRequestBuilder:
                                             for name in (options.chat_field, options.messages_field)):
             return self.prompts.tokens(record, "")[1]
         value = record.get(options.prompt_field)
-        if value is None and options.prompt_field in record:  # there, with no value (null, a missing CSV cell)
-            raise Reject(f"field '{options.prompt_field}' has no value; give the record a text or remove it")
         if value is None:
+            reject_a_field_without_value(record, (options.prompt_field, options.chat_field, options.messages_field),
+                                         what="a text")
             raise Reject(f"no text: expected a '{options.prompt_field}' string (or '{options.messages_field}', a "
                          f"chat), but the fields are {_fields(record)}; name yours with --prompt-field")
         return self._raw(value, options.prompt_field)

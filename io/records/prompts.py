@@ -23,6 +23,14 @@ def has_chat_template(tokenizer: Any) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
+def reject_a_field_without_value(fields: dict, keys, prefix: str = "", what: str = "a prompt") -> None:
+    """Reject naming the first of `keys` (None: no such option) that `fields` has with no value (JSON null, an empty
+    CSV cell, a Parquet null): listed among the fields present, it would read as there."""
+    for key in keys:
+        if key is not None and key in fields and fields[key] is None:
+            raise Reject(f"field '{prefix}{key}' has no value; give the record {what} or remove it")
+
+
 class PromptTokens:
     """Builds the prompt of a record (or of a batch line's body) as token ids, by `options`' fields and templates.
     `template`: the parsed --prompt-template, where one is given."""
@@ -51,9 +59,8 @@ class PromptTokens:
             return "chat", self._chat_tokens(messages, prefix + messages_key)
         if prompt is not None:
             return "completion", self._prompt_tokens(prompt, prefix + prompt_key)
-        empty = [key for key in (prompt_key, messages_key) if key in fields]
-        if empty:  # the field is there, with no value (JSON null, an empty CSV cell, a Parquet null)
-            raise Reject(f"field '{prefix}{empty[0]}' has no value; give the record a prompt or remove it")
+        reject_a_field_without_value(fields, (None if is_openai else self.options.chat_field, prompt_key, messages_key),
+                                     prefix, "a prompt")
         present = ", ".join(repr(key) for key in list(fields)[:12]) or "none"
         chat_field = f"a '{self.options.chat_field}' text (--chat-field), " if self.options.chat_field else ""
         raise Reject(f"no prompt: expected {chat_field}a '{prefix}{prompt_key}' string or a '{prefix}{messages_key}' "

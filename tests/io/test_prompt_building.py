@@ -57,7 +57,7 @@ def test_a_chat_field_beside_another_prompt_source_is_an_error_naming_both(token
     assert build(tokenizer, {"messages": [{"role": "user", "content": "Hi"}]}, chat_field="question").kind == "chat"
     none = error_of(build(tokenizer, {"other": "x"}, chat_field="question"))
     assert "'question' text (--chat-field)" in none
-    for bad, says in (({"question": ""}, "empty"), ({"question": None, "x": 1}, "no prompt"),
+    for bad, says in (({"question": ""}, "empty"), ({"question": None, "x": 1}, "field 'question' has no value; give the record a prompt"),
                       ({"question": ["a"]}, "must be text or a number")):
         assert says in error_of(build(tokenizer, bad, chat_field="question"))
 
