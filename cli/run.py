@@ -147,7 +147,7 @@ def execute(invocation: Invocation) -> int:
     try:
         quiet_libraries()
         if cli.quiet:  # before the run opens: resolving its engine config starts the kernels' build
-            from conveyor.core.backends.cpu.kernels import quiet_build_notes
+            from conveyor.core.backends import quiet_build_notes
 
             quiet_build_notes()
         progress = make_progress(cli.quiet, cli.log_every)

@@ -64,6 +64,14 @@ def resolve_engine_config(config: EngineConfig) -> tuple[EngineConfig, tuple[str
     return resolved, unused
 
 
+def quiet_build_notes() -> None:
+    """No notes on stderr from a backend's one-time build (the cpu kernels' compile): `conveyor run --quiet`, whose
+    log is warnings, errors and its closing line. Called before `resolve_engine_config`, which starts that build."""
+    from conveyor.core.backends.cpu.kernels import quiet_build_notes as quiet_cpu_build
+
+    quiet_cpu_build()
+
+
 def auto_dtype(device: torch.device, wait: bool = True) -> str:
     """What `--dtype auto` means on `device`: bfloat16 on a GPU and on CPUs where conveyor's kernels run bf16 on
     bf16 instructions (AMX tiles or AVX512-BF16: about 2.5-3x float32's speed, and as right as float32 on
