@@ -15,6 +15,7 @@ import pytest
 from conveyor.core import EngineConfig, GenerationRequest, Grammar, SamplingParams
 from conveyor.core.backends.cpu.kernels import cpu_kernels, native_bf16
 from conveyor.core.engine import Engine
+from conveyor.core.model_runner import ModelRunner
 
 SAMPLE = Path(__file__).resolve().parents[2] / "sample_data"
 MAX_TOKENS = 40
@@ -23,6 +24,15 @@ SCHEMA = json.dumps({"type": "object", "properties": {"name": {"type": "string"}
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     cpu_kernels() is None, reason="no exact backend here (conveyor's C++ kernels do not run on this CPU)")]
+
+
+@pytest.fixture(autouse=True)
+def _drafts_ride_along(monkeypatch):
+    """The engine sizes drafts by the forward's cost per row, timed as it starts: on a busy machine that timing can
+    make drafts look not worth it (one run accepted 7 tokens instead of hundreds). A flat cost (one more row costs
+    nothing, as at 4 decode rows on a CPU) keeps every likely draft in, so each run tests the outputs with drafts;
+    which drafts pay under which costs is tests/core/test_speculative.py's."""
+    monkeypatch.setattr(ModelRunner, "measure_rows", lambda self, counts, **kw: [1.0] * len(counts))
 
 
 def _native_bf16() -> bool:
