@@ -70,7 +70,7 @@ class BuiltPooling:
 
     def error_row(self, message: str, prompt_tokens: int | None = None) -> ErrorRow:
         return ErrorRow(index=self.index, id=self.id, error=message, kept=self.kept, seed=None,
-                        prompt_tokens=prompt_tokens, digest=self.digest)
+                        prompt_tokens=prompt_tokens, digest=self.digest, id_given=self.id_given)
 
 
 class PoolingRequestBuilder:
@@ -116,7 +116,7 @@ class PoolingRequestBuilder:
             message = str(e)
         except Reject as e:
             message = str(e)
-        return ErrorRow(raw.index, record_id, f"{where}: {message}", kept, None, num_tokens, raw.digest, cut)
+        return ErrorRow(raw.index, record_id, f"{where}: {message}", kept, None, num_tokens, raw.digest, cut, id_given)
 
     # -- a record's inputs -------------------------------------------------------------------------------------------
 

@@ -50,6 +50,7 @@ class ErrorRow:
     prompt_tokens: int | None = None  # known when the error came after tokenizing
     digest: str | None = None  # the input record's digest, where the reader gave one
     prompt_tokens_truncated: int | None = None  # tokens cut from the prompt's start, where it was truncated
+    id_given: bool = False  # False: `id` is the index (or a bad id as given); no other record's id is checked against it
 
 
 def unreadable(raw: RawRecord, keep_fields: tuple[str, ...]) -> ErrorRow:
@@ -88,7 +89,7 @@ class BuiltRequest:
         """The error row of this request, which could not run or did not finish: `message` starts with the
         record's location ("line 12: ..."); `prompt_tokens` where it was known."""
         return ErrorRow(index=self.index, id=self.id, error=message, kept=self.kept, seed=self.sampling.seed,
-                        prompt_tokens=prompt_tokens, digest=self.digest)
+                        prompt_tokens=prompt_tokens, digest=self.digest, id_given=self.id_given)
 
 
 class RequestBuilder:
@@ -142,7 +143,7 @@ class RequestBuilder:
             num_tokens = len(token_ids)
             self._check_length(num_tokens, sampling.max_tokens, truncated=keep is not None)
         except Reject as e:
-            return ErrorRow(raw.index, record_id, f"{where}: {e}", kept, seed, num_tokens, raw.digest, cut)
+            return ErrorRow(raw.index, record_id, f"{where}: {e}", kept, seed, num_tokens, raw.digest, cut, id_given)
         return BuiltRequest(raw.index, record_id, kind, token_ids, sampling, kept, id_given, raw.digest, cut, n=n,
                             priority=priority)
 

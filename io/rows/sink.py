@@ -210,7 +210,7 @@ class JournalSink(RecordSink):
             del self.samples[built.index]
             row = group_row([done[k] for k in range(built.n)], where if built.id_given else None)
             self._add(row, built.digest, built.sampling.grammar is not None, "run" if row["status"] == "error" else None,
-                      where)
+                      where, built.id_given)
 
     def _bad(self, e: ErrorRow, origin: str, where: str) -> None:
         """The error row of a record read at `where`; `origin` what made it ("input": the record, "duplicate": its
@@ -218,7 +218,7 @@ class JournalSink(RecordSink):
         if self.on_error == "fail":
             self.journal.commit()
             raise BadRecordStop(e.error)
-        self._add(error_row(e), e.digest, origin=origin, place=where)
+        self._add(error_row(e), e.digest, origin=origin, place=where, id_given=e.id_given)
 
     def finished(self, out) -> None:
         built, where, k = self.in_flight.pop(out.req_id)
@@ -226,21 +226,22 @@ class JournalSink(RecordSink):
             self._failed(built, where, k, built.error_row(f"{where}: {out.error}", out.num_prompt_tokens))
             return
         if isinstance(built, BuiltPooling):
-            self._add(pooled_row(built, out, self.task, self.labels, where), built.digest, place=where)
+            self._add(pooled_row(built, out, self.task, self.labels, where), built.digest, place=where,
+                      id_given=built.id_given)
             self.totals.last_active = time.monotonic()
             return
         row = ok_row(built, out, self.token_text, where)
         if built.n == 1:
-            self._add(row, built.digest, built.sampling.grammar is not None, place=where)
+            self._add(row, built.digest, built.sampling.grammar is not None, place=where, id_given=built.id_given)
         else:
             self._sample_done(built, where, k, row)
         self.totals.last_active = time.monotonic()
 
     def _add(self, row: dict[str, Any], digest: str | None, structured: bool = False, origin: str | None = None,
-             place: str | None = None) -> None:
-        """`row` into the journal and the totals (`structured`: its request had a grammar; `origin` and `place` as
-        Journal.add takes them)."""
-        self.journal.add(row, digest, origin, place)
+             place: str | None = None, id_given: bool = True) -> None:
+        """`row` into the journal and the totals (`structured`: its request had a grammar; `origin`, `place` and
+        `id_given` as Journal.add takes them)."""
+        self.journal.add(row, digest, origin, place, claim_id=id_given)
         t = self.totals
         t.done += 1
         if row["status"] == "ok":

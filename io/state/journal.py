@@ -211,10 +211,13 @@ class Journal:
     def pending(self) -> int:
         return len(self._pending_rows)
 
-    def add(self, row: dict, digest: str | None = None, origin: str | None = None, place: str | None = None) -> None:
+    def add(self, row: dict, digest: str | None = None, origin: str | None = None, place: str | None = None,
+            claim_id: bool = True) -> None:
         """Buffer one finished row (at least "index", "id", "status"), with the digest of the input record it
         answers where there is one, what made it where it is an error row ("input", "duplicate" or "run") and
-        where its record was read ("line 12"); durable after commit()."""
+        where its record was read ("line 12"); durable after commit(). `claim_id`: the row's id is its record's own,
+        claimed for its index (as `claim_id` does); False where the id is the record's index (it has none, or it
+        could not be read), which no other record's id is checked against."""
         index, record_id, status = row["index"], row["id"], row["status"]
         if not isinstance(index, int) or isinstance(index, bool) or index < 0:
             raise ValueError(f"row index must be a non-negative int, got {index!r}")
@@ -225,7 +228,8 @@ class Journal:
         if index in self._pending_rows or index < self._prefix:
             raise ValueError(f"row {index} is already in the journal; a row is written once")
         self._pending_rows[index] = (record_id, status, json.dumps(row, ensure_ascii=False), digest, origin, place)
-        self._pending_ids.setdefault(record_id, index)
+        if claim_id:
+            self._pending_ids.setdefault(record_id, index)
         self._pending_errors += status == "error"
         samples = row.get(SAMPLES_KEY)
         self._pending_samples += 1 if samples is None else len(samples)

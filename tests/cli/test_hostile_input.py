@@ -180,6 +180,21 @@ def test_records_without_an_id_never_collide_with_records_that_have_one(tiny_mod
     assert rows[2]["seed"] == index_seed(0, 2) and rows[3]["seed"] == derive_seed(0, "2") != index_seed(0, 2)
 
 
+def test_a_record_that_could_not_be_read_never_takes_the_id_of_a_record_that_has_one(tiny_model, tmp_path):
+    """An unreadable line's row carries its index as id (it has no other); a later record whose own id is that
+    index still runs, however many rows were committed in between."""
+    source = tmp_path / "in.jsonl"
+    source.write_text('{"prompt": "cut short"\n' + "".join(json.dumps({"prompt": f"p{i}"}) + "\n" for i in range(6))
+                      + json.dumps({"id": "0", "prompt": "a"}) + "\n" + json.dumps({"id": "3", "prompt": "b"}) + "\n")
+    out = tmp_path / "o.jsonl"
+    result = _run(tiny_model, source, "-o", out, "--max-num-seqs", "1", "--checkpoint-every", "1")
+    assert result.code == 3, result.err
+    rows = read_rows(out)
+    assert [r["status"] for r in rows] == ["error"] + ["ok"] * 8
+    assert rows[0]["id"] == "0" and "line 1: invalid JSON" in rows[0]["error"]
+    assert [r["id"] for r in rows[7:]] == ["0", "3"]
+
+
 # -- 7. shared caches and temporary files -----------------------------------------------------------------
 
 def test_the_output_is_written_through_a_fresh_temporary_file_never_a_planted_one(tiny_model, tmp_path):

@@ -321,5 +321,5 @@ def test_prompt_too_long_for_the_context(tokenizer):
 def test_a_built_requests_error_row_carries_its_record(tokenizer):
     built = build(tokenizer, {"id": "p1", "prompt": "Hello", "topic": "t"}, keep_fields=("topic",))
     assert built.error_row("line 5: it broke") == ErrorRow(4, "p1", "line 5: it broke", {"topic": "t"},
-                                                           built.sampling.seed)
+                                                           built.sampling.seed, id_given=True)
     assert built.error_row("line 5: it broke", prompt_tokens=3).prompt_tokens == 3

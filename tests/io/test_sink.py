@@ -7,7 +7,7 @@ import pytest
 
 from conveyor.core import RequestOutput, SamplingParams
 from conveyor.io.records.readers import RawRecord
-from conveyor.io.records.request_builder import BuiltRequest, ErrorRow
+from conveyor.io.records.request_builder import BuiltRequest, ErrorRow, unreadable
 from conveyor.io.rows.sink import BadRecordStop, CommitPolicy, JournalSink
 from conveyor.io.state.journal import Journal
 
@@ -62,6 +62,25 @@ def test_a_bad_record_and_a_repeated_id_become_error_rows_without_a_request(jour
     assert rows[1]["error"] == "line 2: no prompt"
     assert rows[2]["status"] == "error" and rows[2]["error"].startswith("line 3: duplicate id 'same'")
     assert sink.totals.errors == 2 and sink.totals.ok == 0
+
+
+def test_an_index_as_id_never_makes_a_later_record_with_that_id_a_duplicate(journal):
+    """The row of an unreadable record (its id is its index: it has no other) and the row of a record without an
+    id, committed before a record whose own id is that index is read: the later record runs, as it would have had
+    it been read first."""
+    sink = JournalSink(journal)
+    unparsed = RawRecord(0, 1, None, "line 1: invalid JSON")
+    assert sink.admit(unparsed, unreadable(unparsed, ())) is None
+    assert sink.admit(raw(1), built(1, "1", id_given=False)) is not None
+    sink.finished(output("1"))
+    sink.commit()
+    assert sink.admit(raw(2), built(2, "0")) is not None
+    assert sink.admit(raw(3), built(3, "1")) is not None
+    assert sink.admit(raw(4), built(4, "1")) is None  # (an id given twice is still a duplicate)
+    sink.close(False)
+    rows = {r["index"]: r for r in journal.iter_rows()}
+    assert [rows[i]["status"] for i in (0, 1, 4)] == ["error", "ok", "error"]
+    assert "duplicate id '1'" in rows[4]["error"] and "duplicate" not in rows[0]["error"]
 
 
 def test_a_request_the_engine_refuses_is_an_error_row_naming_where_it_was_read(journal):
