@@ -32,6 +32,20 @@ def test_tag_without_cpuinfo_is_still_a_tag():
     assert len(tag) == 12 and all(c in "0123456789abcdef" for c in tag)
 
 
+@pytest.mark.skipif(kernels.cpu_kernels() is None, reason="conveyor's C++ kernels do not run on this CPU")
+def test_the_arithmetic_a_resume_compares_names_the_build_and_the_cpu_it_was_made_for(monkeypatch):
+    """A run resumed on another CPU says its rows may differ in bits, even on the same route: the build is tuned for
+    its CPU (and so is where it fuses a multiply and an add)."""
+    import torch
+
+    from conveyor.core.backends.cpu.backend import kernels_arithmetic
+
+    here = kernels_arithmetic(kernels.cpu_kernels(), torch.float32)
+    assert here.endswith(f", kernels {kernels.build_tag()} for {cpu_identity()[0]}")
+    monkeypatch.setattr(kernels, "_proc_cpuinfo", lambda: XEON if "Intel" not in here else EPYC)
+    assert kernels_arithmetic(kernels.cpu_kernels(), torch.float32) != here
+
+
 def test_the_route_follows_the_widest_vectors_the_cpu_has(monkeypatch):
     monkeypatch.setattr(platform, "machine", lambda: "x86_64")
     assert route_for(cpu_identity(XEON)[1]) == "native"

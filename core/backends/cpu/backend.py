@@ -26,7 +26,7 @@ from conveyor.core.backends.base import (
     tensor,
 )
 from conveyor.core.backends.cpu.fused_decoder import FusedDecoder
-from conveyor.core.backends.cpu.kernels import cpu_isa, cpu_kernels
+from conveyor.core.backends.cpu.kernels import build_tag, cpu_identity, cpu_isa, cpu_kernels
 from conveyor.core.backends.transformers_forward import transformers_forward
 from conveyor.core.malloc_tuning import keep_freed_memory
 
@@ -126,14 +126,17 @@ class CpuBackend(Backend):
 
 
 def kernels_arithmetic(ops, dtype: torch.dtype) -> str:
-    """What the kernels `ops` compute `dtype`'s linears with, and on which route: the part of a row's arithmetic
-    they decide (the fused forward's and the pooling route's alike)."""
+    """What the kernels `ops` compute `dtype`'s linears with, on which route, and which build of them: the part of a
+    row's arithmetic they decide (the fused forward's and the pooling route's alike). The build is named by its tag
+    and the CPU it was made for: the compiler tunes for that CPU (-mtune), and where it contracts a multiply and an
+    add into one FMA can follow the tuning, so two CPUs on one route need not give the same bits."""
     if dtype == torch.bfloat16:
         linears = ("AMX tiles" if ops.amx_gemm_available() else
                    "AVX512-BF16 pair products" if ops.pair_gemm_available() else "bf16 widened to float32")
     else:
         linears = "float32 FMA panels"
-    return linears + (", AVX2 route" if ops.build_isa() == "avx2" else "")  # its exp, silu and sums are its own
+    route = ", AVX2 route" if ops.build_isa() == "avx2" else ""  # its exp, silu and sums are its own
+    return f"{linears}{route}, kernels {build_tag()} for {cpu_identity()[0]}"
 
 
 def kv_layout(dtype: torch.dtype, head_dim: int, block_size: int, group: int) -> str:
