@@ -210,7 +210,7 @@ class JournalSink(RecordSink):
             del self.samples[built.index]
             row = group_row([done[k] for k in range(built.n)], where if built.id_given else None)
             self._add(row, built.digest, built.sampling.grammar is not None, "run" if row["status"] == "error" else None,
-                      where, built.id_given)
+                      where, id_given=built.id_given)
 
     def _bad(self, e: ErrorRow, origin: str, where: str) -> None:
         """The error row of a record read at `where`; `origin` what made it ("input": the record, "duplicate": its
@@ -238,7 +238,7 @@ class JournalSink(RecordSink):
         self.totals.last_active = time.monotonic()
 
     def _add(self, row: dict[str, Any], digest: str | None, structured: bool = False, origin: str | None = None,
-             place: str | None = None, id_given: bool = True) -> None:
+             place: str | None = None, *, id_given: bool) -> None:
         """`row` into the journal and the totals (`structured`: its request had a grammar; `origin`, `place` and
         `id_given` as Journal.add takes them)."""
         self.journal.add(row, digest, origin, place, claim_id=id_given)
