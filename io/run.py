@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import os
 import time
 from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
@@ -53,7 +54,7 @@ from conveyor.io.rows.parts import PartLayout, PartWriter
 from conveyor.io.rows.rows import SAMPLE_INDEX, part_columns, vector_size, without_errors
 from conveyor.io.rows.sink import BadRecordStop, JournalSink, RunTotals
 from conveyor.io.rows.sink_options import CommitPolicy
-from conveyor.io.rows.writers import write_output
+from conveyor.io.rows.writers import UPLOAD_STAGING, write_output
 from conveyor.io.run_checks import (
     chat_option,
     check_chat_template,
@@ -70,6 +71,7 @@ from conveyor.io.run_rebase import input_entries, input_kept_fields
 from conveyor.io.run_report import Outcome, RunResult, RunSetup
 from conveyor.io.run_spec import CONFIG_VERSION, DEFAULT_ROWS_PER_FILE, RunSpec
 from conveyor.io.split_run import base_run_dir, finish_shard
+from conveyor.io.state.atomic import remove_leftovers
 from conveyor.io.state.journal import Journal
 from conveyor.io.state.journal_rebase import rebase as rebase_journal
 from conveyor.io.state.journal_rebase import refresh_kept_fields
@@ -174,6 +176,7 @@ class Run:
         check_named_fields(spec, reader)
         self.run_dir = RunDir(run_dir)
         self.run_dir.acquire_lock()
+        self._remove_leftovers(folder)
         self._model_fingerprint = model_fingerprint(spec.model)
         fresh = self._manifest(None, fingerprint(spec.input.path))  # (a file's hash: read once)
         if spec.state.restart:
@@ -232,6 +235,17 @@ class Run:
         self._pending = itertools.chain([first] if first is not None else [], self._pending)
         self.arithmetic = read_run_info(self.run_dir.path).get("arithmetic") if t.resumed_from else None
         write_run_info(self.run_dir.path, t.total, self.command, self.arithmetic)
+
+    def _remove_leftovers(self, folder: str | None) -> None:
+        """The temporary files a process of this run left when it was killed mid-write: the output's (a file; a
+        folder's part files: `PartWriter.open`) and those staged in the run directory for a store."""
+        remove_leftovers(self.run_dir.path, lambda name: name == UPLOAD_STAGING)
+        output = self.spec.output.path
+        if folder is not None or output == "-" or is_remote(output):
+            return
+        directory, name = os.path.split(os.path.abspath(output))
+        if remove_leftovers(directory, lambda target: target == name):
+            self.say(f"removed the temporary file of {output} that an interrupted write left")
 
     def _open_parts(self, folder: str, rows_changed: bool) -> None:
         """The part files of a folder output: checked against the journal, and those whose records all have rows

@@ -5,10 +5,11 @@ rows, so that the folder reads as one table (the rows so far) while the run goes
 A part's life is in the journal (`Journal.parts`): recorded "writing" just before its file is written (a temporary
 file renamed onto it, or one upload to a store), "written" once it is there, with the digest of the journal rows
 it was written from. A process killed between the two finds the file there on resume and keeps it; one killed
-before the rename writes it again; a part recorded written is never written again. Only rows that changed under a
-written part (an input that changed, --retry-errors: `revalidate`) remove its file at once, to be written again
-when its records all have rows. A shard writes the parts of its own records (`part-00003-shard-1-of-4.parquet`:
-shard 1's records among records 3N to 4N - 1), so shards never write the same file and need no merge.
+before the rename writes it again (and the temporary file it left is removed); a part recorded written is never
+written again. Only rows that changed under a written part (an input that changed, --retry-errors: `revalidate`)
+remove its file at once, to be written again when its records all have rows. A shard writes the parts of its own
+records (`part-00003-shard-1-of-4.parquet`: shard 1's records among records 3N to 4N - 1), so shards never write
+the same file and need no merge.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 
 from conveyor.io.errors import JournalCorrupt, SpecError
 from conveyor.io.records.readers.record import open_binary
+from conveyor.io.state.atomic import remove_leftovers
 from conveyor.io.state.journal import Journal, PartEntry
 from conveyor.io.state.shards import Shard
 from conveyor.io.storage import is_remote, join, list_names, remove
@@ -106,6 +108,11 @@ class PartWriter:
                          f"{layout.name(0)}, ...")
                 self._forget(list(self.parts), remove_files=False)
         journal.set_meta_value(_LAYOUT_KEY, layout.key())
+        if not is_remote(layout.folder):
+            left = sorted(set(remove_leftovers(layout.folder, layout.is_ours)))
+            if left:
+                self.say(f"removed the temporary files of {len(left)} part{'s' if len(left) != 1 else ''} "
+                         f"({_some(left)}) that an interrupted write left in {layout.folder}/")
         on_disk = {name for name in self._names() if layout.is_ours(name)}
         if restart and on_disk:
             for name in sorted(on_disk):

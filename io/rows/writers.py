@@ -12,7 +12,6 @@ import contextlib
 import json
 import os
 import sys
-import tempfile
 import time
 from typing import IO, Any, Iterable, Iterator
 
@@ -30,13 +29,14 @@ from conveyor.io.rows.rows import (
     output_rows,
     unpack_vector,
 )
-from conveyor.io.state.atomic import atomic_file
+from conveyor.io.state.atomic import atomic_file, make_temp
 from conveyor.io.storage import is_remote, put
 
 OUTPUT_FORMATS = ("parquet", "jsonl", "openai-batch")
 STDOUT = "-"  # -o -: the finished output goes to stdout
 OUTPUT_EXTENSIONS = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl"}
 _INT64 = (-2**63, 2**63)
+UPLOAD_STAGING = "upload"  # the target name of a file staged for a store (`atomic.remove_leftovers` finds them)
 
 
 def infer_output_format(path: str, output_format: str | None) -> str:
@@ -108,7 +108,7 @@ def _destination(path: str, mode: str, staging: str | None) -> Iterator[IO]:
         return
     if staging is None:
         raise ValueError(f"writing {path}: a file in a store is staged in a local folder, and none was given")
-    fd, local = tempfile.mkstemp(dir=staging, prefix=".upload-")
+    fd, local = make_temp(staging, UPLOAD_STAGING)
     try:
         with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8", "newline": "\n"})) as f:
             yield f

@@ -2,16 +2,22 @@
 
 The temporary file is made by `tempfile.mkstemp` in the target's folder (`O_CREAT | O_EXCL`, and
 `O_NOFOLLOW` where the platform has it, mode 0600): a name planted in a shared folder, a symlink
-included, is never opened or followed. Pure Python.
+included, is never opened or followed. Its name says which host and process made it
+(`.answers.parquet.tmp-<host>-<pid>-<random>`), so that one a killed process left is told from one still
+being written (`remove_leftovers`). Pure Python.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import os
+import socket
 import tempfile
-from typing import IO, Iterator
+from typing import IO, Callable, Iterator
+
+_HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]  # short: a temporary name stays short
 
 
 @contextlib.contextmanager
@@ -20,7 +26,7 @@ def atomic_file(path: str | os.PathLike, mode: str = "w") -> Iterator[IO]:
     in UTF-8 with "\\n" line ends); on any error the temporary file is removed and the error propagates."""
     target = os.path.abspath(path)
     directory, name = os.path.split(target)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.tmp-")
+    fd, tmp = make_temp(directory, name)
     text_args = {"encoding": "utf-8", "newline": "\n"} if "b" not in mode else {}
     try:
         f = os.fdopen(fd, mode, **text_args)
@@ -42,6 +48,58 @@ def atomic_file(path: str | os.PathLike, mode: str = "w") -> Iterator[IO]:
             os.remove(tmp)
         raise
     fsync_dir(directory)
+
+
+def make_temp(directory: str | os.PathLike, name: str) -> tuple[int, str]:
+    """A fresh private file in `directory` for writing `name` (an fd and its path), named for this host and
+    process."""
+    return tempfile.mkstemp(dir=directory, prefix=f".{name}.tmp-{_HOST}-{os.getpid()}-")
+
+
+def remove_leftovers(directory: str | os.PathLike, is_target: Callable[[str], bool]) -> list[str]:
+    """Remove the temporary files in `directory` that a process killed mid-write left (kill -9, a crash) for the
+    names `is_target` accepts: those made on this host by a process that is gone. A live process's (another
+    run writing the same file, a shard merging) and another host's are left alone. The targets' names, sorted."""
+    try:
+        names = os.listdir(directory)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    removed = []
+    for entry in names:
+        target, pid = _temp_of(entry)
+        if target is None or not is_target(target) or _alive(pid):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(directory, entry))
+            removed.append(target)
+    return sorted(removed)
+
+
+def _temp_of(entry: str) -> tuple[str | None, int]:
+    """(the target, the writer's pid) of a temporary file this host made, else (None, 0)."""
+    if not entry.startswith("."):
+        return None, 0
+    target, sep, rest = entry[1:].rpartition(f".tmp-{_HOST}-")
+    pid = rest.split("-", 1)[0]
+    if not sep or not target or not pid.isdigit():
+        return None, 0
+    return target, int(pid)
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    try:  # a zombie (killed, not yet reaped by its parent) writes nothing more
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
