@@ -22,18 +22,18 @@ import json
 import os
 import re
 import sqlite3
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from conveyor.io.errors import SpecError
 from conveyor.io.rows.rows import SAMPLE_INDEX, SAMPLES_KEY, duplicate_id_row, vector_size, without_errors
-from conveyor.io.state.atomic import atomic_write_text
+from conveyor.io.state.atomic import atomic_write_text, make_temp, remove_leftovers
 from conveyor.io.state.journal import Journal, JournalCorrupt
 from conveyor.io.state.run_dir import Manifest, RunDir, RunDirError
 
 MARKER = "shard.json"
+_MERGE_SCRATCH = "merge-ids.sqlite"  # the ids a merge compares across shards, in a file of its own
 MAX_SHARDS = 100_000  # a split into more is a typo, and each shard is a folder: refused before any is made
 SHARD_DIR = re.compile(r"shard-(\d+)-of-(\d+)")  # a shard's folder: shard-I-of-N
 
@@ -198,7 +198,9 @@ class ShardSet:
     def _repeated_ids(self, members: list[_Member]) -> dict[str, int]:
         """id -> the first index holding it, for the ids more than one shard claimed (usually none)."""
         # A file of this merge's own: two shards finishing together may both merge (each output by atomic rename).
-        fd, name = tempfile.mkstemp(prefix="merge-ids-", suffix=".sqlite", dir=self.path)
+        # One a merge killed mid-way left (a dead process's, this host's) goes now.
+        remove_leftovers(self.path, lambda target: target == _MERGE_SCRATCH)
+        fd, name = make_temp(self.path, _MERGE_SCRATCH)
         os.close(fd)
         scratch = Path(name)
         db = sqlite3.connect(scratch)

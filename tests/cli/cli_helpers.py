@@ -91,6 +91,13 @@ def entry_in_child(argv: list[str], setup: str = "", after: str = "") -> subproc
     return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=child_env())
 
 
+def dead_pid() -> int:
+    """The pid of a process that has ended (and been reaped)."""
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
 def run_child(*args, stdin: bytes | None = None, timeout: float = 600, cwd: Path | None = None) -> Result:
     proc = subprocess.run([*CONVEYOR, *map(str, args)], input=stdin, capture_output=True, timeout=timeout,
                           env=child_env(), cwd=cwd)

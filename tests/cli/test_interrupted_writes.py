@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 
-from cli_helpers import entry_in_child, read_rows, run_in_process, tiny_run_argv
+from cli_helpers import dead_pid, entry_in_child, read_rows, run_in_process, tiny_run_argv
 
 from conveyor.io.state import atomic
 
@@ -25,12 +24,6 @@ writers._write_jsonl = _killed
 """
 
 
-def _dead_pid() -> int:
-    proc = subprocess.Popen(["true"])
-    proc.wait()
-    return proc.pid
-
-
 def test_a_kill_while_the_output_is_written_leaves_a_temporary_file_the_resume_removes(tiny_model, tmp_path):
     ids, out, argv = tiny_run_argv(tiny_model, tmp_path, 4, max_tokens=4)
     proc = entry_in_child(argv, setup=_KILL_IN_WRITE.format(nth=1))
@@ -39,7 +32,7 @@ def test_a_kill_while_the_output_is_written_leaves_a_temporary_file_the_resume_r
     assert not out.exists()
     live = tmp_path / f".out.jsonl.tmp-{atomic._HOST}-{os.getpid()}-abc"  # a writer still at work: kept
     elsewhere = tmp_path / ".out.jsonl.tmp-0a1b2c3d-1-abc"  # another host's: kept
-    other = tmp_path / f".in.jsonl.tmp-{atomic._HOST}-{_dead_pid()}-abc"  # not this output's: kept
+    other = tmp_path / f".in.jsonl.tmp-{atomic._HOST}-{dead_pid()}-abc"  # not this output's: kept
     for path in (live, elsewhere, other):
         path.write_text("x")
 
@@ -60,7 +53,7 @@ def test_a_kill_while_a_part_is_written_leaves_a_temporary_file_the_resume_remov
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     names = sorted(os.listdir(folder))
     assert names[0].startswith(".part-00001.jsonl.tmp-") and names[1:] == ["part-00000.jsonl"], names
-    other_shard = folder / f".part-00001-shard-0-of-2.jsonl.tmp-{atomic._HOST}-{_dead_pid()}-abc"
+    other_shard = folder / f".part-00001-shard-0-of-2.jsonl.tmp-{atomic._HOST}-{dead_pid()}-abc"
     other_shard.write_text("x")  # another shard's part: that shard's to remove
 
     resumed = run_in_process(*argv[1:])

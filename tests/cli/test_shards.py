@@ -5,9 +5,12 @@ with other settings is refused naming the shard."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
-from cli_helpers import read_rows, run_in_process, stable, tiny_args, write_jsonl
+from cli_helpers import dead_pid, read_rows, run_in_process, stable, tiny_args, write_jsonl
+
+from conveyor.io.state import atomic
 
 RECORDS = [{"id": f"r{i:02d}", "prompt": f"w{i} w{i + 1} " * (1 + i % 5), "max_tokens": 3 + i % 6, "topic": i % 3}
            for i in range(17)]
@@ -46,10 +49,14 @@ def test_shards_in_any_order_then_the_last_writes_what_a_single_run_does(tmp_pat
     assert [r["topic"] for r in rows] == [r.get("topic") for r in RECORDS]
     assert sum("duplicate id" in (r["error"] or "") for r in rows) == 2
     # `conveyor merge` writes the same again, and a shard run again has nothing left to do
-    again = tmp_path / "again.jsonl"
-    result = run_in_process("merge", "-o", again, "--run-dir", tmp_path / "out.jsonl.conveyor")
+    again, base = tmp_path / "again.jsonl", tmp_path / "out.jsonl.conveyor"
+    killed = base / f".merge-ids.sqlite.tmp-{atomic._HOST}-{dead_pid()}-abc"  # a merge killed mid-way left it
+    live = base / f".merge-ids.sqlite.tmp-{atomic._HOST}-{os.getpid()}-abc"  # a merge at work beside this one
+    killed.write_bytes(b"x"), live.write_bytes(b"x")
+    result = run_in_process("merge", "-o", again, "--run-dir", base)
     assert result.code == 3 and "merged 3 shards: 17 rows" in result.err, result.err
     assert read_rows(again) == rows
+    assert not killed.exists() and live.exists()
     result = _run(tmp_path, tiny_model, src, out, "--shard", "1/3")
     assert result.code == 3 and read_rows(out) == rows
 
