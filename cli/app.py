@@ -33,6 +33,7 @@ from conveyor.cli.options import (
     TaskOpt,
     TruncatePromptTokensOpt,
 )
+from conveyor.cli.repeated_options import merge_repeated_options
 from conveyor.cli.run import EXAMPLES, run_command
 
 app = typer.Typer(
@@ -175,6 +176,9 @@ def main(argv: list[str] | None = None) -> None:
         debug = True
     set_command_line(args)
     command = typer.main.get_command(app)
+    args, warnings = merge_repeated_options(command, args)
+    for warning in warnings:
+        sys.stderr.write(f"conveyor: warning: {warning}\n")
     try:
         code = command.main(args=args, prog_name="conveyor", standalone_mode=False)
     except typer.Exit as e:
