@@ -159,9 +159,10 @@ def execute(invocation: Invocation) -> int:
                 say(f"resuming: {run.totals.resumed_from} records already done"
                     + (f", {len(run.partials)} to continue from where they stopped" if run.partials else ""))
         if run.has_pending:
-            if not cli.quiet:
-                _note_loading(spec.model)
-            run.load_engine()
+            if not stopper.should_stop():  # (a stop asked while it started: no model to load)
+                if not cli.quiet:
+                    _note_loading(spec.model)
+                run.load_engine()
         elif not cli.quiet:
             say("every record has a row: writing the output from the run's journal, without loading the model")
         collector.release()

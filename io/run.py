@@ -376,6 +376,8 @@ class Run:
         BadRecordStop at the first bad record under --on-error fail (what finished is committed)."""
         if self.engine is None:  # every record already had a row (`has_pending` false): only the output is written
             if self.has_pending:
+                if should_stop():  # asked to stop before the model loaded (the caller skipped the load)
+                    return self._result(Outcome.STOPPED, "run the same command again to resume")
                 raise RuntimeError("Run.execute: records are pending and no engine was loaded (call load_engine)")
             return self._finish()
         state = self.spec.state
