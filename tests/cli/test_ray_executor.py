@@ -75,8 +75,10 @@ def test_a_worker_killed_mid_run_is_restarted_and_resumes_writing_its_parts_once
         *_args(tiny_model, src, f"{out}/", "--executor", "ray", "--num-workers", "2", "--rows-per-file", "8",
                "--output-format", "jsonl"))))
     driver.start()
-    deadline = time.monotonic() + 120
-    while num_committed(shard_dir, strict=False) < 4 and driver.is_alive() and time.monotonic() < deadline:
+    deadline = time.monotonic() + 300
+    while num_committed(shard_dir, strict=False) < 4:
+        assert driver.is_alive(), f"the run ended before shard 1 committed 4 rows: {result}"
+        assert time.monotonic() < deadline, "timed out waiting for shard 1's 4th commit"
         time.sleep(0.05)
     [name] = [a for a in ray.util.list_named_actors() if a.endswith("shard-1-of-2")]
     killed_at = num_committed(shard_dir, strict=False)
@@ -106,7 +108,7 @@ def test_a_driver_stopped_by_sigterm_or_killed_with_kill_9_resumes_to_the_same_o
         return sum(num_committed(run_dir / f"shard-{i}-of-2", strict=False) for i in range(2))
 
     child = Child(args, tmp_path, "driver")
-    child.wait_until(lambda: committed() >= 2, timeout=180, what="the shards' first commits")
+    child.wait_until(lambda: committed() >= 2, timeout=300, what="the shards' first commits")
     child.send(signal.SIGTERM)  # the workers stop at their next step and commit; the driver exits 75
     stopped = child.wait(timeout=120)
     assert stopped.code == 75 and "SIGTERM" in stopped.err, stopped.err
@@ -118,7 +120,7 @@ def test_a_driver_stopped_by_sigterm_or_killed_with_kill_9_resumes_to_the_same_o
     assert "(2 shards)" in status.out and "0 of 2 shards finished" in status.out, status.out
     assert status.out.count("resume with: conveyor run") == 2 and "--executor ray" in status.out, status.out
     child = Child(args, tmp_path, "resumed")
-    child.wait_until(lambda: committed() >= 6, timeout=180, what="more commits")
+    child.wait_until(lambda: committed() >= 6, timeout=300, what="more commits")
     child.kill9()
     done_before = committed()
     again = Child(args, tmp_path, "again").wait(timeout=300)

@@ -19,6 +19,7 @@ import pytest
 from cli_helpers import (
     Child,
     assert_same_rows,
+    entry_in_child,
     journal_state,
     num_committed,
     read_rows,
@@ -187,12 +188,18 @@ def test_sigterm_stops_with_75_and_resumes(many, tiny_model, tmp_path):
     source, expected = many
     output, run_dir = tmp_path / "out.jsonl", tmp_path / "out.jsonl.conveyor"
     command = ["run", source, "-o", output, *_many_options(tiny_model)]
-    # While the model loads (a cron job's timeout can land there too): still a clean stop.
-    loading = Child(command, tmp_path, "terminated-loading")
-    loading.wait_until(lambda: _has_journal(run_dir), what="the run directory")
-    loading.send(signal.SIGTERM)
-    stopped = loading.wait()
-    assert stopped.code == 75, stopped.err
+    # While the model loads (a cron job's timeout can land there too): still a clean stop. (The signal is sent by
+    # the child itself as the load begins: a poller starved for a second would see it land after the first commits.)
+    loading = entry_in_child(["conveyor", *map(str, command)], setup=(
+        "import os, signal\n"
+        "from conveyor.io.run import Run\n"
+        "_load = Run.load_engine\n"
+        "def _signalled(self):\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    return _load(self)\n"
+        "Run.load_engine = _signalled\n"))
+    assert loading.returncode == 75, loading.stderr
+    assert "SIGTERM received" in loading.stderr
     assert num_committed(run_dir) == 0 and not output.exists()
 
     child = Child(command, tmp_path, "terminated")

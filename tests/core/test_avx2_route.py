@@ -42,6 +42,7 @@ def _runs_avx2_as_well() -> bool:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # (the suite's 600 s per test would end the worker before the child's own 1500)
 @pytest.mark.skipif(not _runs_avx2_as_well(), reason="this CPU runs no other route than the suite's own (AVX2 only, "
                     "or no AVX2)")
 def test_the_avx2_route_in_a_child_process():

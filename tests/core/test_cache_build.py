@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -16,16 +17,17 @@ import pytest
 
 from conveyor.core.cache_build import cached_build, exclusive_lock
 
-# A child builder: announces its scratch directory in `started`, then writes the file slowly.
+# A child builder: announces its scratch directory in `started`, then writes the file once `release` exists.
 CHILD = textwrap.dedent("""
     import sys, time
     from pathlib import Path
     from conveyor.core.cache_build import cached_build
-    folder, started, seconds = Path(sys.argv[1]), Path(sys.argv[2]), float(sys.argv[3])
+    folder, started, release = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
     def build(scratch):
         (scratch / "part.o").write_text("half")
         started.write_text(str(scratch))
-        time.sleep(seconds)
+        while not release.exists():
+            time.sleep(0.02)
         out = scratch / "lib.so"
         out.write_text("built by the child")
         return out
@@ -33,8 +35,8 @@ CHILD = textwrap.dedent("""
 """)
 
 
-def _start_child(folder: Path, started: Path, seconds: float) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-c", CHILD, str(folder), str(started), str(seconds)],
+def _start_child(folder: Path, started: Path, release: Path) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, str(folder), str(started), str(release)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 60
     while not started.exists():
@@ -66,7 +68,7 @@ def test_builds_once_then_returns_the_cached_file(tmp_path):
 
 def test_a_builder_killed_mid_build_blocks_no_one_and_its_leftovers_are_cleared(tmp_path):
     folder = tmp_path / "kernels" / "py311-abc"
-    child = _start_child(folder, tmp_path / "started", seconds=600)
+    child = _start_child(folder, tmp_path / "started", release=tmp_path / "never")
     dead_scratch = Path((tmp_path / "started").read_text())
     child.send_signal(signal.SIGKILL)
     child.wait(30)
@@ -82,13 +84,26 @@ def test_a_builder_killed_mid_build_blocks_no_one_and_its_leftovers_are_cleared(
 
 def test_a_second_caller_waits_for_the_running_builder_and_uses_its_result(tmp_path, capfd):
     folder = tmp_path / "kernels" / "py311-abc"
-    child = _start_child(folder, tmp_path / "started", seconds=1.5)
+    release = tmp_path / "release"
+    child = _start_child(folder, tmp_path / "started", release)
+    said: list[str] = []
+
+    def release_once_the_caller_waits() -> None:
+        deadline = time.monotonic() + 120
+        while "waiting for another process to finish building" not in "".join(said) and time.monotonic() < deadline:
+            said.append(capfd.readouterr().err)
+            time.sleep(0.05)
+        release.write_text("")
+
+    releaser = threading.Thread(target=release_once_the_caller_waits)
+    releaser.start()
     calls: list = []
-    path = cached_build(folder, "lib.so", _builder(calls), wait_s=60)
+    path = cached_build(folder, "lib.so", _builder(calls), wait_s=300)
+    releaser.join()
     assert calls == [], "the waiting caller built it a second time"
     assert path.read_text() == "built by the child"
     assert child.wait(30) == 0
-    assert "waiting for another process to finish building" in capfd.readouterr().err
+    assert "waiting for another process to finish building" in "".join(said)
 
 
 def test_a_lock_file_left_on_disk_does_not_block(tmp_path):

@@ -206,6 +206,7 @@ def test_every_row_of_an_moe_mlp_equals_that_row_alone(dtype, m, seed, weights_i
         torch.set_num_threads(before)
 
 
+@pytest.mark.timeout(1200)  # (the suite's 600 s per test would end the worker before the child's own 900)
 @pytest.mark.skipif(ops is None or not ops.amx_gemm_available() or os.environ.get("CONVEYOR_NO_AMX") == "1",
                     reason="no AMX here: the routes without tiles are the ones tested above")
 def test_the_routes_of_cpus_without_amx_in_a_child_process():
