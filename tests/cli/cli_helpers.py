@@ -104,17 +104,34 @@ def run_child(*args, stdin: bytes | None = None, timeout: float = 600, cwd: Path
     return Result(proc.returncode, proc.stdout.decode(errors="replace"), proc.stderr.decode(errors="replace"))
 
 
+# Child(setup=...): the child stops itself (SIGSTOP) once it has written part N of a part-file output, so that a test
+# sees it mid-run whatever the machine's speed (format with part=N).
+STOP_AFTER_PART = """import os, signal
+from conveyor.io.rows.parts import PartWriter
+_write = PartWriter._write
+def _write_then_stop(self, part, first, stop):
+    _write(self, part, first, stop)
+    if part == {part}:
+        os.kill(os.getpid(), signal.SIGSTOP)
+PartWriter._write = _write_then_stop
+"""
+
+
 class Child:
     """A `conveyor` child process whose stdout/stderr go to files (a full pipe would stall it)."""
 
     live: list["Child"] = []  # killed after each test (conftest): a failed test leaves none running or frozen
 
-    def __init__(self, args, log_dir: Path, name: str) -> None:
+    def __init__(self, args, log_dir: Path, name: str, setup: str = "") -> None:
+        """`conveyor ARGS`; with `setup`, through the console script's entry after those Python lines (to patch the
+        child: `STOP_AFTER_PART` stops it at a chosen point, for the test to look at it there)."""
         self.out_path = log_dir / f"{name}.stdout"
         self.err_path = log_dir / f"{name}.stderr"
+        argv = [*CONVEYOR, *map(str, args)] if not setup else \
+            [sys.executable, "-c", f"import sys\n{setup}sys.argv = {['conveyor', *map(str, args)]!r}\n"
+                                   "from conveyor.cli import entry\nentry.main()\n"]
         with open(self.out_path, "wb") as out, open(self.err_path, "wb") as err:
-            self.proc = subprocess.Popen([*CONVEYOR, *map(str, args)], stdout=out, stderr=err,
-                                         stdin=subprocess.DEVNULL, env=child_env())
+            self.proc = subprocess.Popen(argv, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=child_env())
         self.started = time.monotonic()
         Child.live.append(self)
 
@@ -150,6 +167,14 @@ class Child:
             if state in ("T", "t"):
                 return
             time.sleep(0.001)
+
+    def is_stopped(self) -> bool:
+        """Whether the child is stopped (SIGSTOP), by the test or by itself."""
+        try:
+            with open(f"/proc/{self.pid}/stat", encoding="ascii", errors="replace") as f:
+                return f.read().rpartition(")")[2].split()[0] in ("T", "t")
+        except (OSError, IndexError):
+            return False
 
     def wait(self, timeout: float = 600) -> Result:
         code = self.proc.wait(timeout)

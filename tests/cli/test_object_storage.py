@@ -10,7 +10,7 @@ import io
 import json
 
 import pytest
-from cli_helpers import Child, run_in_process, stable, tiny_args, write_jsonl
+from cli_helpers import STOP_AFTER_PART, Child, run_in_process, stable, tiny_args, write_jsonl
 
 s3fs = pytest.importorskip("s3fs")
 moto_server = pytest.importorskip("moto.server")
@@ -84,7 +84,7 @@ def test_remote_parts_survive_kill_9_and_read_as_one_table(s3, tmp_path, tiny_mo
     command = ["run", "s3://data/parts-in.jsonl", "-o", "s3://data/answers/", "--rows-per-file", "6",
                "--run-dir", tmp_path / "rd", *tiny_args(tiny_model), *GREEDY, "--checkpoint-every", "2",
                "--max-num-seqs", "2"]
-    child = Child(command, tmp_path, "killed")
+    child = Child(command, tmp_path, "killed", setup=STOP_AFTER_PART.format(part=1))  # stops itself mid-run
 
     def parts() -> dict[str, tuple]:
         """Each part object's (ETag, LastModified): an object put again is modified again."""
@@ -95,9 +95,10 @@ def test_remote_parts_survive_kill_9_and_read_as_one_table(s3, tmp_path, tiny_mo
         return {i["name"].rsplit("/", 1)[1]: (i.get("ETag"), str(i.get("LastModified"))) for i in found
                 if i["type"] == "file"}
 
-    child.wait_until(lambda: len(parts()) >= 2, what="two parts in the store")
-    child.kill9()
+    child.wait_until(child.is_stopped, what="two parts in the store")
+    assert child.kill9().code == -9
     before = parts()
+    assert sorted(before) == ["part-00000.parquet", "part-00001.parquet"]
     result = run_in_process(*command, "-q")
     assert result.code == 0, result.err
     after = parts()
