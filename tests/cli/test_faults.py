@@ -148,7 +148,7 @@ def test_records_behind_a_compiling_grammar_make_progress_and_sigterm_stops_at_o
     src, run_dir = write_jsonl(tmp_path / "in.jsonl", records), tmp_path / "out.jsonl.conveyor"
     child = Child(["run", src, "-o", tmp_path / "out.jsonl", *tiny_args(tiny_model), "--quiet", "--max-tokens", "32",
                    "--ignore-eos", "--checkpoint-every", "1", "--max-grammar-compile-s", "600"], tmp_path, "slow")
-    child.wait_until(lambda: num_committed(run_dir, strict=False) >= 3, timeout=120,
+    child.wait_until(lambda: num_committed(run_dir, strict=False) >= 3, timeout=300,
                      what="rows committed while the grammar compiles")
     child.send(signal.SIGTERM)
     sent = time.monotonic()
