@@ -52,8 +52,12 @@ def atomic_file(path: str | os.PathLike, mode: str = "w") -> Iterator[IO]:
 
 def make_temp(directory: str | os.PathLike, name: str) -> tuple[int, str]:
     """A fresh private file in `directory` for writing `name` (an fd and its path), named for this host and
-    process."""
-    return tempfile.mkstemp(dir=directory, prefix=f".{name}.tmp-{_HOST}-{os.getpid()}-")
+    process. A name too long to take the tags within 255 bytes is cut short in the temporary name (whose
+    leftover is then not recognized: rare, and never mistaken for another's)."""
+    tags = f".tmp-{_HOST}-{os.getpid()}-"
+    room = 255 - 1 - len(tags.encode()) - 8  # the leading ".", the tags, mkstemp's 8 random characters
+    short = name.encode()[:room].decode(errors="ignore")
+    return tempfile.mkstemp(dir=directory, prefix=f".{short}{tags}")
 
 
 def remove_leftovers(directory: str | os.PathLike, is_target: Callable[[str], bool]) -> list[str]:
