@@ -65,6 +65,11 @@ class PartLayout:
         return json.dumps({"folder": self.folder, "records": self.records, "name": self.name(0)})
 
 
+def _parts(count: int, noun: str = "part") -> str:
+    """"1 part", "3 parts"."""
+    return f"{count} {noun}{'s' if count != 1 else ''}"
+
+
 def _some(names: list[str]) -> str:
     """The first few of `names`, for a message."""
     return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
@@ -111,13 +116,14 @@ class PartWriter:
         if not is_remote(layout.folder):
             left = sorted(set(remove_leftovers(layout.folder, layout.is_ours)))
             if left:
-                self.say(f"removed the temporary files of {len(left)} part{'s' if len(left) != 1 else ''} "
+                self.say(f"removed the temporary files of {_parts(len(left))} "
                          f"({_some(left)}) that an interrupted write left in {layout.folder}/")
         on_disk = {name for name in self._names() if layout.is_ours(name)}
         if restart and on_disk:
             for name in sorted(on_disk):
                 self._remove(name)
-            self.say(f"--restart: removed the {len(on_disk)} part files of the earlier run from {layout.folder}/")
+            self.say(f"--restart: removed the {_parts(len(on_disk), 'part file')} of the earlier run from "
+                     f"{layout.folder}/")
             on_disk = set()
         if on_disk and not self.parts and not journal.num_committed():
             raise SpecError(f"-o {layout.folder}/: the folder holds part files this run did not write "
@@ -132,13 +138,14 @@ class PartWriter:
                     gone.append(entry.name)
                 self._forget([part], remove_files=False)
         if gone:
-            self.say(f"{len(gone)} parts written earlier are not in {layout.folder}/ ({_some(gone)}): written again")
+            self.say(f"{_parts(len(gone))} written earlier {'is' if len(gone) == 1 else 'are'} not in "
+                     f"{layout.folder}/ ({_some(gone)}): written again")
         stray = sorted(on_disk - {entry.name for entry in self.parts.values()})
         for name in stray:
             self._remove(name)
         if stray:
-            self.say(f"removed {len(stray)} part files from {layout.folder}/ that this run's journal does not record "
-                     f"({_some(stray)})")
+            self.say(f"removed {_parts(len(stray), 'part file')} from {layout.folder}/ that this run's journal "
+                     f"does not record ({_some(stray)})")
         if rows_changed:
             self.revalidate()
 
@@ -149,7 +156,7 @@ class PartWriter:
         if stale:
             names = [self.parts[p].name for p in stale]
             self._forget(stale, remove_files=True)
-            self.say(f"{len(stale)} parts held rows that changed ({_some(names)}): removed, and written again when "
+            self.say(f"{_parts(len(stale))} held rows that changed ({_some(names)}): removed, and written again when "
                      "their records have rows")
 
     # -- while it runs, and at its end -----------------------------------------------------------------------

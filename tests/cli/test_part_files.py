@@ -72,7 +72,7 @@ def test_a_part_killed_between_its_file_and_its_record_is_kept_and_a_lost_one_wr
     (folder / "part-00003.parquet").unlink()  # and a part removed by hand
     result = run_in_process(*args[:-1])
     assert result.code == 0, result.err
-    assert "1 parts written earlier are not in" in result.err and "(part-00003.parquet): written again" in result.err
+    assert "1 part written earlier is not in" in result.err and "(part-00003.parquet): written again" in result.err
     now = _files(folder)
     assert now["part-00001.parquet"] == files["part-00001.parquet"]
     assert [now[n] == files[n] for n in sorted(files)] == [True, True, True, False]
@@ -122,7 +122,7 @@ def test_the_folder_is_checked_against_the_run(tmp_path, tiny_model, monkeypatch
     files = _files(folder)
     result = run_in_process("run", edited, *args[2:-1], "--rows-per-file", "5")  # a record of part 1 changed
     assert result.code == 0, result.err
-    assert "1 parts held rows that changed (part-00001.jsonl)" in result.err
+    assert "1 part held rows that changed (part-00001.jsonl)" in result.err
     now = _files(folder)
     assert [now[f"part-0000{k}.jsonl"] == files[f"part-0000{k}.jsonl"] for k in range(4)] == [True, False, True, True]
     rows = [json.loads(line) for line in (folder / "part-00001.jsonl").read_text().splitlines()]
