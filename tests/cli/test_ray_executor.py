@@ -37,7 +37,8 @@ def single(tmp_path_factory, tiny_model):
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # address="local": a fresh cluster, never one `ray start` left running on the host
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 
