@@ -131,6 +131,30 @@ def size_text(size: int) -> str:
     return str(size)
 
 
+class _RepeatedKey(Exception):
+    def __init__(self, key: str, lines: tuple[int, int]) -> None:
+        super().__init__(key)
+        self.key, self.lines = key, lines
+
+
+def _loader(yaml: Any) -> type:
+    """yaml's SafeLoader, but a key given twice in one mapping raises _RepeatedKey (PyYAML keeps the last)."""
+
+    class Loader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                line = key_node.start_mark.line + 1
+                if isinstance(key, (str, int, float, bool)) and key in seen:
+                    raise _RepeatedKey(str(key), (seen[key], line))
+                if isinstance(key, (str, int, float, bool)):
+                    seen[key] = line
+            return super().construct_mapping(node, deep=deep)
+
+    return Loader
+
+
 def load_config_file(path: str) -> dict[str, Any]:
     import yaml
 
@@ -138,16 +162,22 @@ def load_config_file(path: str) -> dict[str, Any]:
     if not p.is_file():
         raise UsageError(f"--config {path}: no such file")
     try:
-        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+        data = yaml.load(p.read_text(encoding="utf-8"), Loader=_loader(yaml))
     except (yaml.YAMLError, UnicodeDecodeError) as e:
         raise UsageError(f"--config {path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    except _RepeatedKey as e:
+        raise UsageError(f"--config {path}: the key {e.key} is given twice (line {e.lines[0]} and line {e.lines[1]}) "
+                         "and only one would be used; keep one") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise UsageError(f"--config {path}: expected a mapping of option: value, got {type(data).__name__}")
-    out, unknown = {}, []
+    out, unknown, spelled = {}, [], {}
     for key, value in data.items():
         name = str(key).replace("-", "_")
+        if name in spelled:
+            raise UsageError(f"--config {path}: {spelled[name]} and {key} are one option, given twice; keep one")
+        spelled[name] = key
         if name in _FILE_KEYS:
             if value is not None:  # (`key:` with no value: the option's default, as if not given)
                 out[name] = value

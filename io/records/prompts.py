@@ -6,14 +6,13 @@ option at fault. Imports no conveyor.core; the tokenizer is passed in.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import Any
 
 from conveyor.io.records.batch_lines import OPENAI_URLS
 from conveyor.io.records.build_options import TEMPLATE_AS, BuildOptions
 from conveyor.io.records.prompt_template import PromptTemplate, field_text
-from conveyor.io.records.readers.record import describe, first_line
+from conveyor.io.records.readers.record import describe, first_line, strict_loads
 from conveyor.io.records.reject import Reject
 
 ROLES = ("assistant", "developer", "system", "tool", "user")
@@ -128,7 +127,7 @@ class PromptTokens:
 def _json_messages(text: str, field: str) -> Any:
     """A messages field holding JSON text (a CSV cell, a Parquet string column), parsed."""
     try:
-        return json.loads(text)
+        return strict_loads(text)
     except ValueError as e:
         raise Reject(f"field '{field}' is text but not JSON of a list of chat messages ({first_line(e)}); write it "
                      "as [{\"role\": \"user\", \"content\": ...}]") from None

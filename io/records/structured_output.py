@@ -10,6 +10,7 @@ import json
 from typing import Any
 
 from conveyor.core import Grammar, schema_error
+from conveyor.io.records.readers.record import strict_loads
 from conveyor.io.records.reject import Reject
 
 GRAMMAR_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice")
@@ -23,7 +24,7 @@ def run_grammar(json_schema_text: str | None, choice: tuple[str, ...], regex: st
         raise ValueError(f"{' and '.join(given)} both constrain the output; give one")
     if json_schema_text is not None:
         try:
-            schema = json.loads(json_schema_text)
+            schema = strict_loads(json_schema_text)
         except ValueError as e:
             raise ValueError(f"the file is not valid JSON ({e})") from None
         if not isinstance(schema, dict):
@@ -98,7 +99,7 @@ def _schema_text(field: str, value: Any) -> str:
     """A schema object, or its JSON text, as canonical JSON text (equal schemas compile once)."""
     if isinstance(value, str):
         try:
-            value = json.loads(value)
+            value = strict_loads(value)
         except ValueError as e:
             raise Reject(f"{field} is a string but not JSON ({e})") from None
     if not isinstance(value, dict):

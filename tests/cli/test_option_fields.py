@@ -106,6 +106,19 @@ def test_a_config_key_without_a_value_is_the_options_default(tmp_path):
     assert invocation.spec.engine.dtype == EngineConfig().dtype and invocation.spec.sampling.max_tokens == 7
 
 
+@pytest.mark.parametrize(("text", "message"), [
+    ("max_tokens: 3\ntemperature: 0\nmax_tokens: 4\n", "the key max_tokens is given twice (line 1 and line 3) and "
+                                                         "only one would be used; keep one"),
+    ("max_tokens: 3\nmax-tokens: 4\n", "max_tokens and max-tokens are one option, given twice; keep one"),
+])
+def test_a_config_key_given_twice_is_refused(tmp_path, text, message):
+    config = tmp_path / "c.yaml"
+    config.write_text(text)
+    with pytest.raises(UsageError) as e:
+        load_config_file(str(config))
+    assert str(e.value) == f"--config {config}: {message}"
+
+
 def test_every_unknown_config_key_is_listed_with_the_nearest_option(tmp_path):
     config = tmp_path / "c.yaml"
     config.write_text("max_token: 3\ntempreature: 0\nbanana: 1\ntemperature: 0\n")

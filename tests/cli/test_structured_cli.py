@@ -56,6 +56,11 @@ def test_run_level_grammars_and_their_usage_errors(tiny_model, tmp_path):
     assert both.code == 2 and "--choice and --regex" in both.err
     missing = run_in_process("run", source, "-o", tmp_path / "x.jsonl", "--json-schema", tmp_path / "none.json")
     assert missing.code == 2 and "--json-schema" in missing.err
+    twice = tmp_path / "twice.json"  # a key given twice: one of its values would be dropped without a word
+    twice.write_text('{"type": "object", "properties": {"a": {"type": "string"}, "a": {"type": "integer"}}}')
+    repeated = run_in_process("run", source, "-o", tmp_path / "x.jsonl", "--json-schema", twice)
+    assert repeated.code == 2 and f"--json-schema {twice}: the file is not valid JSON (the key \"a\" appears twice" \
+        in repeated.err, repeated.err
 
 
 def test_per_record_fields_under_their_openai_and_vllm_names(tiny_model, tmp_path):

@@ -78,6 +78,8 @@ def test_a_messages_column_of_json_text_is_parsed(tokenizer):
     bad = error_of(build(tokenizer, {"messages": "[{\"role\": "}))
     assert "field 'messages' is text but not JSON" in bad
     assert "must be a list" in error_of(build(tokenizer, {"messages": "\"Hi\""}))
+    twice = error_of(build(tokenizer, {"messages": '[{"role": "user", "content": "a", "content": "b"}]'}))
+    assert "field 'messages' is text but not JSON" in twice and 'the key "content" appears twice' in twice
 
 
 # -- --prompt-template ---------------------------------------------------------------------------------

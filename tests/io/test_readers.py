@@ -59,6 +59,9 @@ def test_jsonl_bom_crlf_and_blank_lines(tmp_path):
     (b'{"temperature": NaN}', "line 2: non-finite number (NaN)"),
     (b'{"temperature": -Infinity}', "line 2: non-finite number (-Infinity)"),
     (b'{"temperature": 1e999}', "line 2: non-finite number (1e999)"),
+    (b'{"prompt": "a", "prompt": "b"}', 'line 2: the key "prompt" appears twice in one object'),
+    (b'{"messages": [{"role": "user", "content": "a", "role": "system"}]}',
+     'line 2: the key "role" appears twice in one object'),
     (b'["prompt", "a"]', "line 2: expected a JSON object, got a list"),
     (b'"just text"', "line 2: expected a JSON object, got a string"),
     (b"null", "line 2: expected a JSON object, got null"),
@@ -189,17 +192,19 @@ def test_stdin_json_array(monkeypatch):
 
 def test_json_array_round_trip_and_bad_elements(tmp_path):
     path = tmp_path / "in.json"
-    path.write_text('\ufeff[\n  {"a": 1},\n  [2],\n  {"b": NaN},\n  "s", {"c": "é"}\n]\n', encoding="utf-8")
+    path.write_text('\ufeff[\n  {"a": 1},\n  [2],\n  {"b": NaN},\n  "s", {"c": "é"},\n  {"d": 1, "d": 2}\n]\n',
+                    encoding="utf-8")
     reader = open_reader(str(path))
     got = list(reader)
-    assert reader.format == "json" and reader.count() == 5
-    assert [r.index for r in got] == [0, 1, 2, 3, 4]
+    assert reader.format == "json" and reader.count() == 6
+    assert [r.index for r in got] == [0, 1, 2, 3, 4, 5]
     assert all(r.line is None for r in got)
-    assert [r.record for r in got] == [{"a": 1}, None, None, None, {"c": "é"}]
+    assert [r.record for r in got] == [{"a": 1}, None, None, None, {"c": "é"}, None]
     assert got[1].error.startswith("record 1 (line 3): expected a JSON object, got a list")
     assert got[2].error.startswith("record 2 (line 4): non-finite number (NaN)")
     assert got[3].error.startswith("record 3 (line 5): expected a JSON object, got a string")
-    assert records(reader, 4) == [{"c": "é"}]
+    assert got[5].error.startswith('record 5 (line 6): the key "d" appears twice in one object')
+    assert records(reader, 4) == [{"c": "é"}, None]
 
 
 def test_json_array_not_utf8_is_an_input_error(tmp_path):

@@ -166,9 +166,9 @@ class _ArrayParser:
         if text[stop:].strip(_WHITESPACE):
             return _Element(line, problem=f"invalid JSON (extra data after the value: {text[stop:].strip()[:20]!r})",
                             text=text)
-        if self.decoder.non_finite is not None:
-            return _Element(line, problem=f"non-finite number ({self.decoder.non_finite}); use null or a finite "
-                                          "number", text=text)
+        problem = self.decoder.problem()
+        if problem is not None:
+            return _Element(line, problem=problem, text=text)
         return _Element(line, value=value, text=text)
 
     def _scan(self) -> tuple[int | None, int]:

@@ -200,16 +200,51 @@ def may_hold_surrogates(raw: bytes) -> bool:
     return _SURROGATE_ESCAPE.search(raw) is not None
 
 
+def strict_loads(text: str) -> Any:
+    """`json.loads`, but a NaN, an infinity or a key given twice in one object is a ValueError saying so."""
+    decoder = StrictDecoder()
+    value, end = decoder.raw_decode(text, len(text) - len(text.lstrip()))
+    if text[end:].strip():
+        raise ValueError(f"extra data after the value: {text[end:].strip()[:20]!r}")
+    problem = decoder.problem()
+    if problem is not None:
+        raise ValueError(problem)
+    return value
+
+
 class StrictDecoder:
-    """json decoding that notices NaN, Infinity and overflowing numbers (1e999) instead of accepting them.
+    """json decoding that notices NaN, Infinity and overflowing numbers (1e999), and a key given twice in one
+    object (a reader keeps one of its values and drops the other without a word), instead of accepting them.
 
     The json module cannot reject them mid-value without losing its place in the text, so the hooks
-    only record what they saw; callers check `non_finite` after each value.
+    only record what they saw; callers check `problem()` after each value.
     """
 
     def __init__(self) -> None:
         self.non_finite: str | None = None
-        self._decoder = json.JSONDecoder(parse_constant=self._constant, parse_float=self._float)
+        self.repeated: str | None = None
+        self._decoder = json.JSONDecoder(parse_constant=self._constant, parse_float=self._float,
+                                         object_pairs_hook=self._object)
+
+    def problem(self) -> str | None:
+        """What the last value decoded holds that a record cannot (None: nothing)."""
+        if self.non_finite is not None:
+            return f"non-finite number ({self.non_finite}); use null or a finite number"
+        if self.repeated is not None:
+            return (f"the key {json.dumps(self.repeated, ensure_ascii=False)} appears twice in one object (a JSON "
+                    "reader keeps one of its values and drops the other); keep one")
+        return None
+
+    def _object(self, pairs: list[tuple[str, Any]]) -> dict:
+        value = dict(pairs)
+        if len(value) != len(pairs) and self.repeated is None:
+            seen: set[str] = set()
+            for key, _ in pairs:
+                if key in seen:
+                    self.repeated = key
+                    break
+                seen.add(key)
+        return value
 
     def _constant(self, name: str) -> None:
         self.non_finite = self.non_finite or name
@@ -222,7 +257,7 @@ class StrictDecoder:
         return value
 
     def raw_decode(self, text: str, pos: int) -> tuple[Any, int]:
-        self.non_finite = None
+        self.non_finite = self.repeated = None
         return self._decoder.raw_decode(text, pos)
 
     def line_record(self, raw: bytes, index: int, line: int, digest: str | None = None) -> RawRecord:
@@ -233,7 +268,7 @@ class StrictDecoder:
         except UnicodeDecodeError as e:
             return RawRecord(index, line, None, f"{where}: not valid UTF-8 ({e.reason} at byte {e.start + 1}); "
                                                 "save the file as UTF-8", digest)
-        self.non_finite = None
+        self.non_finite = self.repeated = None
         try:
             value = self._decoder.decode(text)
         except json.JSONDecodeError as e:
@@ -243,9 +278,9 @@ class StrictDecoder:
             return RawRecord(index, line, None, f"{where}: JSON nested too deeply; flatten the record", digest)
         except ValueError as e:  # e.g. an integer longer than Python's digit limit
             return RawRecord(index, line, None, f"{where}: invalid JSON ({e})", digest)
-        if self.non_finite is not None:
-            return RawRecord(index, line, None, f"{where}: non-finite number ({self.non_finite}); "
-                                                "use null or a finite number", digest)
+        problem = self.problem()
+        if problem is not None:
+            return RawRecord(index, line, None, f"{where}: {problem}", digest)
         if isinstance(value, dict) and not may_hold_surrogates(raw):
             return RawRecord(index, line, value, None, digest)  # the common case: nothing to walk
         return to_record(value, index, line, where, digest)
