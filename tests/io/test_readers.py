@@ -275,6 +275,19 @@ def test_unreadable_parquet_is_an_input_error(tmp_path):
     assert "not a readable Parquet file" in str(e.value) and str(path) in str(e.value)
 
 
+def test_a_parquet_column_named_twice_is_an_input_error(tmp_path):
+    top = pa.Table.from_arrays([pa.array(["a"]), pa.array(["hello"]), pa.array(["world"])],
+                               names=["id", "prompt", "prompt"])  # as a dict a row would keep one prompt
+    pq.write_table(top, tmp_path / "top.parquet")
+    with pytest.raises(InputError, match="column 'prompt' appears twice in the schema; rename one"):
+        open_reader(str(tmp_path / "top.parquet"))
+    message = pa.struct([("role", pa.string()), ("content", pa.string()), ("content", pa.string())])
+    nested = pa.Table.from_arrays([pa.array([[("user", "x", "y")]], type=pa.list_(message))], names=["messages"])
+    pq.write_table(nested, tmp_path / "nested.parquet")
+    with pytest.raises(InputError, match="column 'messages.content' appears twice"):
+        open_reader(str(tmp_path / "nested.parquet"))
+
+
 # -- CSV -----------------------------------------------------------------------------------------
 
 def test_csv_rows_lines_and_errors(tmp_path):

@@ -35,6 +35,9 @@ class ParquetReader(Reader):
         pf = self._open()
         self.num_rows = pf.metadata.num_rows
         self.group_rows = [pf.metadata.row_group(i).num_rows for i in range(pf.num_row_groups)]
+        repeated = _repeated_field(pf.schema_arrow)
+        if repeated is not None:  # a row as a dict keeps one of them and drops the other without a word
+            raise InputError(self.source, None, f"column {repeated!r} appears twice in the schema; rename one")
 
     def _open(self):
         import pyarrow as pa
@@ -78,6 +81,25 @@ class ParquetReader(Reader):
 
     def count(self) -> int | None:
         return self.num_rows
+
+
+def _repeated_field(schema, prefix: str = "") -> str | None:
+    """The first field name a schema (or a struct within it, a list's items included) gives twice, as a path."""
+    import pyarrow as pa
+
+    names = [field.name for field in schema]
+    for name in names:
+        if names.count(name) > 1:
+            return prefix + name
+    for field in schema:
+        kind = field.type
+        while pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind):
+            kind = kind.value_type
+        if pa.types.is_struct(kind):
+            found = _repeated_field([kind.field(i) for i in range(kind.num_fields)], f"{prefix}{field.name}.")
+            if found is not None:
+                return found
+    return None
 
 
 class CsvReader(Reader):
