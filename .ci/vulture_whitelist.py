@@ -33,3 +33,7 @@ _.preempted_req_ids
 # torch's global switches, set by benchmarks/gpu_check.py; a tokenizer's, set by it too.
 _.allow_tf32
 _.pre_tokenizer
+
+# io.RawIOBase methods io.BufferedReader calls (io/records/readers/compression.py).
+_.readable
+_.readinto

@@ -160,6 +160,49 @@ def test_truncated_gzip_is_an_input_error(tmp_path):
     assert e.value.path == str(path) and "could not read the file" in str(e.value)
 
 
+def _compress(data: bytes, kind: str) -> bytes:
+    if kind == "zstd":
+        sink = pa.BufferOutputStream()
+        with pa.CompressedOutputStream(sink, "zstd") as f:
+            f.write(data)
+        return sink.getvalue().to_pybytes()
+    import bz2
+    import lzma
+
+    return {"gzip": gzip.compress, "bz2": bz2.compress, "xz": lzma.compress}[kind](data)
+
+
+@pytest.mark.parametrize("kind, suffix", [("gzip", ".gz"), ("bz2", ".bz2"), ("xz", ".xz"), ("zstd", ".zst")])
+def test_compressed_jsonl_json_and_csv_read_as_their_plain_files(tmp_path, kind, suffix):
+    plain = [{"id": r["id"], "prompt": r["prompt"]} for r in ROWS]
+    texts = {"jsonl": "\n".join(json.dumps(r) for r in plain) + "\n", "json": json.dumps(plain),
+             "csv": "id,prompt\n" + "".join(f"{r['id']},{r['prompt']}\n" for r in plain)}
+    for fmt, text in texts.items():
+        path = tmp_path / f"in.{fmt}{suffix}"
+        path.write_bytes(_compress(text.encode(), kind))
+        reader = open_reader(str(path))
+        assert reader.format == fmt and records(reader) == plain, fmt
+        assert reader.count() == len(plain) and records(reader, 2) == plain[2:]
+        odd = tmp_path / f"odd-{fmt}.data"  # the bytes say the compression; --input-format the format
+        odd.write_bytes(path.read_bytes())
+        assert records(open_reader(str(odd), fmt)) == plain
+    truncated = tmp_path / f"cut.csv{suffix}"
+    data = _compress(("prompt\n" + "".join(f"record {i}\n" for i in range(20000))).encode(), kind)
+    truncated.write_bytes(data[: len(data) // 2])
+    with pytest.raises(InputError) as e:
+        list(open_reader(str(truncated)))
+    assert e.value.path == str(truncated) and "could not read the file" in str(e.value)
+
+
+def test_a_compressed_parquet_file_is_an_input_error(tmp_path):
+    plain = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"prompt": ["a"]}), plain)
+    packed = tmp_path / "in.parquet.gz"
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    with pytest.raises(InputError, match="a gzip-compressed Parquet file; decompress it first"):
+        open_reader(str(packed))
+
+
 def test_stdin_jsonl(monkeypatch):
     fake = io.TextIOWrapper(io.BytesIO(b'{"prompt": "a"}\n\n{"prompt": "b"}\n'))
     monkeypatch.setattr(sys, "stdin", fake)

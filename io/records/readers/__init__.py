@@ -1,4 +1,4 @@
-"""Input readers: stream RawRecords from JSONL (plain, gzip, stdin), JSON arrays, Parquet, CSV and
+"""Input readers: stream RawRecords from JSONL (plain, compressed, stdin), JSON arrays, Parquet, CSV and
 Hugging Face datasets. open_reader picks the reader; fatal problems raise InputError before any work.
 """
 
@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 from conveyor.io.errors import InputError
+from conveyor.io.records.readers.compression import sniff, without_suffix
 from conveyor.io.records.readers.fingerprint import fingerprint, fingerprints_content
 from conveyor.io.records.readers.hf_datasets import DatasetsFolderReader, HubDatasetReader, is_datasets_folder
 from conveyor.io.records.readers.json_array import JsonArrayReader
@@ -26,10 +27,9 @@ from conveyor.io.storage import check_scheme, info, is_remote
 __all__ = ["DEFAULT_MAX_RECORD_BYTES", "FORMATS", "InputError", "RawRecord", "Reader", "fingerprint", "fingerprints_content",
            "open_reader"]
 
-_EXTENSIONS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".gz": "jsonl", ".json": "json",
-               ".parquet": "parquet", ".pq": "parquet", ".csv": "csv"}
+_EXTENSIONS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet", ".pq": "parquet",
+               ".csv": "csv"}
 _STDIN_FORMATS = ("jsonl", "json")
-_GZIP_MAGIC = b"\x1f\x8b"
 
 
 def open_reader(source: str, input_format: str | None = None, split: str | None = None,
@@ -49,7 +49,7 @@ def open_reader(source: str, input_format: str | None = None, split: str | None 
         fmt = fmt or "jsonl"
         if fmt not in _STDIN_FORMATS:
             raise InputError(source, None, f"{fmt} cannot be read from stdin; pass a file path, or pipe JSONL")
-        return JsonlReader(source, is_gzip=False, max_record_bytes=cap) if fmt == "jsonl" else \
+        return JsonlReader(source, max_record_bytes=cap) if fmt == "jsonl" else \
             JsonArrayReader(source, cap)
     check_scheme(source, "the input")
     if is_remote(source):
@@ -69,8 +69,6 @@ def open_reader(source: str, input_format: str | None = None, split: str | None 
         raise InputError(source, None, f"--split applies to Hugging Face datasets, not to a {fmt} file; drop it")
     if not os.access(path, os.R_OK):
         raise InputError(source, None, "cannot be read (permission denied); check its permissions")
-    if fmt == "jsonl" and is_stream(source):  # a pipe: sniffing would eat its first bytes
-        return JsonlReader(source, is_gzip=source.lower().endswith(".gz"), max_record_bytes=cap)
     return _file_reader(source, fmt, cap, split)
 
 
@@ -90,12 +88,16 @@ def _remote_reader(source: str, fmt: str | None, split: str | None, cap: int) ->
 def _file_reader(source: str, fmt: str, cap: int, split: str | None = None) -> Reader:
     """The reader of a file (or an object) of format `fmt`."""
     if fmt == "jsonl":
-        with open_binary(source) as f:
-            is_gzip = f.read(2) == _GZIP_MAGIC
-        return JsonlReader(source, is_gzip=is_gzip, max_record_bytes=cap)
+        return JsonlReader(source, max_record_bytes=cap)
     if fmt == "json":
         return JsonArrayReader(source, cap)
     if fmt == "parquet":
+        if not is_stream(source):
+            with open_binary(source) as f:
+                compressed = sniff(f)
+            if compressed is not None:
+                raise InputError(source, None, f"a {compressed}-compressed Parquet file; decompress it first "
+                                               "(Parquet compresses its own columns)")
         return ParquetReader(source, cap)
     if fmt == "csv":
         return CsvReader(source, cap)
@@ -103,11 +105,13 @@ def _file_reader(source: str, fmt: str, cap: int, split: str | None = None) -> R
 
 
 def _format_from_name(source: str) -> str:
-    name = source.lower()
-    if name.endswith(".jsonl.gz"):
+    """The format a name says, a compression suffix aside (`data.csv.gz` is CSV; `data.gz` JSONL, as it always was)."""
+    name = without_suffix(source.lower())
+    if name != source.lower() and not os.path.splitext(name)[1]:
         return "jsonl"
     fmt = _EXTENSIONS.get(os.path.splitext(name)[1])
     if fmt is None:
-        raise InputError(source, None, "unknown input extension; use .jsonl, .jsonl.gz, .json, .parquet or "
-                                       ".csv, a datasets folder, or - for stdin, or pass --input-format")
+        raise InputError(source, None, "unknown input extension; use .jsonl, .json, .parquet or .csv (each may be "
+                                       "compressed: .gz, .bz2, .xz, .zst), a datasets folder, or - for stdin, or "
+                                       "pass --input-format")
     return fmt

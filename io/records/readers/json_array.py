@@ -17,6 +17,7 @@ import sys
 from typing import Any, Iterator, TextIO
 
 from conveyor.io.errors import InputError
+from conveyor.io.records.readers.compression import READ_ERRORS, decompressing, sniff
 from conveyor.io.records.readers.record import (
     DEFAULT_MAX_RECORD_BYTES,
     RawRecord,
@@ -25,7 +26,7 @@ from conveyor.io.records.readers.record import (
     digest_of,
     is_stream,
     location,
-    open_text,
+    open_binary,
     oversized,
     to_record,
 )
@@ -57,7 +58,8 @@ class JsonArrayReader(Reader):
             if self.source == "-":
                 f = io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8-sig", newline="")
             else:
-                f = open_text(self.source)
+                raw = open_binary(self.source)
+                f = io.TextIOWrapper(decompressing(raw, sniff(raw)), encoding="utf-8-sig", newline="")
         except OSError as e:
             raise InputError(self.source, None, f"cannot be read ({e.strerror or e}); check the path "
                                                 "and its permissions") from e
@@ -65,6 +67,9 @@ class JsonArrayReader(Reader):
             yield f
         except UnicodeDecodeError as e:
             raise InputError(self.source, None, f"not valid UTF-8 ({e.reason}); save the file as UTF-8") from e
+        except READ_ERRORS as e:
+            raise InputError(self.source, None, f"could not read the file ({e}); check that it is complete and not "
+                                                "corrupt") from e
         finally:
             if self.source == "-":
                 f.detach()  # leave sys.stdin.buffer open

@@ -1,4 +1,4 @@
-"""JSONL reader (plain, gzip or stdin): streams lines in binary, so memory stays flat.
+"""JSONL reader (plain, compressed or stdin): streams lines in binary, so memory stays flat.
 
 A bad line becomes a RawRecord with its error; only an unreadable file raises InputError.
 """
@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import gzip
 import hashlib
 import re
 import sys
-import zlib
 from typing import BinaryIO, Callable, Iterator
 
 from conveyor.io.errors import InputError
+from conveyor.io.records.readers.compression import READ_ERRORS, decompressing, sniff
 from conveyor.io.records.readers.record import (
     BOM,
     DEFAULT_MAX_RECORD_BYTES,
@@ -34,7 +33,6 @@ _BUFFER = 1 << 16
 # lets re scan at memchr speed; a per-position ^ anchor was ten times slower.
 _BLANK_AFTER_NEWLINE = re.compile(rb"\n(?=[ \t\r\x0b\x0c]*\n)")
 _BLANK_FIRST_LINE = re.compile(rb"[ \t\r\x0b\x0c]*\n")
-_READ_ERRORS = (OSError, EOFError, zlib.error)
 
 
 class JsonlReader(Reader):
@@ -42,9 +40,8 @@ class JsonlReader(Reader):
 
     format = "jsonl"
 
-    def __init__(self, source: str, is_gzip: bool, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> None:
+    def __init__(self, source: str, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> None:
         self.source = source
-        self.is_gzip = is_gzip
         self.is_stream = is_stream(source)
         self.max_record_bytes = max_record_bytes
 
@@ -58,7 +55,7 @@ class JsonlReader(Reader):
         except OSError as e:
             raise InputError(self.source, None, f"cannot be read ({e.strerror or e}); check the path "
                                                 "and its permissions") from e
-        with raw, (gzip.GzipFile(fileobj=raw, mode="rb") if self.is_gzip else raw) as f:
+        with raw, decompressing(raw, sniff(raw)) as f:
             yield f
 
     def iter_from(self, start_index: int) -> Iterator[RawRecord]:
@@ -100,12 +97,12 @@ class JsonlReader(Reader):
                     if index >= start_index:
                         yield index, line, raw, size, digest_of(raw.rstrip(b"\r\n")) if self.with_digests else None
                     index += 1
-            except _READ_ERRORS as e:
+            except READ_ERRORS as e:
                 raise InputError(self.source, line + 1, f"could not read the file ({e}); "
                                                         "check that it is complete and not corrupt") from e
 
     def count(self) -> int | None:
-        """Non-blank lines, counted over 1 MiB chunks without parsing (gzip: by decompressing)."""
+        """Non-blank lines, counted over 1 MiB chunks without parsing (a compressed file: by decompressing)."""
         if self.is_stream:
             return None
         num_records = 0
@@ -118,7 +115,7 @@ class JsonlReader(Reader):
                 while chunk:
                     num_records, is_pending = _count_chunk(chunk, num_records, is_pending)
                     chunk = f.read(CHUNK)
-            except _READ_ERRORS as e:
+            except READ_ERRORS as e:
                 raise InputError(self.source, None, f"could not read the file ({e}); "
                                                     "check that it is complete and not corrupt") from e
         return num_records + is_pending

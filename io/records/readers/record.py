@@ -13,7 +13,7 @@ import math
 import os
 import re
 from dataclasses import dataclass
-from typing import IO, Any, Callable, Iterator, TextIO
+from typing import IO, Any, Callable, Iterator
 
 from conveyor.io.storage import is_remote, open_read
 
@@ -81,12 +81,6 @@ def open_binary(source: str, buffering: int = -1) -> IO[bytes]:
     if is_remote(source):
         return io.BufferedReader(open_read(source), buffer_size=buffering if buffering > 0 else io.DEFAULT_BUFFER_SIZE)
     return open(source, "rb", buffering=buffering)
-
-
-def open_text(source: str) -> TextIO:
-    """A file or an object-storage URL opened as UTF-8 text (a BOM dropped, line ends kept as they are)."""
-    return io.TextIOWrapper(open_binary(source), encoding="utf-8-sig", newline="") if is_remote(source) else \
-        open(source, encoding="utf-8-sig", newline="")
 
 
 def location(index: int, line: int | None = None, element_line: int | None = None) -> str:

@@ -11,6 +11,7 @@ import sys
 from typing import Iterator
 
 from conveyor.io.errors import InputError
+from conveyor.io.records.readers.compression import READ_ERRORS, decompressing, sniff
 from conveyor.io.records.readers.record import (
     DEFAULT_MAX_RECORD_BYTES,
     RawRecord,
@@ -118,7 +119,8 @@ class CsvReader(Reader):
     def _rows(self) -> Iterator[tuple[int, list[str]]]:
         """(start line, cells) per non-blank row, header included. Undecodable bytes stay as surrogates."""
         try:
-            f = io.TextIOWrapper(open_binary(self.source), encoding="utf-8-sig", errors="surrogateescape",
+            raw = open_binary(self.source)
+            f = io.TextIOWrapper(decompressing(raw, sniff(raw)), encoding="utf-8-sig", errors="surrogateescape",
                                  newline="")
         except OSError as e:
             raise InputError(self.source, None, f"cannot be read ({e.strerror or e}); check the path "
@@ -134,6 +136,9 @@ class CsvReader(Reader):
                     yield start, cells
             except csv.Error as e:
                 raise InputError(self.source, last_line + 1, f"invalid CSV ({e}); check the quoting") from e
+            except READ_ERRORS as e:
+                raise InputError(self.source, last_line + 1, f"could not read the file ({e}); check that it is "
+                                                             "complete and not corrupt") from e
 
     def iter_from(self, start_index: int) -> Iterator[RawRecord]:
         header: list[str] | None = None
