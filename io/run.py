@@ -75,7 +75,7 @@ from conveyor.io.state.atomic import remove_leftovers
 from conveyor.io.state.journal import Journal
 from conveyor.io.state.journal_rebase import rebase as rebase_journal
 from conveyor.io.state.journal_rebase import refresh_kept_fields
-from conveyor.io.state.paths import check_run_paths
+from conveyor.io.state.paths import check_output_writable, check_run_paths
 from conveyor.io.state.run_dir import SPOOL_FILE, STATE_FILES, DriftError, Manifest, RunDir, settings_key
 from conveyor.io.state.run_info import read_run_info, write_run_info
 from conveyor.io.state.shards import Shard, clear_done, mark_done, shard_dir
@@ -174,6 +174,7 @@ class Run:
         check_run_paths(spec.input.path, spec.output.path, run_dir, STATE_FILES, folder=folder is not None)
         reader = open_reader(spec.input.path, spec.input.format, spec.input.split, spec.input.max_record_bytes)
         check_named_fields(spec, reader)
+        check_output_writable(folder if folder is not None else spec.output.path, folder=folder is not None)
         self.run_dir = RunDir(run_dir)
         self.run_dir.acquire_lock()
         self._remove_leftovers(folder)
@@ -427,6 +428,7 @@ class Run:
 
         size = vector_size(self.journal.iter_rows()) if spec.task == "embed" and self.output_format == "parquet" \
             else None
+        check_output_writable(spec.output.path)  # (its folder again: one removed while the run went is made anew)
         write_output(rows(), spec.output.path, self.output_format, spec.build.keep_fields,
                      model_name=(spec.build.served_model_names or (spec.model,))[0],
                      optional=self.journal.columns() | ({SAMPLE_INDEX} if spec.build.n > 1 else set()),
@@ -438,6 +440,8 @@ class Run:
         would hold them; the rows written. Every part has the same columns: each optional column of the run's task
         (an embedding's column is a fixed-size list where the part's vectors all have one size)."""
         spec = self.spec
+        if not is_remote(path):  # (a folder removed while the run went is made anew)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
         if spec.output.on_error == "skip":
             rows = (row for row in map(without_errors, rows) if row is not None)
         size = None

@@ -11,6 +11,7 @@ import stat
 from pathlib import Path
 
 from conveyor.io.errors import InputError
+from conveyor.io.state.atomic import make_temp
 
 
 class PathClash(InputError):
@@ -105,3 +106,20 @@ def _stat(path: Path) -> os.stat_result | None:
         return path.stat()
     except OSError:
         return None
+
+
+def check_output_writable(output: str, folder: bool = False) -> None:
+    """Make the folder a local -o goes in (or, `folder`, the folder of part files) and write a probe file there, so
+    that an output that cannot be written is refused before any work rather than after all of it. PathClash naming
+    -o and why where it cannot; stdout and a store's URL are not checked here."""
+    if output == "-" or "://" in output:
+        return
+    directory = os.path.abspath(output) if folder else os.path.dirname(os.path.abspath(output))
+    try:
+        os.makedirs(directory, exist_ok=True)
+        fd, probe = make_temp(directory, os.path.basename(os.path.abspath(output)) if not folder else "probe")
+        os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        raise PathClash(output, None, f"cannot write in {directory} ({e.strerror or e}); choose a folder you can "
+                                      "write to") from None

@@ -168,8 +168,12 @@ class RunDir:
         """
         if self._lock_fd is not None:
             return
-        self.path.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise RunDirError(f"cannot make the run directory {self.path} ({e.strerror or e}); choose an output in a "
+                              "folder you can write to, or a --run-dir there") from None
         try:
             for attempt in range(_LOCK_TRIES):
                 try:

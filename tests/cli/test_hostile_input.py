@@ -86,6 +86,25 @@ def test_an_output_that_is_a_folder_is_refused_before_the_model_loads(tmp_path):
     assert result.code == 2 and "existing folder" in result.err  # not the model's error: it never loaded
 
 
+def test_an_output_that_cannot_be_written_is_refused_before_any_work_and_a_new_folder_is_made(tiny_model, tmp_path):
+    source = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt": "x"}])
+    run_dir = tmp_path / "elsewhere"
+    # (a folder under /proc cannot be made, even by root)
+    for output in ("/proc/conveyor-no-such/out.jsonl", "/proc/conveyor-no-such/parts/"):
+        result = run_in_process("run", source, "-o", output, "--run-dir", run_dir, *tiny_args(tiny_model), "-q")
+        assert result.code == 2 and "cannot write in /proc/conveyor-no-such" in result.err, result.err
+        assert len(result.err_lines) == 1 and not run_dir.exists()  # refused before the run directory was made
+    result = run_in_process("run", source, "-o", tmp_path / "out.jsonl", "--run-dir", "/proc/conveyor-no-such",
+                            *tiny_args(tiny_model), "-q")
+    assert result.code == 2 and "cannot make the run directory /proc/conveyor-no-such" in result.err, result.err
+    # a folder that does not exist yet is made, whether or not the run directory sits beside the output
+    output = tmp_path / "new" / "folder" / "out.jsonl"
+    result = run_in_process("run", source, "-o", output, "--run-dir", run_dir, *tiny_args(tiny_model), "-q",
+                            "--max-tokens", "2")
+    assert result.code == 0, result.err
+    assert [r["id"] for r in read_rows(output)] == ["a"] and os.listdir(output.parent) == ["out.jsonl"]
+
+
 # -- 3, 6. run directories: a journal without its manifest, a run that did no work -----------------------
 
 def test_a_journal_without_its_manifest_is_not_adopted_by_another_run(tiny_model, tmp_path):
