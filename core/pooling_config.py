@@ -149,8 +149,8 @@ def default_task(cfg, has_pooling_config: bool) -> str:
     archs = list(getattr(cfg, "architectures", None) or [])
     if any(a.endswith(SEQUENCE_CLASSIFIER) for a in archs):
         return "classify"
-    if has_pooling_config or (archs and all(a.endswith("Model") for a in archs)):
-        return "embed"
+    if has_pooling_config or (archs and all(a.endswith("Model") and "Head" not in a for a in archs)):
+        return "embed"  # (GPT2LMHeadModel ends in "Model" too, but has its LM head: it generates)
     return "generate"
 
 

@@ -152,3 +152,21 @@ def test_a_sentence_transformers_module_conveyor_does_not_compute_refuses_the_mo
     (folder / "modules.json").write_text(json.dumps(modules))
     with pytest.raises(UnsupportedModel, match="Dense"):
         _engine(folder, "embed")
+
+
+@pytest.mark.parametrize(("architectures", "pooling_config", "task"), [
+    (["BertModel"], False, "embed"),  # a base model without a head: what it can do is embed
+    (["Qwen3Model"], False, "embed"),
+    (["LlamaForCausalLM"], True, "embed"),  # a sentence-transformers pooling config says embed
+    (["XLMRobertaForSequenceClassification"], False, "classify"),
+    (["LlamaForCausalLM"], False, "generate"),
+    (["GPT2LMHeadModel"], False, "generate"),  # ends in "Model", but has its LM head
+    (["GPT2DoubleHeadsModel"], False, "generate"),
+    ([], False, "generate"),
+])
+def test_task_auto_follows_the_checkpoints_architecture(architectures, pooling_config, task):
+    from types import SimpleNamespace
+
+    from conveyor.core.pooling_config import default_task
+
+    assert default_task(SimpleNamespace(architectures=architectures), pooling_config) == task
