@@ -140,6 +140,24 @@ def check_named_fields(spec: RunSpec, reader: Reader) -> None:
         raise SpecError(f"{option} {name}: {where}")
 
 
+def check_prompt_columns(spec: RunSpec, reader: Reader) -> None:
+    """A table (CSV, Parquet, datasets) whose columns hold no prompt for generation (no prompt or messages column,
+    no --chat-field or --prompt-template) is a usage error before the model loads: every row would be an error row,
+    and the run's settings would then have to be --restart-ed to name the column."""
+    build, source = spec.build, spec.input.path
+    if spec.task != "generate" or reader.format not in _TABLES or build.chat_field is not None or \
+            build.prompt_template is not None or source == "-" or not (os.path.isfile(source) or os.path.isdir(source)):
+        return
+    first = next((r.record for r in itertools.islice(reader, 1) if r.record is not None), None)
+    if first is None or is_batch_line(first) or build.prompt_field in first or build.messages_field in first:
+        return
+    columns = ", ".join(first)
+    raise SpecError(f"{source} has no {build.prompt_field!r} or {build.messages_field!r} column to take each prompt "
+                    f"from (its columns: {columns}); name the column with --chat-field COLUMN (its text as the user's "
+                    "message, through the chat template) or --prompt-field COLUMN (raw text), or build the prompt "
+                    "with --prompt-template")
+
+
 def _option(name: str) -> str:
     return "--" + name.replace("_", "-")
 

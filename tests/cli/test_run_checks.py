@@ -63,3 +63,18 @@ def test_fields_that_are_there_pass_and_batch_lines_are_not_checked(tiny_model, 
     batch = run_in_process("run", lines, "-o", tmp_path / "batch.out.jsonl", *tiny_args(tiny_model),
                            "--keep-fields", "custom_id", "-q")
     assert batch.code == 0, batch.err
+
+
+@pytest.mark.parametrize("make", [_csv, _parquet], ids=["csv", "parquet"])
+def test_a_table_without_a_prompt_column_is_refused_before_the_model_loads(tiny_model, tmp_path, make):
+    """(every row would be an error row, and naming the column then would need --restart)"""
+    source = make(tmp_path / f"in.{make.__name__[1:]}")
+    result = run_in_process("run", source, "-o", tmp_path / "out.jsonl", *tiny_args(tiny_model))
+    assert result.code == 2, result.err
+    assert (f"{source} has no 'prompt' or 'messages' column to take each prompt from (its columns: id, question, "
+            "topic); name the column with --chat-field COLUMN") in result.err and len(result.err_lines) == 1
+    assert not (tmp_path / "out.jsonl.conveyor" / "journal.sqlite").exists()
+    named = run_in_process("run", source, "-o", tmp_path / "out.jsonl", *tiny_args(tiny_model), "--prompt-field",
+                           "question", "--max-tokens", "2", "-q")
+    assert named.code == 0, named.err
+    assert len(read_rows(tmp_path / "out.jsonl")) == len(RECORDS)
