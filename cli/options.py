@@ -54,7 +54,7 @@ DimensionsOpt = Annotated[Optional[int], typer.Option(
     help="Keep the embeddings' first N dimensions (Matryoshka), normalized after the cut; a record's own "
     f"`dimensions` replaces it. {_d('dimensions')}", rich_help_panel=POOL)]
 
-InputArg = Annotated[str, typer.Argument(help="Prompts: .jsonl, .json, .parquet, .csv (.gz, .bz2, .xz, .zst), a "
+InputArg = Annotated[str, typer.Argument(help="Prompts: .jsonl, .json, .parquet, .csv, .tsv (.gz, .bz2, .xz, .zst), a "
                                               "datasets folder, a hub dataset name (with --split), or - for stdin.")]
 OutputOpt = Annotated[str, typer.Option("--output", "-o", help="Output file: .parquet or .jsonl; - writes JSONL to "
                                                               "stdout once the run is complete (with --run-dir).")]

@@ -94,7 +94,7 @@ def no_chat_template_note(spec: RunSpec, tokenizer, say: Callable[[str], None]) 
 
 
 FIELD_SAMPLE = 100  # the records of a JSON input whose fields are checked against the options (a table: its columns)
-_TABLES = ("csv", "parquet", "datasets")
+_TABLES = ("csv", "tsv", "parquet", "datasets")
 
 
 def named_fields(build: BuildOptions) -> list[tuple[str, str]]:

@@ -64,7 +64,7 @@ def _config(**values):
     ({"log_every": -1.0}, "--log-every: must be positive, got -1.0"),
     ({"limit": -1}, "--limit: must be >= 0, got -1"),
     ({"on_error": "ignore"}, "--on-error: 'ignore' is not one of record, skip, fail"),
-    ({"input_format": "xml"}, "--input-format: 'xml' is not one of jsonl, json, parquet, csv, datasets"),
+    ({"input_format": "xml"}, "--input-format: 'xml' is not one of jsonl, json, parquet, csv, tsv, datasets"),
     ({"executor": "slurm"}, "--executor: 'slurm' is not one of local, ray"),
     ({"device": "tpu"}, "--device: 'tpu' is not one of auto, cpu, cuda or cuda:N"),
     ({"max_record_bytes": "lots"}, "--max-record-bytes: cannot read 'lots'"),

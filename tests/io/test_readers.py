@@ -354,6 +354,23 @@ def test_csv_rows_lines_and_errors(tmp_path):
     assert [r.index for r in reader.iter_from(3)] == [3, 4]
 
 
+def test_tsv_rows_are_split_on_tabs_and_commas_stay_in_their_cells(tmp_path):
+    text = 'id\tprompt\n1\tWhat is 2, then 3?\n2\t"a\ttab"\n3\tx\ty\n'
+    for name in ("in.tsv", "in.tab"):
+        (tmp_path / name).write_text(text)
+        reader = open_reader(str(tmp_path / name))
+        got = list(reader)
+        assert reader.format == "tsv" and reader.count() == 3
+        assert [r.record for r in got[:2]] == [{"id": "1", "prompt": "What is 2, then 3?"},
+                                               {"id": "2", "prompt": "a\ttab"}]
+        assert got[2].error.startswith("line 4: the row has 3 fields but the header has 2; quote cells that contain "
+                                       "tabs")
+    (tmp_path / "in.tsv.gz").write_bytes(gzip.compress(text.encode()))
+    assert records(open_reader(str(tmp_path / "in.tsv.gz")), 0)[:1] == [{"id": "1", "prompt": "What is 2, then 3?"}]
+    (tmp_path / "odd.txt").write_text(text)
+    assert open_reader(str(tmp_path / "odd.txt"), "tsv").format == "tsv"
+
+
 def test_csv_duplicate_header_is_an_input_error(tmp_path):
     path = tmp_path / "in.csv"
     path.write_text("prompt,prompt\na,b\n")

@@ -28,7 +28,7 @@ __all__ = ["DEFAULT_MAX_RECORD_BYTES", "FORMATS", "InputError", "RawRecord", "Re
            "open_reader"]
 
 _EXTENSIONS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet", ".pq": "parquet",
-               ".csv": "csv"}
+               ".csv": "csv", ".tsv": "tsv", ".tab": "tsv"}
 _STDIN_FORMATS = ("jsonl", "json")
 
 
@@ -99,8 +99,8 @@ def _file_reader(source: str, fmt: str, cap: int, split: str | None = None) -> R
                 raise InputError(source, None, f"a {compressed}-compressed Parquet file; decompress it first "
                                                "(Parquet compresses its own columns)")
         return ParquetReader(source, cap)
-    if fmt == "csv":
-        return CsvReader(source, cap)
+    if fmt in ("csv", "tsv"):
+        return CsvReader(source, cap, tabs=fmt == "tsv")
     return DatasetsFolderReader(source, split, cap)
 
 
@@ -111,7 +111,7 @@ def _format_from_name(source: str) -> str:
         return "jsonl"
     fmt = _EXTENSIONS.get(os.path.splitext(name)[1])
     if fmt is None:
-        raise InputError(source, None, "unknown input extension; use .jsonl, .json, .parquet or .csv (each may be "
-                                       "compressed: .gz, .bz2, .xz, .zst), a datasets folder, or - for stdin, or "
-                                       "pass --input-format")
+        raise InputError(source, None, "unknown input extension; use .jsonl, .json, .parquet, .csv or .tsv (the text "
+                                       "formats may be compressed: .gz, .bz2, .xz, .zst), a datasets folder, or - for "
+                                       "stdin, or pass --input-format")
     return fmt

@@ -18,7 +18,7 @@ from typing import IO, Any, Callable, Iterator
 from conveyor.io.storage import is_remote, open_read
 
 BOM = b"\xef\xbb\xbf"
-FORMATS = ("jsonl", "json", "parquet", "csv", "datasets")
+FORMATS = ("jsonl", "json", "parquet", "csv", "tsv", "datasets")
 DEFAULT_MAX_RECORD_BYTES = 4 << 20  # a record bigger than this is an error row, never parsed
 # A JSON \u escape of a UTF-16 surrogate: only where one appears can a decoded string hold a lone one.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")

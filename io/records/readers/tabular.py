@@ -1,4 +1,4 @@
-"""Parquet and CSV readers: rows become dicts keyed by column name.
+"""Parquet and CSV (or TSV) readers: rows become dicts keyed by column name.
 
 Parquet skips whole row groups on resume using their row counts; CSV cells stay strings.
 """
@@ -105,11 +105,12 @@ def _repeated_field(schema, prefix: str = "") -> str | None:
 
 class CsvReader(Reader):
     """A header row, then one record per row. Line numbers are physical lines where each row starts
-    (a quoted cell may span lines). Blank lines are not records. Cells are strings, never converted."""
+    (a quoted cell may span lines). Blank lines are not records. Cells are strings, never converted. `tabs`: cells
+    separated by tabs (TSV), not commas."""
 
-    format = "csv"
-
-    def __init__(self, source: str, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> None:
+    def __init__(self, source: str, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES, tabs: bool = False) -> None:
+        self.format = "tsv" if tabs else "csv"
+        self.delimiter, self.separator = ("\t", "tabs") if tabs else (",", "commas")
         self.source = source
         self.is_stream = is_stream(source)
         self.max_record_bytes = max_record_bytes
@@ -126,7 +127,7 @@ class CsvReader(Reader):
             raise InputError(self.source, None, f"cannot be read ({e.strerror or e}); check the path "
                                                 "and its permissions") from e
         with f:
-            reader = csv.reader(f)
+            reader = csv.reader(f, delimiter=self.delimiter)
             last_line = 0
             try:
                 for cells in reader:
@@ -135,7 +136,8 @@ class CsvReader(Reader):
                         continue
                     yield start, cells
             except csv.Error as e:
-                raise InputError(self.source, last_line + 1, f"invalid CSV ({e}); check the quoting") from e
+                raise InputError(self.source, last_line + 1, f"invalid {self.format.upper()} ({e}); check the "
+                                                             "quoting") from e
             except READ_ERRORS as e:
                 raise InputError(self.source, last_line + 1, f"could not read the file ({e}); check that it is "
                                                              "complete and not corrupt") from e
@@ -156,7 +158,7 @@ class CsvReader(Reader):
             return RawRecord(index, line, None, f"{location(index, line)}: not valid UTF-8; save the file as UTF-8")
         if len(cells) > len(header):
             return RawRecord(index, line, None, f"{location(index, line)}: the row has {len(cells)} fields but the header "
-                                                f"has {len(header)}; quote cells that contain commas")
+                                                f"has {len(header)}; quote cells that contain {self.separator}")
         record = dict(zip(header, cells))
         for name in header[len(cells):]:
             record[name] = None  # a short row: the missing trailing cells are null
