@@ -215,12 +215,17 @@ def parse_duration(text: str | float | int, option: str = "--max-runtime") -> fl
     return seconds
 
 
+def holds_list(key: str) -> bool:
+    """Whether the option `key` holds a list of strings (--stop, --keep-fields, --served-model-name, --choice)."""
+    return key == "choice" or (key in OPTIONS and tuple in field_kinds(*OPTIONS[key]))
+
+
 def build_config(flags: dict[str, Any], config_path: str | None) -> Invocation:
     """Merge file and flags (flags that are None were not given) into a checked RunSpec and CliSettings."""
     values: dict[str, Any] = load_config_file(config_path) if config_path else {}
     values.update({k: v for k, v in flags.items() if v is not None and not (isinstance(v, (list, tuple)) and not v)})
-    for key in [k for k in values if k == "choice" or (k in OPTIONS and tuple in field_kinds(*OPTIONS[k]))]:
-        values[key] = _as_str_tuple(key, values[key])  # the options that hold a list of strings
+    for key in [k for k in values if holds_list(k)]:
+        values[key] = _as_str_tuple(key, values[key])
     if values.get("max_runtime") is not None:
         values["max_runtime"] = parse_duration(values["max_runtime"])
     for key in [k for k in values if k in OPTIONS and k not in GRAMMAR_KEYS]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-_LISTS = {"served_model_name", "keep_fields", "choice"}  # options whose one value is a comma-separated list
+from conveyor.cli.config import holds_list
 
 
 def merge_repeated_options(group: Any, args: list[str]) -> tuple[list[str], list[str]]:
@@ -40,7 +40,7 @@ def merge_repeated_options(group: Any, args: list[str]) -> tuple[list[str], list
             continue
         name, first = uses[0][0], uses[0][1]
         values = [value for _, _, value in uses]
-        if key in _LISTS:
+        if holds_list(key):
             merged[first] = f"{name}={','.join(values)}"
             if "=" not in args[first]:
                 dropped.add(first + 1)

@@ -61,7 +61,6 @@ from conveyor.io.run_checks import (
     check_dimensions,
     check_named_fields,
     check_output,
-    check_prompt_columns,
     check_task_options,
     first_batch_task,
     no_chat_template_note,
@@ -175,7 +174,6 @@ class Run:
         check_run_paths(spec.input.path, spec.output.path, run_dir, STATE_FILES, folder=folder is not None)
         reader = open_reader(spec.input.path, spec.input.format, spec.input.split, spec.input.max_record_bytes)
         check_named_fields(spec, reader)
-        check_prompt_columns(spec, reader)
         check_output_writable(folder if folder is not None else spec.output.path, folder=folder is not None)
         self.run_dir = RunDir(run_dir)
         self.run_dir.acquire_lock()

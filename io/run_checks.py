@@ -115,15 +115,19 @@ def check_named_fields(spec: RunSpec, reader: Reader) -> None:
     """A field an option names that the input does not have (a misspelled column) is a usage error before the model
     loads, with the nearest field: a table's columns are its fields; a JSON input's are those of its first
     FIELD_SAMPLE records, checked for the fields that build the prompt (a keep field no record has is a column of
-    nulls, said after the run: records need not share their fields). Not checked: stdin and pipes (read once), and
-    inputs of OpenAI batch lines (their fields are the body's)."""
-    named = named_fields(spec.build)
+    nulls, said after the run: records need not share their fields). So is a table whose columns hold no prompt
+    for generation (no prompt or messages column, no --chat-field or --prompt-template): every row would be an error
+    row, and naming the column then would need --restart. Not checked: stdin and pipes (read once), and inputs of
+    OpenAI batch lines (their fields are the body's). The input's first records are read once for both."""
+    build, source = spec.build, spec.input.path
+    named = named_fields(build)
     if reader.format not in _TABLES:
         named = [(option, name) for option, name in named if option != "--keep-fields"]
-    source = spec.input.path
-    if not named or source == "-" or not (os.path.isfile(source) or os.path.isdir(source)):
+    needs_prompt = spec.task == "generate" and reader.format in _TABLES and build.chat_field is None and \
+        build.prompt_template is None
+    if not (named or needs_prompt) or source == "-" or not (os.path.isfile(source) or os.path.isdir(source)):
         return
-    records = [r.record for r in itertools.islice(reader, FIELD_SAMPLE) if r.record is not None]
+    records = [r.record for r in itertools.islice(reader, FIELD_SAMPLE if named else 1) if r.record is not None]
     if not records or any(is_batch_line(r) for r in records):
         return
     seen = list(dict.fromkeys(key for r in records for key in r))
@@ -138,24 +142,11 @@ def check_named_fields(spec: RunSpec, reader: Reader) -> None:
             where = (f"none of the first {len(records)} records of {source} has a field {name!r}{hint}; their fields: "
                      f"{', '.join(seen[:20])}{', ...' if len(seen) > 20 else ''}")
         raise SpecError(f"{option} {name}: {where}")
-
-
-def check_prompt_columns(spec: RunSpec, reader: Reader) -> None:
-    """A table (CSV, Parquet, datasets) whose columns hold no prompt for generation (no prompt or messages column,
-    no --chat-field or --prompt-template) is a usage error before the model loads: every row would be an error row,
-    and the run's settings would then have to be --restart-ed to name the column."""
-    build, source = spec.build, spec.input.path
-    if spec.task != "generate" or reader.format not in _TABLES or build.chat_field is not None or \
-            build.prompt_template is not None or source == "-" or not (os.path.isfile(source) or os.path.isdir(source)):
-        return
-    first = next((r.record for r in itertools.islice(reader, 1) if r.record is not None), None)
-    if first is None or is_batch_line(first) or build.prompt_field in first or build.messages_field in first:
-        return
-    columns = ", ".join(first)
-    raise SpecError(f"{source} has no {build.prompt_field!r} or {build.messages_field!r} column to take each prompt "
-                    f"from (its columns: {columns}); name the column with --chat-field COLUMN (its text as the user's "
-                    "message, through the chat template) or --prompt-field COLUMN (raw text), or build the prompt "
-                    "with --prompt-template")
+    if needs_prompt and build.prompt_field not in seen and build.messages_field not in seen:
+        raise SpecError(f"{source} has no {build.prompt_field!r} or {build.messages_field!r} column to take each "
+                        f"prompt from (its columns: {', '.join(seen)}); name the column with --chat-field COLUMN (its "
+                        "text as the user's message, through the chat template) or --prompt-field COLUMN (raw "
+                        "text), or build the prompt with --prompt-template")
 
 
 def _option(name: str) -> str:

@@ -13,7 +13,7 @@ import re
 import zlib
 from typing import IO
 
-SUFFIXES = {".gz": "gzip", ".bz2": "bz2", ".xz": "xz", ".zst": "zstd"}
+SUFFIXES = (".gz", ".bz2", ".xz", ".zst")
 # gzip (deflate), bz2 (a block or the end of an empty stream), xz, zstd frames.
 _MAGIC = re.compile(rb"\x1f\x8b\x08|BZh[1-9](?:\x31\x41\x59\x26\x53\x59|\x17\x72\x45\x38\x50\x90)|\xfd7zXZ\x00|"
                     rb"\x28\xb5\x2f\xfd")
