@@ -22,13 +22,14 @@ class UsageError(Exception):
 def code_for(exc: BaseException) -> ExitCode:
     """Map an exception to its exit code. Imports are local so `conveyor --help` stays light."""
     from conveyor.core import ConfigError, ModelLoadError
-    from conveyor.io.errors import InputError, JournalCorrupt, RunDirError, SpecError
+    from conveyor.io.errors import InputChanged, InputError, JournalCorrupt, RunDirError, SpecError
 
     table: list[tuple[type[BaseException], ExitCode]] = [
         (UsageError, ExitCode.USAGE),
         (ConfigError, ExitCode.USAGE),  # a value the engine or a backend refused: the option named
         (SpecError, ExitCode.USAGE),
         (InputError, ExitCode.USAGE),
+        (InputChanged, ExitCode.FATAL),  # the state is kept: the same command resumes, its rows checked again
         (RunDirError, ExitCode.USAGE),
         (JournalCorrupt, ExitCode.FATAL),
         (ModelLoadError, ExitCode.FATAL),
@@ -38,6 +39,13 @@ def code_for(exc: BaseException) -> ExitCode:
         if isinstance(exc, exc_type):
             return code
     return ExitCode.FATAL
+
+
+def explained(exc: BaseException) -> bool:
+    """Whether `exc`'s message says all there is (a traceback would add nothing the user can act on)."""
+    from conveyor.io.errors import InputChanged
+
+    return isinstance(exc, InputChanged)
 
 
 def message_for(exc: BaseException) -> str:

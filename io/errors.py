@@ -1,4 +1,5 @@
-"""The errors io raises for a run as a whole: its input (InputError: missing, unreadable, unknown format), its run
+"""The errors io raises for a run as a whole: its input (InputError: missing, unreadable, unknown format; InputChanged:
+rewritten while the run read it), its run
 directory (RunDirError: locked, drifted, unreadable) and its journal (JournalCorrupt).
 
 Problems with one record are not exceptions: they become error rows. Imports nothing from conveyor.
@@ -18,6 +19,11 @@ class InputError(Exception):
         self.message = message
         where = f"{path}: line {line}: " if line is not None else f"{path}: "
         super().__init__(where + message)
+
+
+class InputChanged(Exception):
+    """The input changed while the run read it: its rows may answer records that are no longer there, so no output is
+    written (the run's state is kept: a rerun checks every row against the input as it is then)."""
 
 
 class RunDirError(Exception):

@@ -43,7 +43,7 @@ from conveyor.core import (
     resolve_engine_config,
     resolve_reasoning,
 )
-from conveyor.io.errors import SpecError
+from conveyor.io.errors import InputChanged, SpecError
 from conveyor.io.records.pending import PendingRecords
 from conveyor.io.records.pooling_builder import PoolingRequestBuilder
 from conveyor.io.records.readers import fingerprint, fingerprints_content, open_reader
@@ -67,7 +67,7 @@ from conveyor.io.run_checks import (
     output_folder,
 )
 from conveyor.io.run_progress import RunProgress, run_progress
-from conveyor.io.run_rebase import input_entries, input_kept_fields
+from conveyor.io.run_rebase import input_entries, input_kept_fields, rows_of_other_records
 from conveyor.io.run_report import Outcome, RunResult, RunSetup
 from conveyor.io.run_spec import CONFIG_VERSION, DEFAULT_ROWS_PER_FILE, RunSpec
 from conveyor.io.split_run import base_run_dir, finish_shard
@@ -93,6 +93,11 @@ __all__ = ["BadRecordStop", "Run"]
 def _piped(input_fingerprint: str) -> bool:
     """Whether the input is stdin or a pipe (`fingerprint` names them so): read once, so copied before a run."""
     return input_fingerprint == "stdin" or input_fingerprint.startswith("stream:")
+
+
+def _count(number: int, noun: str) -> str:
+    """"1 row", "3 rows"."""
+    return f"{number:,} {noun}{'' if number == 1 else 's'}"
 
 
 def _without_keep_fields(manifest: Manifest) -> Manifest:
@@ -125,6 +130,9 @@ class Run:
         self._token_texts: dict[int, str] = {}
         self._spool: Path | None = None  # stdin or a pipe, copied into the run directory (`open`)
         self._model_fingerprint: str | None = None  # the content of the model's files (`open`)
+        self._input_fingerprint = ""  # the input's, as the run opened (`open`): compared again at its end
+        self.input_selection: dict[str, str] = {}  # how the input is read (the reader's `selection`: `open`)
+        self._records_at_open: int | None = None  # the input's records (after --limit) as counted by `open`
         self.parts: PartWriter | None = None  # a part-file output's parts (`open`)
 
     @property
@@ -148,7 +156,7 @@ class Run:
                          "what its checkpoint is for (give --task to choose)")
         check_task_options(spec)
         if spec.task != "generate":
-            check_pooling_model(spec.model, spec.task)
+            check_pooling_model(spec.model, spec.task, spec.pooling.pooling)
         try:
             if spec.task == "generate":
                 check_before_loading(spec.model, self.engine_config, spec.sampling.grammar)
@@ -179,6 +187,7 @@ class Run:
         self.run_dir.acquire_lock()
         self._remove_leftovers(folder)
         self._model_fingerprint = model_fingerprint(spec.model)
+        self.input_selection = reader.selection
         fresh = self._manifest(None, fingerprint(spec.input.path))  # (a file's hash: read once)
         if spec.state.restart:
             self.run_dir.reset(set_aside=True, keep_key=settings_key(fresh))
@@ -196,11 +205,13 @@ class Run:
             self._spool = self.run_dir.path / SPOOL_FILE
             manifest = dataclasses.replace(manifest, input_fingerprint=spool(spec.input.path, self._spool))
             reader = open_reader(str(self._spool), reader.format, None, spec.input.max_record_bytes)
-        # Every row keeps the digest of the record it answers: a rerun over an input that changed reuses the rows
-        # whose records are still there (journal_rebase.py), and one without a fingerprint of the input's content
-        # (a hub dataset, stdin in a run started before it was copied) checks its records one by one against them.
+        # Every row keeps the digest of the record it answers, and is reused only for that record: a rerun over an
+        # input that changed reuses the rows whose records are still there (journal_rebase.py), and every resume
+        # checks the rows against the records read now (`_check_rows`). stdin in a run started before it was copied
+        # can be read once only: its records are checked one by one as they stream (PendingRecords).
         reader.with_digests = True
-        fingerprinted = fingerprints_content(manifest.input_fingerprint)
+        read_once = _piped(manifest.input_fingerprint)
+        self._input_fingerprint = manifest.input_fingerprint
 
         def carry_over(journal: Journal, drift: DriftError) -> bool:
             return self._carry_over(journal, drift, stored, manifest, reader)
@@ -215,6 +226,8 @@ class Run:
             t.retried_errors = self.journal.forget_run_errors()
             self.say(f"--retry-errors: {t.retried_errors} records whose error row the run made are computed again"
                      if t.retried_errors else "--retry-errors: no error row of the run's own making to retry")
+        if t.reuse is None and not read_once and self.journal.num_committed():
+            self._check_rows(reader)
         if folder is not None:
             self._open_parts(folder, rows_changed=bool(t.reuse) or bool(t.retried_errors))
         self.partials = self.journal.partials()  # records an earlier process left generating: they continue
@@ -226,8 +239,9 @@ class Run:
         if count is not None and spec.input.limit is not None:
             count = min(count, spec.input.limit)
         t.total = count if count is None or self.shard is None else self.shard.num_records(count)
+        self._records_at_open = count
         self.records = PendingRecords(reader, self.journal, spec.input.path, spec.input.limit, self.shard,
-                                      checked=not fingerprinted)
+                                      checked=read_once)
         self._pending = iter(self.records)
         # The first pending record is read now, before the model loads: without one the model is not needed (the
         # output is written from the journal), and for an input checked by digests a different one is refused at once.
@@ -270,9 +284,11 @@ class Run:
             return False
         spec = self.spec
         if "input" in drift.changed:
-            if not (fingerprints_content(stored.input_fingerprint) and fingerprints_content(manifest.input_fingerprint)):
+            if _piped(stored.input_fingerprint) or _piped(manifest.input_fingerprint):  # (read once: not matched)
                 return False
-            if not self._rebase(journal, reader):
+            why = "the input changed since the last run" if drift.detail.startswith("the input file changed") \
+                else drift.detail.split(";")[0]
+            if not self._rebase(journal, reader, why):
                 raise DriftError(self.run_dir.path, drift.changed, f"{drift.detail}, and its rows were written by an "
                                  "earlier release, which kept no digest of the records they answer, so none can be "
                                  "reused")
@@ -284,7 +300,22 @@ class Run:
                      "from the input")
         return True
 
-    def _rebase(self, journal: Journal, reader) -> bool:
+    def _check_rows(self, reader) -> None:
+        """A resume over an input whose fingerprint did not change: its rows are still checked against the records
+        read now (a file rewritten while a run read it and restored, a selection an earlier release did not record),
+        and where some answer other records, the journal is carried over to the input as it is (`_rebase`)."""
+        other = rows_of_other_records(self.journal, reader, self.spec.input.limit)
+        if not other:
+            return
+        why = (f"{_count(other, 'row')} of this run answer{'s' if other == 1 else ''} records that are not the ones "
+               "read now at their place (the input was changed, or read another way, after they were computed), and "
+               "a row is reused only for its own record")
+        if not self._rebase(self.journal, reader, why):
+            raise DriftError(self.run_dir.path, ("input",), f"{_count(other, 'row')} of this run answer records that "
+                             "are not in the input as it is now, and its rows were written by an earlier release, "
+                             "which kept no digest of the records they answer, so none can be reused")
+
+    def _rebase(self, journal: Journal, reader, why: str) -> bool:
         """The journal carried over to the input as it is now (the records this run answers: within --limit, this
         shard's); the counts said and kept for the summary. False where its rows cannot be matched."""
         spec = self.spec
@@ -292,7 +323,7 @@ class Run:
         if reuse is None:
             return False
         self.totals.reuse = reuse.to_json()
-        self.say(f"the input changed since the last run: {reuse.describe()}")
+        self.say(f"{why}: {reuse.describe()}")
         if reuse.moved_without_id:
             self.say(f"{reuse.moved_without_id} records without an id are at another index than before (a record was "
                      "inserted or removed ahead of them): their seeds follow their index, so they are computed again; "
@@ -318,7 +349,8 @@ class Run:
         return Manifest(input_fingerprint=input_fingerprint, input_path=spec.input.path, model=spec.model,
                         generation_config=spec.generation_config(version), tool_version=TOOL_VERSION,
                         created_at=time.time(), output_path=spec.output.path, output_format=self.output_format,
-                        config_version=version, model_fingerprint=self._model_fingerprint)
+                        config_version=version, model_fingerprint=self._model_fingerprint,
+                        input_selection=self.input_selection)
 
     def load_engine(self) -> None:
         start = time.monotonic()
@@ -405,6 +437,7 @@ class Run:
 
     def _finish(self) -> RunResult:
         spec = self.spec
+        self._check_input_unchanged()
         skip_errors = spec.output.on_error == "skip"
         outcome = Outcome.SOME_ERRORS if self.totals.errors and not skip_errors else Outcome.OK
         if self.parts is not None:
@@ -434,6 +467,27 @@ class Run:
                      optional=self.journal.columns() | ({SAMPLE_INDEX} if spec.build.n > 1 else set()),
                      task=spec.task, vector_size=size, staging=str(self.run_dir.path))
         return self._result(outcome, "", output_written=True)
+
+    def _check_input_unchanged(self) -> None:
+        """Before any output is written: the input must be the one the run opened (its fingerprint again, and as many
+        records read as counted then). A file rewritten while the run read it may have given it records that are
+        not there now (a line cut in half): InputChanged, no output, the state kept; the next run checks every row
+        against the input as it is then, and computes those of records that changed."""
+        path, before = self.spec.input.path, self._input_fingerprint
+        if self._spool is not None or not fingerprints_content(before):
+            return  # (a copy of stdin in the run directory, or an input without a fingerprint of its content)
+        now = fingerprint(path)
+        if now != before:
+            why = f"its fingerprint was {before[:19]}... when the run opened and is {now[:19]}... now"
+        elif self._records_at_open is not None and self.input_records != self._records_at_open:
+            why = (f"it held {_count(self._records_at_open, 'record')} when the run opened, and the run read "
+                   f"{_count(self.input_records, 'record')} of it")
+        else:
+            return
+        raise InputChanged(f"the input {path} changed while this run read it ({why}), so its rows may answer records "
+                           "that are not in it: no output was written; the run's rows are kept: run the same command "
+                           "again once the input is settled, and every row is checked against the input as it is "
+                           "then (those of changed records are computed again)")
 
     def _write_rows(self, rows, path: str, first: int, stop: int) -> int:
         """Journal rows (input order) of the records [first, stop) into one part file at `path`, as the output file

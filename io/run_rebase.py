@@ -19,7 +19,7 @@ from conveyor.io.state.journal_rebase import Entry, Reuse, rebase
 from conveyor.io.state.run_dir import RunDir
 from conveyor.io.state.shards import Shard
 
-__all__ = ["input_entries", "input_kept_fields", "pending_in_changed_input"]
+__all__ = ["input_entries", "input_kept_fields", "pending_in_changed_input", "rows_of_other_records"]
 
 
 def input_entries(reader: Reader, id_field: str, limit: int | None = None,
@@ -30,6 +30,28 @@ def input_entries(reader: Reader, id_field: str, limit: int | None = None,
             return
         if shard is None or shard.owns(index):
             yield Entry(index, location(index, line), digest, functools.partial(_own_id, record, id_field))
+
+
+def rows_of_other_records(journal: Journal, reader: Reader, limit: int | None = None) -> int:
+    """How many of the journal's committed rows answer a record other than the one read now at their index: a stored
+    digest that differs from the record's, or a row past the input's end (within --limit). A row without a digest (an
+    earlier release's) cannot be told apart and is not counted. The input is read once, digests only (JSONL: no
+    line is parsed)."""
+    committed = journal.committed_digests_from(0)
+    answered = next(committed, None)
+    other = 0
+    for index, _, digest, _ in reader.keyed_from(0):
+        if answered is None or (limit is not None and index >= limit):
+            return other
+        while answered is not None and answered[0] < index:  # (not the case for a reader that yields every index)
+            answered = next(committed, None)
+        if answered is not None and answered[0] == index:
+            other += answered[1] is not None and answered[1] != digest
+            answered = next(committed, None)
+    while answered is not None and (limit is None or answered[0] < limit):  # rows past the input's end
+        other += 1
+        answered = next(committed, None)
+    return other
 
 
 def input_kept_fields(reader: Reader, names: tuple[str, ...], limit: int | None = None,
@@ -69,9 +91,10 @@ def pending_in_changed_input(folder: Path) -> tuple[Reuse | None, str | None]:
     now = fingerprint(path)
     if now == manifest.input_fingerprint:
         return None, None
-    config = manifest.generation_config
+    config, selection = manifest.generation_config, manifest.input_selection or {}
     try:
-        reader = open_reader(path, None, None, config.get("max_record_bytes", DEFAULT_MAX_RECORD_BYTES))
+        reader = open_reader(path, selection.get("format"), selection.get("split"),
+                             config.get("max_record_bytes", DEFAULT_MAX_RECORD_BYTES))
         reader.with_digests = True
         with Journal(run_dir.journal_path, read_only=True, verify=False) as journal:
             reuse = rebase(journal, input_entries(reader, config.get("id_field", "id")), write=False)

@@ -42,6 +42,8 @@ from conveyor.io.rows.rows import (
 from conveyor.io.rows.sink_options import ON_ERROR, CommitPolicy
 from conveyor.io.state.journal import Journal
 
+DIGEST_KEY = "digest"  # a partial's: the digest of the record it is the state of (continued only for that record)
+
 BUILT = (BuiltRequest, BuiltPooling)  # a record that became a request (generation's, or a pooling task's)
 
 
@@ -131,6 +133,7 @@ class JournalSink(RecordSink):
         self.after_commit = after_commit  # (a part-file output writes the parts whose records all have rows)
         self.in_flight: dict[str, tuple[BuiltRequest, str, int]] = {}  # request id -> (record, where read, sample)
         self.samples: dict[int, dict[int, dict]] = {}  # index of a record with n > 1 -> its finished samples' rows
+        self.sample_digests: dict[int, str | None] = {}  # (and the digest of its record, kept with its partial)
         self._last_commit = time.monotonic()
 
     def admit(self, raw: RawRecord, built: BuiltRequest | ErrorRow):
@@ -142,6 +145,8 @@ class JournalSink(RecordSink):
             if self.totals.first_admit is None:
                 self.totals.first_admit = time.monotonic()
             partial = self.partials.pop(built.index, None)
+            if isinstance(partial, dict) and partial.get(DIGEST_KEY) != built.digest:
+                partial = None  # the state of another record at this index (the input changed): computed anew
             if isinstance(built, BuiltPooling):  # (nothing of it is ever half-done: it runs whole)
                 self.in_flight[str(built.index)] = (built, where, 0)
                 return built.to_generation_request()
@@ -173,6 +178,7 @@ class JournalSink(RecordSink):
             requests.append(request)
         self.totals.continued += bool(done) or any(r.output_token_ids for r in requests)
         self.samples[built.index] = done
+        self.sample_digests[built.index] = built.digest
         if not requests:  # (every sample had finished: the row was due at the next commit)
             self._sample_done(built, where, None, None)
             return None
@@ -208,6 +214,7 @@ class JournalSink(RecordSink):
             done[sample] = row
         if len(done) == built.n:
             del self.samples[built.index]
+            self.sample_digests.pop(built.index, None)
             row = group_row([done[k] for k in range(built.n)], where if built.id_given else None)
             self._add(row, built.digest, built.sampling.grammar is not None, "run" if row["status"] == "error" else None,
                       where, id_given=built.id_given)
@@ -279,12 +286,14 @@ class JournalSink(RecordSink):
                     continue
                 built, _, k = entry
                 if built.n == 1:
-                    partials[built.index] = partial_json(state)
+                    partials[built.index] = {**partial_json(state), DIGEST_KEY: built.digest}
                 else:  # a record with n > 1: {"samples": {k: tokens, or the row of a finished sample}}
-                    partials.setdefault(built.index, {"samples": {}})["samples"][str(k)] = partial_json(state)
+                    partials.setdefault(built.index, {"samples": {}, DIGEST_KEY: built.digest})["samples"][str(k)] = \
+                        partial_json(state)
             for index, done in self.samples.items():
                 for k, row in done.items():
-                    partials.setdefault(index, {"samples": {}})["samples"][str(k)] = {"row": row}
+                    partials.setdefault(index, {"samples": {}, DIGEST_KEY: self.sample_digests.get(index)})["samples"][
+                        str(k)] = {"row": row}
             self.journal.set_partials(partials)
             self.totals.in_flight_saved = len(partials)
         self.journal.commit()

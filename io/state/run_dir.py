@@ -77,6 +77,9 @@ class Manifest:
     # the content of the model's files (core's model_fingerprint); None where unknown (a hub id not downloaded yet,
     # a manifest written before it was recorded): then the model is compared by name alone
     model_fingerprint: str | None = None
+    # how the input's bytes are read into records (the reader's `selection`: its format, a datasets split): the same
+    # bytes read another way are another input. None in a manifest written before it was recorded (not compared).
+    input_selection: dict | None = None
 
     def changes_since(self, old: Manifest) -> tuple[tuple[str, ...], str]:
         """(what changed from `old` to this manifest: a subset of ("input", "model", "generation_config"), a
@@ -87,6 +90,10 @@ class Manifest:
             changed.append("input")
             parts.append(f"the input file changed since this run started (fingerprint "
                          f"{_short(old.input_fingerprint)} -> {_short(self.input_fingerprint)})")
+        elif None not in (old.input_selection, self.input_selection) and old.input_selection != self.input_selection:
+            changed.append("input")
+            parts.append(f"the input is read another way than when this run started "
+                         f"({', '.join(_diff_config(old.input_selection, self.input_selection))})")
         if old.model != self.model:
             changed.append("model")
             parts.append(f"the model changed since this run started ({old.model} -> {self.model})")
@@ -111,7 +118,7 @@ class Manifest:
         data = json.loads(text)
         if not isinstance(data, dict):
             raise ValueError("the manifest is not a JSON object")
-        optional = ("state_files", "config_version", "model_fingerprint")
+        optional = ("state_files", "config_version", "model_fingerprint", "input_selection")
         names = [f.name for f in dataclasses.fields(cls) if f.name not in optional]
         missing = [n for n in names if n not in data]
         if missing:
@@ -128,8 +135,12 @@ class Manifest:
         model_fingerprint = data.get("model_fingerprint")
         if model_fingerprint is not None and not isinstance(model_fingerprint, str):
             raise ValueError("the manifest's model_fingerprint is not a string")
+        selection = data.get("input_selection")
+        if selection is not None and not (isinstance(selection, dict) and
+                                          all(isinstance(v, str) for v in selection.values())):
+            raise ValueError("the manifest's input_selection is not an object of strings")
         return cls(**{n: data[n] for n in names}, state_files=tuple(files), config_version=version,
-                   model_fingerprint=model_fingerprint)
+                   model_fingerprint=model_fingerprint, input_selection=selection)
 
 
 class RunDir:

@@ -45,9 +45,12 @@ class DatasetsFolderReader(Reader):
                 raise InputError(source, None, f"has no split {split!r}; choose one of {', '.join(names)} "
                                                "with --split")
             loaded = loaded[split]
+            self.split = split
         elif split is not None and loaded.split is not None and str(loaded.split) != split:
             raise InputError(source, None, f"holds the split {str(loaded.split)!r}, not {split!r}; "
                                            "drop --split or change it")
+        if self.split is None and loaded.split is not None:
+            self.split = str(loaded.split)
         self.dataset = loaded.with_format(None)  # plain Python rows, even if saved with a torch format
 
     def iter_from(self, start_index: int) -> Iterator[RawRecord]:

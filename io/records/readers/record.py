@@ -46,6 +46,13 @@ class Reader:
     format: str
     max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
     with_digests: bool = False
+    split: str | None = None  # the datasets split read (resolved: a DatasetDict's only split, a hub's default)
+
+    @property
+    def selection(self) -> dict[str, str]:
+        """What, beside the source's bytes, decides the records read: the format they are parsed as and the split.
+        The same bytes read another way are another input (a run's manifest records this with the fingerprint)."""
+        return {"format": self.format, **({"split": self.split} if self.split is not None else {})}
 
     def __iter__(self) -> Iterator[RawRecord]:
         return self.iter_from(0)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import sys
 from typing import Iterator
 
@@ -16,6 +17,7 @@ from conveyor.io.records.readers.record import (
     DEFAULT_MAX_RECORD_BYTES,
     RawRecord,
     Reader,
+    digest_of,
     first_line,
     is_stream,
     location,
@@ -154,11 +156,15 @@ class CsvReader(Reader):
             index += 1
 
     def _record(self, index: int, line: int, header: list[str], cells: list[str]) -> RawRecord:
+        # (an error row's digest is its cells', so that a rerun tells whether the same bad row is still there)
+        digest = digest_of(json.dumps(cells, ensure_ascii=False).encode("utf-8", "surrogatepass")) \
+            if self.with_digests else None
         if not _is_utf8(cells):
-            return RawRecord(index, line, None, f"{location(index, line)}: not valid UTF-8; save the file as UTF-8")
+            return RawRecord(index, line, None, f"{location(index, line)}: not valid UTF-8; save the file as UTF-8",
+                             digest)
         if len(cells) > len(header):
             return RawRecord(index, line, None, f"{location(index, line)}: the row has {len(cells)} fields but the header "
-                                                f"has {len(header)}; quote cells that contain {self.separator}")
+                                                f"has {len(header)}; quote cells that contain {self.separator}", digest)
         record = dict(zip(header, cells))
         for name in header[len(cells):]:
             record[name] = None  # a short row: the missing trailing cells are null
