@@ -9,7 +9,7 @@ import traceback
 import typer
 
 from conveyor.cli.command_line import set_command_line
-from conveyor.cli.exit_codes import ExitCode, code_for, message_for
+from conveyor.cli.exit_codes import ExitCode, code_for, explained, message_for
 from conveyor.cli.options import (
     ChatFieldOpt,
     ChatTemplateOpt,
@@ -99,8 +99,10 @@ def validate_command(
 
 @app.command("status")
 def status_command(
-    output: str = typer.Argument(..., help="The output file of a run (its run directory is <output>.conveyor)."),
-    run_dir: str = typer.Option(None, help="The run directory, if not the default."),
+    output: str = typer.Argument(..., help="The output of a run (its run directory is <output>.conveyor), or the "
+                                 "run directory itself."),
+    run_dir: str = typer.Option(None, help="The run directory, if not the default (an output in object storage: the "
+                                           "--run-dir its run was given)."),
 ) -> int:
     """Show a run's progress: done / total, errors, tokens held in flight, last checkpoint, whether it is running,
     how to resume. Exit 0: finished (the output is written); 75: not finished, resumable; 2: no run there."""
@@ -199,7 +201,8 @@ def main(argv: list[str] | None = None) -> None:
         if debug:
             traceback.print_exc()
         code = code_for(e)
-        hint = " (run with --debug for the traceback)" if code == ExitCode.FATAL and not debug else ""
+        hint = " (run with --debug for the traceback)" if code == ExitCode.FATAL and not debug and not explained(e) \
+            else ""
         sys.stderr.write(f"conveyor: error: {_one_line(e)}{hint}\n")
     if argv is None:  # the process itself (not a caller's in-process run): a grammar may still be compiling
         _exit_now_if_compiling(int(code or 0))
