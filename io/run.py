@@ -50,7 +50,7 @@ from conveyor.io.records.readers import fingerprint, fingerprints_content, open_
 from conveyor.io.records.readers.spool import spool
 from conveyor.io.records.request_builder import RequestBuilder
 from conveyor.io.records_run import run_records
-from conveyor.io.rows.parts import PartLayout, PartWriter
+from conveyor.io.rows.parts import RUN_ID_KEY, PartLayout, PartOwner, PartWriter
 from conveyor.io.rows.rows import SAMPLE_INDEX, part_columns, vector_size, without_errors
 from conveyor.io.rows.sink import BadRecordStop, JournalSink, RunTotals
 from conveyor.io.rows.sink_options import CommitPolicy
@@ -77,6 +77,7 @@ from conveyor.io.state.journal_rebase import rebase as rebase_journal
 from conveyor.io.state.journal_rebase import refresh_kept_fields
 from conveyor.io.state.paths import check_output_writable, check_run_paths
 from conveyor.io.state.run_dir import SPOOL_FILE, STATE_FILES, DriftError, Manifest, RunDir, settings_key
+from conveyor.io.state.run_id import run_id
 from conveyor.io.state.run_info import read_run_info, write_run_info
 from conveyor.io.state.shards import Shard, clear_done, mark_done, shard_dir
 from conveyor.io.storage import is_remote
@@ -270,7 +271,9 @@ class Run:
             Path(folder).mkdir(parents=True, exist_ok=True)
         layout = PartLayout(folder, spec.output.rows_per_file or DEFAULT_ROWS_PER_FILE,
                             "parquet" if self.output_format == "parquet" else "jsonl", self.shard)
-        self.parts = PartWriter(self.journal, layout, self._write_rows, self.say, spec.input.limit)
+        base = base_run_dir(spec).resolve()
+        self.parts = PartWriter(self.journal, layout, PartOwner(run_id(base), str(base)), self._write_rows, self.say,
+                                spec.input.limit)
         self.parts.open(restart=spec.state.restart, rows_changed=rows_changed)
         self.parts.write_ready()
 
@@ -442,11 +445,20 @@ class Run:
         outcome = Outcome.SOME_ERRORS if self.totals.errors and not skip_errors else Outcome.OK
         if self.parts is not None:
             count, rows = self.parts.finish(self.input_records)
-            where = f"{count} part{'s' if count != 1 else ''} ({rows:,} rows) in {self.parts.layout.folder}/"
+            now, rows_now = self.parts.written_now
+            folder = f"{self.parts.layout.folder}/"
+            if now == count:
+                where = f"wrote {_count(count, 'part')} ({_count(rows, 'row')}) in {folder}"
+            elif now:
+                where = (f"wrote {_count(now, 'part')} ({_count(rows_now, 'row')}) in {folder}, beside the "
+                         f"{_count(count - now, 'part')} an earlier process of this run wrote ({_count(count, 'part')},"
+                         f" {_count(rows, 'row')} in all)")
+            else:
+                where = f"{folder} holds this run's {_count(count, 'part')} ({_count(rows, 'row')}), written earlier"
             if self.shard is not None:
                 mark_done(self.run_dir.path, self.shard, self.input_records, spec.output.on_error)
-                where = f"shard {self.shard}'s {where}"
-            return self._result(outcome, "", output_written=True, written=f"wrote {where}")
+                where = f"shard {self.shard}: {where}"
+            return self._result(outcome, "", output_written=True, written=where)
         if self.shard is not None:
             return self._result(*finish_shard(spec, self.shard, self.run_dir.path, self.output_format,
                                               self.input_records, outcome, self.merge_when_done, self.say))
@@ -504,7 +516,7 @@ class Run:
         return write_output(rows, path, self.output_format, spec.build.keep_fields,
                             model_name=(spec.build.served_model_names or (spec.model,))[0],
                             optional=part_columns(spec.task), task=spec.task, vector_size=size,
-                            staging=str(self.run_dir.path))
+                            staging=str(self.run_dir.path), file_metadata={RUN_ID_KEY: self.parts.owner.run_id})
 
     def _result(self, outcome: Outcome, message: str, output_written: bool = False, written: str = "") -> RunResult:
         stats = self.engine.stats() if self.engine else None

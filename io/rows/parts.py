@@ -14,22 +14,36 @@ the same file and need no merge.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
+import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
-from conveyor.io.errors import JournalCorrupt, SpecError
+from conveyor.io.errors import JournalCorrupt, RunDirError, SpecError
 from conveyor.io.records.readers.record import open_binary
-from conveyor.io.state.atomic import remove_leftovers
+from conveyor.io.state.atomic import make_temp, remove_leftovers
 from conveyor.io.state.journal import Journal, PartEntry
 from conveyor.io.state.shards import Shard
-from conveyor.io.storage import is_remote, join, list_names, remove
+from conveyor.io.storage import info, is_remote, join, list_names, put, remove
 
 _PART_NAME = re.compile(r"^part-(\d{5,})(-shard-\d+-of-\d+)?\.(parquet|jsonl)$")
 _LAYOUT_KEY = "parts_layout"  # the journal's record of the folder, part size and names its parts were written with
+# The folder's owner: {"run_id", "run_dir"} of the run whose parts it holds (a leading "_": readers of a Parquet
+# dataset skip it). Each Parquet part also carries the run's id in its footer, under RUN_ID_KEY.
+MARKER = "_conveyor_run.json"
+RUN_ID_KEY = "conveyor.run_id"
+
+
+@dataclass(frozen=True)
+class PartOwner:
+    """The run that writes a part folder: its id (io/state/run_id.py) and its (base) run directory, for messages."""
+
+    run_id: str
+    run_dir: str
 
 
 @dataclass(frozen=True)
@@ -80,11 +94,13 @@ class PartWriter:
     order) of the records [first, stop) to one part's file atomically and returns the output rows it wrote; `say`
     gets what the user should read."""
 
-    def __init__(self, journal: Journal, layout: PartLayout,
+    def __init__(self, journal: Journal, layout: PartLayout, owner: PartOwner,
                  write_rows: Callable[[Iterable[dict], str, int, int], int],
                  say: Callable[[str], None], limit: int | None = None) -> None:
         self.journal = journal
         self.layout = layout
+        self.owner = owner
+        self.written_now = (0, 0)  # (parts, output rows) this process wrote
         self.write_rows = write_rows
         self.say = say
         self.limit = limit  # --limit: no part reaches past it
@@ -101,6 +117,7 @@ class PartWriter:
         does not record removed (`restart`: all of them), or refused where the run has no rows yet (another run's).
         `rows_changed`: rows changed under the journal (a changed input, --retry-errors): `revalidate`."""
         journal, layout = self.journal, self.layout
+        claim = self._claim(restart)
         stored = journal.meta_value(_LAYOUT_KEY)
         before = json.loads(stored) if stored is not None else None
         if before is not None and self.parts:
@@ -146,8 +163,75 @@ class PartWriter:
         if stray:
             self.say(f"removed {_parts(len(stray), 'part file')} from {layout.folder}/ that this run's journal "
                      f"does not record ({_some(stray)})")
+        if claim is not None:
+            self._write_marker(replace=claim)
         if rows_changed:
             self.revalidate()
+
+    def _claim(self, restart: bool) -> bool | None:
+        """Whether the folder's MARKER is to be written (True: replacing another run's; None: it is this run's
+        already), or SpecError where the folder is another run's: one whose run directory is still there is never
+        replaced; one whose state is gone (this run directory made anew) only with --restart."""
+        marker = self._marker()
+        if marker is None:
+            return False
+        if marker.get("run_id") == self.owner.run_id:
+            return None
+        self._refuse(marker, restart)
+        removed = sorted(name for name in self._names() if _PART_NAME.match(name))
+        for name in removed:
+            self._remove(name)
+        self.say(f"--restart: removed the {_parts(len(removed), 'part file')} of an earlier run whose state is "
+                 f"gone from {self.layout.folder}/")
+        return True
+
+    def _refuse(self, marker: dict, restart: bool) -> None:
+        """SpecError for a folder another run owns (`marker`: its MARKER), unless --restart may replace it."""
+        other = str(marker.get("run_dir"))
+        alive = other != self.owner.run_dir and (is_remote(other) or os.path.exists(other))
+        if alive or not restart:
+            folder = self.layout.folder
+            raise SpecError(f"-o {folder}/: the folder holds the parts of another run (run directory {other}, as "
+                            f"{self.layout.path_of(MARKER)} says); give this run a folder of its own" +
+                            (f", or delete that run's files from {folder}/ if you no longer need them" if alive else
+                             ", or pass --restart to replace them"))
+
+    def _marker(self) -> dict | None:
+        path = self.layout.path_of(MARKER)
+        if is_remote(path) and info(path) is None:
+            return None
+        try:
+            with open_binary(path) as f:
+                marker = json.loads(f.read())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError):
+            marker = None
+        return marker if isinstance(marker, dict) else {"run_id": None, "run_dir": "unknown (an unreadable marker)"}
+
+    def _write_marker(self, replace: bool) -> None:
+        """This run's MARKER in the folder: made only where there is none (a local folder: atomically, so that of two
+        runs that start together one owns it and the other is refused), or replacing another's."""
+        text = json.dumps({"run_id": self.owner.run_id, "run_dir": self.owner.run_dir}) + "\n"
+        path = self.layout.path_of(MARKER)
+        fd, temp = make_temp(tempfile.gettempdir() if is_remote(path) else self.layout.folder, MARKER)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            if is_remote(path):  # (a store has no atomic create: the parts' footers tell the runs apart)
+                put(temp, path)
+            elif replace:
+                os.replace(temp, path)
+            else:
+                try:
+                    os.link(temp, path)
+                except FileExistsError:  # another run took it first
+                    self._refuse(self._marker() or {}, restart=False)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(temp)
 
     def revalidate(self) -> None:
         """Remove the parts whose rows in the journal are no longer the rows they were written from."""
@@ -194,14 +278,20 @@ class PartWriter:
         remove any beyond it (an input that shrank); (the parts, the output rows they hold)."""
         size = self.layout.records
         count = max(1, -(-total // size))
-        for part in range(self.next, count):
+        for part in range(count):
             first, stop = part * size, min((part + 1) * size, total)
-            if not self._written_as(part, first, stop):
-                found, expected = self.journal.count_between(first, stop), self.layout.expected(first, stop)
-                if found != expected:
-                    raise JournalCorrupt(self.journal.path, f"it holds {found} rows of records {first} to {stop - 1}, "
-                                                            f"where {expected} were expected")
-                self._write(part, first, stop)
+            if self._written_as(part, first, stop):
+                entry = self.parts[part]
+                problem = self._problem(entry.name, entry.rows)
+                if problem is None:
+                    continue
+                self.say(f"{entry.name} in {self.layout.folder}/ is not the part this run wrote ({problem}): written "
+                         "again")
+            found, expected = self.journal.count_between(first, stop), self.layout.expected(first, stop)
+            if found != expected:
+                raise JournalCorrupt(self.journal.path, f"it holds {found} rows of records {first} to {stop - 1}, "
+                                                        f"where {expected} were expected")
+            self._write(part, first, stop)
         beyond = [part for part in self.parts if part >= count]
         if beyond:
             self._forget(beyond, remove_files=True)
@@ -227,8 +317,14 @@ class PartWriter:
                 digest.update(text.encode())
                 yield json.loads(text)
 
-        written = self.write_rows(rows(), self.layout.path_of(self.layout.name(part)), first, stop)
+        name = self.layout.name(part)
+        written = self.write_rows(rows(), self.layout.path_of(name), first, stop)
+        problem = self._problem(name, written)
+        if problem is not None:  # (never recorded written: the next run writes it again)
+            raise RunDirError(f"{self.layout.path_of(name)}: {problem}, right after this run wrote it: another process "
+                              f"writes in {self.layout.folder}/; give each run a folder of its own")
         self._record(part, first, stop, "written", written, digest.hexdigest())
+        self.written_now = (self.written_now[0] + 1, self.written_now[1] + written)
 
     def _record(self, part: int, first: int, stop: int, state: str, rows: int, digest: str | None = None) -> None:
         entry = PartEntry(first, stop, self.layout.name(part), state, rows,
@@ -249,6 +345,29 @@ class PartWriter:
         for _, text in self.journal.row_texts_between(first, stop):
             digest.update(text.encode())
         return digest.hexdigest()
+
+    def _problem(self, name: str, rows: int) -> str | None:
+        """Why the part file `name` is not the one this run wrote with `rows` output rows (not there, another run's
+        by its footer, other rows); None where it is."""
+        path = self.layout.path_of(name)
+        try:
+            if is_remote(path) and info(path) is None:
+                return "it is not there"
+            with open_binary(path) as f:
+                if self.layout.extension == "parquet":
+                    import pyarrow.parquet as pq
+
+                    meta = pq.ParquetFile(f).metadata
+                    found, owner = meta.num_rows, (meta.metadata or {}).get(RUN_ID_KEY.encode())
+                    if owner is not None and owner.decode(errors="replace") != self.owner.run_id:
+                        return "another run wrote it"
+                else:
+                    found = sum(1 for _ in f)
+        except FileNotFoundError:
+            return "it is not there"
+        except (OSError, ValueError) as e:  # (pyarrow's ArrowInvalid is a ValueError)
+            return f"it cannot be read ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+        return None if found == rows else f"it holds {found:,} rows, where this run wrote {rows:,}"
 
     def _count_rows(self, entry: PartEntry) -> int:
         """The output rows of a part whose file a killed process left (read from its file)."""

@@ -70,7 +70,8 @@ def check_keep_fields(keep_fields: tuple[str, ...]) -> None:
 
 def write_output(rows: Iterable[dict], path: str, output_format: str, keep_fields: tuple[str, ...] = (),
                  model_name: str = "", row_group_size: int = 4096, optional: Iterable[str] = (),
-                 task: str = "generate", vector_size: int | None = None, staging: str | None = None) -> int:
+                 task: str = "generate", vector_size: int | None = None, staging: str | None = None,
+                 file_metadata: dict[str, str] | None = None) -> int:
     """Stream `rows` (output-row dicts, input order) to `path` atomically; returns the rows written.
 
     `optional`: which OPTIONAL_COLUMNS the file has (those some row of the run holds). Keys beyond the columns
@@ -78,6 +79,7 @@ def write_output(rows: Iterable[dict], path: str, output_format: str, keep_field
     body; anything else -> chat). `task`: the run's (its rows' columns: `rows.output_columns`); an embedding
     run's Parquet column holds `vector_size` floats a row (None: a list whose length varies). A `path` in object
     storage is written to a temporary file in the local folder `staging` first, then put there in one upload.
+    `file_metadata`: key-value pairs a Parquet file carries in its footer (a part file: the run that wrote it).
     """
     if output_format not in OUTPUT_FORMATS:
         raise SpecError(f"--output-format {output_format!r} is not one of {', '.join(OUTPUT_FORMATS)}")
@@ -89,7 +91,7 @@ def write_output(rows: Iterable[dict], path: str, output_format: str, keep_field
         rows = _sample_rows(rows, SAMPLE_INDEX in extra)
     if output_format == "parquet":
         with _destination(path, "wb", staging) as f:
-            return _write_parquet(rows, f, keep_fields, row_group_size, extra, columns, vector_size)
+            return _write_parquet(rows, f, keep_fields, row_group_size, extra, columns, vector_size, file_metadata)
     with (_stdout() if path == STDOUT else _destination(path, "w", staging)) as f:
         if output_format == "jsonl":
             return _write_jsonl(rows, f, columns + extra + keep_fields)
@@ -236,7 +238,7 @@ def _completion_logprobs(entries: list[dict] | None) -> dict | None:
 
 def _write_parquet(rows: Iterable[dict], f: IO[bytes], keep_fields: tuple[str, ...], row_group_size: int,
                    extra: tuple[str, ...] = (), fixed: tuple[str, ...] = OUTPUT_COLUMNS,
-                   vector_size: int | None = None) -> int:
+                   vector_size: int | None = None, file_metadata: dict[str, str] | None = None) -> int:
     import pyarrow.parquet as pq
 
     writer = None
@@ -247,12 +249,12 @@ def _write_parquet(rows: Iterable[dict], f: IO[bytes], keep_fields: tuple[str, .
             if writer is None:
                 columns = [_KeepColumn.from_first_chunk(name, [row.get(name) for row in chunk])
                            for name in keep_fields]
-                writer = pq.ParquetWriter(f, _schema(columns, extra, fixed, vector_size))
+                writer = pq.ParquetWriter(f, _with_metadata(_schema(columns, extra, fixed, vector_size), file_metadata))
             writer.write_table(_table(chunk, columns, writer.schema, extra, fixed), row_group_size=row_group_size)
             num_rows += len(chunk)
         if writer is None:  # no rows: still a valid file with the full schema
             columns = [_KeepColumn(name, "str") for name in keep_fields]
-            writer = pq.ParquetWriter(f, _schema(columns, extra, fixed, vector_size))
+            writer = pq.ParquetWriter(f, _with_metadata(_schema(columns, extra, fixed, vector_size), file_metadata))
     except BaseException:
         if writer is not None:
             with contextlib.suppress(Exception):
@@ -260,6 +262,10 @@ def _write_parquet(rows: Iterable[dict], f: IO[bytes], keep_fields: tuple[str, .
         raise
     writer.close()
     return num_rows
+
+
+def _with_metadata(schema, metadata: dict[str, str] | None):
+    return schema if not metadata else schema.with_metadata({**(schema.metadata or {}), **metadata})
 
 
 def _chunks(rows: Iterable[dict], size: int) -> Iterator[list[dict]]:

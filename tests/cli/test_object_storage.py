@@ -98,11 +98,11 @@ def test_remote_parts_survive_kill_9_and_read_as_one_table(s3, tmp_path, tiny_mo
     child.wait_until(child.is_stopped, what="two parts in the store")
     assert child.kill9().code == -9
     before = parts()
-    assert sorted(before) == ["part-00000.parquet", "part-00001.parquet"]
+    assert sorted(before) == ["_conveyor_run.json", "part-00000.parquet", "part-00001.parquet"]
     result = run_in_process(*command, "-q")
     assert result.code == 0, result.err
     after = parts()
-    assert sorted(after) == [f"part-0000{k}.parquet" for k in range(5)]
+    assert sorted(after) == ["_conveyor_run.json", *(f"part-0000{k}.parquet" for k in range(5))]
     assert all(after[name] == before[name] for name in before), "a part in the store was written again"
     table = ds.dataset("data/answers/", filesystem=s3, format="parquet").to_table().to_pylist()
     assert stable(table) == stable(_reference(tmp_path, tiny_model))

@@ -49,7 +49,9 @@ def test_parts_appear_while_the_run_goes_and_kill_9_resume_writes_each_once(tmp_
 
     result = run_in_process("run", *command[1:], "-q")
     assert result.code == 0, result.err
-    assert "wrote 5 parts (48 rows)" in result.err
+    said = next(line for line in result.err_lines if " wrote " in line or "wrote " in line)
+    assert f"in {folder}/, beside the 2 parts an earlier process of this run wrote (5 parts, 48 rows in all)" in said
+    assert "; wrote 3 parts (28 rows) in" in said
     after = _files(folder)
     assert list(after) == [f"part-0000{k}.parquet" for k in range(5)]
     assert all(after[name] == before[name] for name in before), "a part written before the kill was written again"
@@ -96,8 +98,8 @@ def test_the_folder_is_checked_against_the_run(tmp_path, tiny_model, monkeypatch
     assert refused.code == 2 and "holds part files this run did not write (part-00000.parquet)" in refused.err
     result = run_in_process(*args, "--rows-per-file", "5")  # JSONL parts are another layout's names: no clash
     assert result.code == 0, result.err
-    assert sorted(os.listdir(folder)) == ["part-00000.jsonl", "part-00000.parquet", "part-00001.jsonl",
-                                          "part-00002.jsonl"]
+    assert sorted(os.listdir(folder)) == ["_conveyor_run.json", "part-00000.jsonl", "part-00000.parquet",
+                                          "part-00001.jsonl", "part-00002.jsonl"]
     lines = [json.loads(line) for k in range(3) for line in (folder / f"part-0000{k}.jsonl").read_text().splitlines()]
     assert [row["index"] for row in lines] == list(range(12))
 
@@ -150,7 +152,8 @@ def test_shards_write_their_own_parts_into_one_folder(tmp_path, tiny_model):
         result = run_in_process("run", src, "-o", f"{folder}/", "--rows-per-file", "10", "--shard", shard,
                                 *tiny_args(tiny_model), *GREEDY, "-q")
         assert result.code == 0, result.err
-    assert sorted(os.listdir(folder)) == [f"part-0000{k}-shard-{s}-of-2.parquet" for k in range(3) for s in range(2)]
+    assert sorted(os.listdir(folder)) == ["_conveyor_run.json", *(f"part-0000{k}-shard-{s}-of-2.parquet"
+                                                                   for k in range(3) for s in range(2))]
     rows = sorted(_table(folder), key=lambda row: row["index"])
     assert stable(rows) == stable(_single(tmp_path, tiny_model, src))
     status = run_in_process("status", f"{folder}/")

@@ -87,8 +87,9 @@ def test_a_worker_killed_mid_run_is_restarted_and_resumes_writing_its_parts_once
     driver.join(timeout=300)
     assert not driver.is_alive() and result["r"].code == 3, result
     assert 0 < killed_at < len(RECORDS) // 2  # it died mid-shard
-    parts = sorted(out.iterdir())  # each shard's own parts, every one there
+    parts = sorted(out.glob("part-*"))  # each shard's own parts, every one there (beside the folder's owner)
     assert [p.name for p in parts] == [f"part-0000{k}-shard-{s}-of-2.jsonl" for k in range(6) for s in range(2)]
+    assert (out / "_conveyor_run.json").is_file()
     assert_same_rows(sorted((row for part in parts for row in read_rows(part)), key=lambda row: row["index"]),
                      single)
 
