@@ -191,7 +191,13 @@ class Run:
         self.input_selection = reader.selection
         fresh = self._manifest(None, fingerprint(spec.input.path))  # (a file's hash: read once)
         if spec.state.restart:
-            self.run_dir.reset(set_aside=True, keep_key=settings_key(fresh))
+            rows, aside = self.run_dir.reset(set_aside=True, keep_key=settings_key(fresh))
+            if rows and aside is not None:
+                self.say(f"--restart: the {_count(rows, 'finished row')} of the earlier run (other settings) are set "
+                         f"aside in {aside}; a later run with its settings takes them back")
+            elif rows:
+                self.say(f"--restart: the {_count(rows, 'finished row')} of the earlier run are dropped; every record "
+                         "is computed again")
         stored = self.run_dir.load_manifest()
         if stored is None:
             taken = self.run_dir.take_back(fresh)

@@ -277,14 +277,16 @@ class RunDir:
         try:
             self.check_drift(manifest, stored)
         except DriftError as drift:
-            if self._committed_rows():
+            rows, errors = self._committed_counts()
+            if rows and errors < rows:
                 if carry_over is None:
                     raise
                 return self._carried_over(manifest, drift, carry_over), None
             self.reset()
             self.write_manifest(manifest)
-            return Journal(self.journal_path), (f"{self.path} held no finished rows, so the run starts over with "
-                                                f"the new settings ({drift.detail})")
+            held = f"every row {self.path} held was an error row ({rows:,})" if rows else \
+                f"{self.path} held no finished rows"
+            return Journal(self.journal_path), f"{held}, so the run starts over with the new settings ({drift.detail})"
         return Journal(self.journal_path), None
 
     def _carried_over(self, manifest: Manifest, drift: DriftError,
@@ -302,13 +304,17 @@ class RunDir:
         return journal
 
     def _committed_rows(self) -> int:
+        return self._committed_counts()[0]
+
+    def _committed_counts(self) -> tuple[int, int]:
+        """(the journal's committed rows, its error rows among them)."""
         if not self.journal_path.exists():
-            return 0
+            return 0, 0
         try:
             with Journal(self.journal_path, read_only=True, verify=False) as journal:
-                return journal.num_committed()
+                return journal.num_committed(), journal.num_errors()
         except JournalCorrupt:
-            return 0 if self.journal_path.stat().st_size == 0 else 1  # an unreadable journal may hold rows
+            return (0 if self.journal_path.stat().st_size == 0 else 1), 0  # an unreadable journal may hold rows
 
     def check_drift(self, new: Manifest, stored: Manifest | None = None) -> None:
         """Raise DriftError if the input, model or generation config differ from the stored run (`stored`, where
@@ -320,29 +326,32 @@ class RunDir:
             if changed:
                 raise DriftError(self.path, changed, message)
 
-    def reset(self, set_aside: bool = False, keep_key: str | None = None) -> None:
+    def reset(self, set_aside: bool = False, keep_key: str | None = None) -> tuple[int, Path | None]:
         """--restart: delete the run's state: the files its manifest lists as conveyor's, then the manifest.
         With `set_aside`, a state holding finished rows is moved to SET_ASIDE instead, under its settings, so that
         a later run with those settings takes its rows back (`take_back`), unless those settings' key is
         `keep_key` (the restarting run's own: a restart with unchanged settings computes every row again). A folder without a conveyor manifest
         has nothing of conveyor's to delete (a journal there without one is refused by open_journal, never
-        deleted). The lock, if held, stays held."""
+        deleted). The lock, if held, stays held. Returns (the finished rows the state held, the folder they were set
+        aside in: None where they were deleted)."""
         if self._lock_fd is None:
             holder = self.lock_holder()
             if holder is not None:
                 raise RunLocked(self.path, holder)
         manifest = self.load_manifest() if self.manifest_path.exists() else None
         if manifest is None:
-            return
-        if set_aside and settings_key(manifest) != keep_key and self._committed_rows():
-            self._set_aside(manifest)
+            return 0, None
+        rows, aside = self._committed_rows(), None
+        if set_aside and settings_key(manifest) != keep_key and rows:
+            aside = self._set_aside(manifest)
         for name in manifest.state_files:
             with contextlib.suppress(FileNotFoundError):
                 (self.path / name).unlink()
         self.manifest_path.unlink(missing_ok=True)
         fsync_dir(self.path)
+        return rows, aside
 
-    def _set_aside(self, manifest: Manifest) -> None:
+    def _set_aside(self, manifest: Manifest) -> Path:
         """The journal, run.json and manifest moved to SET_ASIDE/<the settings' key> (the manifest last: a folder
         without one is never taken back); the oldest beyond _SET_ASIDE_KEPT deleted."""
         folder = self.path / SET_ASIDE / settings_key(manifest)
@@ -357,6 +366,7 @@ class RunDir:
         kept = sorted((p for p in (self.path / SET_ASIDE).iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime)
         for old in kept[:-_SET_ASIDE_KEPT]:
             shutil.rmtree(old, ignore_errors=True)
+        return folder
 
     def take_back(self, manifest: Manifest) -> int:
         """Where a run with `manifest`'s model and settings was set aside by --restart and this folder holds no run,
