@@ -51,7 +51,7 @@ from conveyor.io.records.readers.spool import spool
 from conveyor.io.records.request_builder import RequestBuilder
 from conveyor.io.records_run import run_records
 from conveyor.io.rows.parts import RUN_ID_KEY, PartLayout, PartOwner, PartWriter
-from conveyor.io.rows.rows import SAMPLE_INDEX, part_columns, vector_size, without_errors
+from conveyor.io.rows.rows import SAMPLE_INDEX, output_rows, part_columns, vector_size, without_errors
 from conveyor.io.rows.sink import BadRecordStop, JournalSink, RunTotals
 from conveyor.io.rows.sink_options import CommitPolicy
 from conveyor.io.rows.writers import UPLOAD_STAGING, write_output
@@ -94,6 +94,9 @@ __all__ = ["BadRecordStop", "Run"]
 def _piped(input_fingerprint: str) -> bool:
     """Whether the input is stdin or a pipe (`fingerprint` names them so): read once, so copied before a run."""
     return input_fingerprint == "stdin" or input_fingerprint.startswith("stream:")
+
+
+_PART_COLUMNS_KEY = "part_columns"  # the journal's record of the optional columns of a part-file output
 
 
 def _count(number: int, noun: str) -> str:
@@ -521,8 +524,39 @@ class Run:
             size = vector_size(json.loads(text) for _, text in self.journal.row_texts_between(first, stop))
         return write_output(rows, path, self.output_format, spec.build.keep_fields,
                             model_name=(spec.build.served_model_names or (spec.model,))[0],
-                            optional=part_columns(spec.task), task=spec.task, vector_size=size,
+                            optional=self._part_columns(first, stop), task=spec.task, vector_size=size,
                             staging=str(self.run_dir.path), file_metadata={RUN_ID_KEY: self.parts.owner.run_id})
+
+    def _part_columns(self, first: int, stop: int) -> tuple[str, ...]:
+        """The optional columns of the part of records [first, stop): those the run's settings fill and those its
+        rows hold when its first part is written, fixed then (the journal keeps them), so that every part has the
+        same columns; a later part whose rows hold another (a record asked for it) has it too, and says so."""
+        spec, journal = self.spec, self.journal
+        stored = journal.meta_value(_PART_COLUMNS_KEY)
+        if stored is not None:
+            fixed = tuple(json.loads(stored))
+        else:
+            asked = set(journal.columns())
+            sampling = spec.sampling
+            asked |= {"logprobs"} if sampling.logprobs is not None else set()
+            asked |= {"prompt_logprobs", "prompt_logprob_sum"} if sampling.prompt_logprobs is not None else set()
+            asked |= {SAMPLE_INDEX} if spec.build.n > 1 else set()
+            asked |= {"reasoning"} if spec.reasoning_parser is not None else set()
+            asked |= {"prompt_tokens_truncated"} if spec.build.truncate_prompt_tokens is not None else set()
+            asked |= {"draft_tokens", "accepted_draft_tokens"} if spec.engine.speculative is not None else set()
+            fixed = part_columns(spec.task, asked)
+            journal.set_meta_value(_PART_COLUMNS_KEY, json.dumps(fixed))
+        if set(part_columns(spec.task, journal.columns())) <= set(fixed):
+            return fixed
+        held = set()
+        for _, text in journal.row_texts_between(first, stop):
+            held.update(key for row in output_rows(json.loads(text)) for key in row)
+        more = [c for c in part_columns(spec.task, held) if c not in fixed]
+        if more:
+            self.say(f"records {first} to {stop - 1} asked for {', '.join(more)}, which the parts before them lack: "
+                     "their part has the column; read the folder with its columns united (pyarrow's "
+                     "unify_schemas, DuckDB's union_by_name)")
+        return part_columns(spec.task, {*fixed, *more})
 
     def _result(self, outcome: Outcome, message: str, output_written: bool = False, written: str = "") -> RunResult:
         stats = self.engine.stats() if self.engine else None

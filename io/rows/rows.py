@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import base64
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from conveyor.io.records.readers.record import location
@@ -64,10 +64,13 @@ def unpack_vector(text: str) -> list[float]:
     return list(struct.unpack(f"<{len(data) // 4}f", data))
 
 
-def part_columns(task: str) -> tuple[str, ...]:
-    """The optional columns every part file of a `task` run has, whether or not its rows hold them: the parts of
-    one folder read as one table."""
-    return _POOLING_OPTIONAL if task != "generate" else tuple(c for c in OPTIONAL_COLUMNS if c != "input_index")
+def part_columns(task: str, asked: Iterable[str]) -> tuple[str, ...]:
+    """The optional columns of a `task` run's part files among `asked` (those its settings fill, and those its rows
+    hold when the first part is written), in the columns' order: fixed then, so that the parts of one folder read as
+    one table."""
+    allowed = _POOLING_OPTIONAL if task != "generate" else tuple(c for c in OPTIONAL_COLUMNS if c != INPUT_INDEX)
+    asked = set(asked)
+    return tuple(c for c in allowed if c in asked)
 
 
 def vector_size(rows) -> int | None:

@@ -170,3 +170,22 @@ def test_status_counts_the_parts(tmp_path, tiny_model):
     status = run_in_process("status", tmp_path / "out")
     assert "parts:  2 written" in status.out and "finished: every part is written" in status.out, status.out
     assert status.code == 0
+
+
+def test_parts_have_the_columns_the_runs_settings_fill(tmp_path, tiny_model):
+    """The same columns as a single output file: the optional ones only where the settings (or the rows when the
+    first part is written) fill them, fixed for every part."""
+    import pyarrow.parquet as pq
+
+    src = write_jsonl(tmp_path / "in.jsonl", RECORDS[:6])
+    single = tmp_path / "single.parquet"
+    assert run_in_process("run", src, "-o", single, *tiny_args(tiny_model), *GREEDY, "-q").code == 0
+    plain = tmp_path / "plain"
+    assert run_in_process("run", src, "-o", f"{plain}/", "--rows-per-file", "3", *tiny_args(tiny_model), *GREEDY,
+                          "-q").code == 0
+    names = pq.read_schema(single).names
+    assert [pq.read_schema(p).names for p in sorted(plain.glob("part-*"))] == [names, names]
+    with_logprobs = tmp_path / "lp"
+    assert run_in_process("run", src, "-o", f"{with_logprobs}/", "--rows-per-file", "3", *tiny_args(tiny_model),
+                          *GREEDY, "--logprobs", "1", "-q").code == 0
+    assert [pq.read_schema(p).names for p in sorted(with_logprobs.glob("part-*"))] == [names + ["logprobs"]] * 2
