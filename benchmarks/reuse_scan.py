@@ -4,6 +4,7 @@ A JSONL file of N records (default 1,000,000) is answered in a journal (its rows
 and places a run keeps, no model); then K records (default 1,000) are appended, and the script times, in one
 process, alternated:
   read:   the file read once with digests (what any rerun costs before its first record is known: the floor),
+  check:  every resume's check that the journal's rows answer the records read now (run_rebase.rows_of_other_records),
   rebase: a run's rebase of the journal onto it (input_entries + journal_rebase.rebase: read, match, write),
   pending: the records left to compute after it (PendingRecords, as the run then streams them).
 It prints each in seconds and their ratios to `read`, and checks the counts (reused N, new K).
@@ -23,7 +24,7 @@ from pathlib import Path
 from conveyor.io.records.pending import PendingRecords
 from conveyor.io.records.readers import open_reader
 from conveyor.io.records.readers.record import location
-from conveyor.io.run_rebase import input_entries
+from conveyor.io.run_rebase import input_entries, rows_of_other_records
 from conveyor.io.state.journal import Journal
 from conveyor.io.state.journal_rebase import rebase
 
@@ -63,12 +64,14 @@ def _one(source: Path, base: Path, path: Path, records: int, new: int) -> dict[s
     assert count == records + new
     shutil.copy(base, path)
     with Journal(path, verify=False) as journal:
+        checked, other = _timed(lambda: rows_of_other_records(journal, reader))
+        assert other == 0, other
         matched, reuse = _timed(lambda: rebase(journal, input_entries(reader, "id")))
         assert (reuse.reused, reuse.new, reuse.changed, reuse.removed) == (records, new, 0, 0), reuse
         pending = PendingRecords(reader, journal, str(source))
         left_s, left = _timed(lambda: sum(1 for _ in pending))
         assert left == new
-    return {"read": read, "rebase": matched, "pending": left_s}
+    return {"read": read, "check": checked, "rebase": matched, "pending": left_s}
 
 
 def main() -> None:
@@ -86,7 +89,7 @@ def main() -> None:
         size = source.stat().st_size
         print(f"{args.records:,} records answered, {args.new:,} appended: {size / 1e6:.0f} MB of JSONL "
               f"(journal built in {built:.1f} s, {base.stat().st_size / 1e6:.0f} MB)")
-        times: dict[str, list[float]] = {"read": [], "rebase": [], "pending": []}
+        times: dict[str, list[float]] = {"read": [], "check": [], "rebase": [], "pending": []}
         for _ in range(args.repeat):
             for name, value in _one(source, base, work / "j.sqlite", args.records, args.new).items():
                 times[name].append(value)
