@@ -13,6 +13,7 @@ no_quiet
 no_normalize
 no_profile
 _root  # the app's callback: --version
+_.metavar  # Typer reads an option's metavar to render --help (cli/app.py `_untyped_switches`)
 
 # Signal handlers, context managers and transformers' attention interface have fixed signatures.
 frame

@@ -9,6 +9,7 @@ import traceback
 import typer
 
 from conveyor.cli.command_line import set_command_line
+from conveyor.cli.config import choices_text, default_text
 from conveyor.cli.exit_codes import ExitCode, code_for, explained, message_for
 from conveyor.cli.options import (
     ChatFieldOpt,
@@ -66,25 +67,25 @@ def _root(version: bool = typer.Option(False, "--version", help="Print conveyor'
 @app.command("validate")
 def validate_command(
     input: InputArg,
-    config: ConfigOpt = None,
     model: ModelOpt = None,
-    task: TaskOpt = None,
-    dimensions: DimensionsOpt = None,
-    max_tokens: MaxTokensOpt = None,
-    system_prompt: SystemPromptOpt = None,
+    config: ConfigOpt = None,
     chat_field: ChatFieldOpt = None,
-    chat_template: ChatTemplateOpt = None,
-    prompt_template: PromptTemplateOpt = None,
-    prompt_template_as: PromptTemplateAsOpt = None,
-    truncate_prompt_tokens: TruncatePromptTokensOpt = None,
-    served_model_name: ServedModelNameOpt = None,
     prompt_field: PromptFieldOpt = None,
     messages_field: MessagesFieldOpt = None,
+    prompt_template: PromptTemplateOpt = None,
+    prompt_template_as: PromptTemplateAsOpt = None,
+    system_prompt: SystemPromptOpt = None,
+    chat_template: ChatTemplateOpt = None,
     id_field: IdFieldOpt = None,
     input_format: InputFormatOpt = None,
     split: SplitOpt = None,
     limit: LimitOpt = None,
     max_record_bytes: MaxRecordBytesOpt = None,
+    truncate_prompt_tokens: TruncatePromptTokensOpt = None,
+    served_model_name: ServedModelNameOpt = None,
+    max_tokens: MaxTokensOpt = None,
+    task: TaskOpt = None,
+    dimensions: DimensionsOpt = None,
     schedule: ScheduleOpt = None,
     show_errors: int = typer.Option(10, help="How many error messages to print."),
 ) -> int:
@@ -132,17 +133,29 @@ def merge_command(
 @app.command("models")
 def models_command(check: str | None = typer.Option(
         None, "--check", metavar="MODEL",
-        help="Read only MODEL's config (a folder, a .gguf file, a hub id) and its weight files' headers, and say "
-             "which route it takes on each backend, whether it is exact, and why conveyor would refuse it (exit 2 "
-             "if it would).")) -> int:
+        help="Read only MODEL's config (a folder, a .gguf file, a hub id), its weight files' headers and its tokenizer, "
+             "and say what `conveyor run` does with it: the task, and for generation the route on each backend, the "
+             "attention, the context and the chat template; for a pooling task the pooling, normalization, vector "
+             "size or labels, length limit and route; or why run would refuse it (exit 2 if it would)."),
+        task: str | None = typer.Option(
+            None, "--task", help=f"With --check: the task to check MODEL for, as `conveyor run --task` takes it: "
+            f"{choices_text('task')}. {default_text('task', 'auto: what run does with MODEL where its input does not choose')}")
+        ) -> int:
     """List the embedded models and whether each is cached; or, with --check, what conveyor makes of a model."""
     from conveyor.core import EMBEDDED_MODELS, is_embedded_cached, model_report, models_cache_dir
 
-    if check is not None:
-        from conveyor.core import ConfigError, ModelLoadError
+    if check is None and task is not None:
+        from conveyor.cli.exit_codes import UsageError
 
+        raise UsageError(f"--task {task}: chooses the task --check MODEL is checked for; without --check it changes "
+                         "nothing: drop it, or give --check MODEL")
+    if check is not None:
+        from conveyor.core import ConfigError, ModelLoadError, check_value
+        from conveyor.io.run_spec import RunSpec
+
+        task = check_value(RunSpec, "task", "auto" if task is None else task)  # (ConfigError naming --task)
         try:
-            lines, why = model_report(check)
+            lines, why = model_report(check, task)
         except (ModelLoadError, ConfigError) as e:  # nothing there to check: a usage error naming what was given
             from conveyor.cli.exit_codes import UsageError
 
@@ -178,6 +191,7 @@ def main(argv: list[str] | None = None) -> None:
         debug = True
     set_command_line(args)
     command = typer.main.get_command(app)
+    _untyped_switches(command)
     args, warnings = merge_repeated_options(command, args)
     for warning in warnings:
         sys.stderr.write(f"conveyor: warning: {warning}\n")
@@ -207,6 +221,14 @@ def main(argv: list[str] | None = None) -> None:
     if argv is None:  # the process itself (not a caller's in-process run): a grammar may still be compiling
         _exit_now_if_compiling(int(code or 0))
     sys.exit(int(code or 0))
+
+
+def _untyped_switches(command) -> None:
+    """--help shows a switch (--quiet, --restart, --help) as its name alone: it takes no value, so no `<bool>`."""
+    for cmd in (command, *command.commands.values()):
+        for param in (*cmd.params, cmd.get_help_option(typer.Context(cmd))):
+            if param is not None and getattr(param, "is_flag", False):
+                param.metavar = ""
 
 
 def _exit_now_if_compiling(code: int) -> None:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from conveyor.cli.exit_codes import UsageError
+from conveyor.cli.model_names import check_model_name
 from conveyor.cli.option_names import option_name
 from conveyor.cli.prompt_options import check_prompt_options
 from conveyor.core import (
@@ -155,21 +156,30 @@ def _loader(yaml: Any) -> type:
     return Loader
 
 
-def load_config_file(path: str) -> dict[str, Any]:
+def load_config_file(path: str) -> tuple[dict[str, Any], dict[str, int]]:
+    """(option key -> value, option key -> the line it is on) of the config file `path`; a usage error naming the
+    file, and the line where there is one, where it cannot be read as a mapping of option: value."""
     import yaml
 
     p = Path(path)
     if not p.is_file():
         raise UsageError(f"--config {path}: no such file")
     try:
-        data = yaml.load(p.read_text(encoding="utf-8"), Loader=_loader(yaml))
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise UsageError(f"--config {path}: not valid YAML ({str(e).splitlines()[0]})") from None
+        loader = _loader(yaml)(p.read_text(encoding="utf-8"))
+        try:
+            root = loader.get_single_node()
+            data = loader.construct_document(root) if root is not None else None
+        finally:
+            loader.dispose()
+    except UnicodeDecodeError as e:
+        raise UsageError(f"--config {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except yaml.YAMLError as e:
+        raise UsageError(f"--config {path}: {_yaml_problem(e)}") from None
     except _RepeatedKey as e:
         raise UsageError(f"--config {path}: the key {e.key} is given twice (line {e.lines[0]} and line {e.lines[1]}) "
                          "and only one would be used; keep one") from None
     if data is None:
-        return {}
+        return {}, {}
     if not isinstance(data, dict):
         raise UsageError(f"--config {path}: expected a mapping of option: value, got {type(data).__name__}")
     out, unknown, spelled = {}, [], {}
@@ -186,7 +196,19 @@ def load_config_file(path: str) -> dict[str, Any]:
     if unknown:
         raise UsageError(f"--config {path}: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; keys "
                          "are option names such as max_tokens")
-    return out
+    lines = {str(key.value).replace("-", "_"): key.start_mark.line + 1 for key, _ in root.value}
+    return out, {name: line for name, line in lines.items() if name in out}
+
+
+def _yaml_problem(e) -> str:
+    """"line 3: not valid YAML (what is wrong, and what it was reading from which line)" of a YAMLError."""
+    mark, context = getattr(e, "problem_mark", None), getattr(e, "context_mark", None)
+    if mark is None:
+        return f"not valid YAML ({str(e).splitlines()[0]})"
+    what = e.problem or str(e).splitlines()[0]
+    if e.context and context is not None and context.line != mark.line:
+        what += f", {e.context} that starts on line {context.line + 1}"
+    return f"line {mark.line + 1}: not valid YAML ({what})"
 
 
 def _unknown_key(key: Any, name: str) -> str:
@@ -221,9 +243,24 @@ def holds_list(key: str) -> bool:
 
 
 def build_config(flags: dict[str, Any], config_path: str | None) -> Invocation:
-    """Merge file and flags (flags that are None were not given) into a checked RunSpec and CliSettings."""
-    values: dict[str, Any] = load_config_file(config_path) if config_path else {}
-    values.update({k: v for k, v in flags.items() if v is not None and not (isinstance(v, (list, tuple)) and not v)})
+    """Merge file and flags (flags that are None were not given) into a checked RunSpec and CliSettings. A value the
+    config file gives that is refused is named with the file and its line."""
+    values, lines = load_config_file(config_path) if config_path else ({}, {})
+    given = {k: v for k, v in flags.items() if v is not None and not (isinstance(v, (list, tuple)) and not v)}
+    from_file = {key: line for key, line in lines.items() if key not in given}
+    values.update(given)
+    try:
+        return _checked_invocation(values)
+    except UsageError as e:
+        found = re.match(r"--[a-z0-9-]+", str(e))  # (each message starts with the option at fault)
+        key = found.group().removeprefix("--").replace("-", "_") if found else None
+        if key not in from_file:
+            raise
+        raise UsageError(f"--config {config_path}: line {from_file[key]}: {e}") from None
+
+
+def _checked_invocation(values: dict[str, Any]) -> Invocation:
+    """`values` (option key -> value, file and flags merged) checked and built."""
     for key in [k for k in values if holds_list(k)]:
         values[key] = _as_str_tuple(key, values[key])
     if values.get("max_runtime") is not None:
@@ -235,9 +272,11 @@ def build_config(flags: dict[str, Any], config_path: str | None) -> Invocation:
             raise UsageError(f"{option_name(key)}: expected a string, got {values[key]!r}")
     check_prompt_options(values)
     try:
-        return _invocation(values)
+        invocation = _invocation(values)
     except ConfigError as e:
         raise UsageError(e.named(option_name(e.field))) from None
+    check_model_name(invocation.spec.model)
+    return invocation
 
 
 def _checked(key: str, value: Any) -> Any:

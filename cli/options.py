@@ -32,12 +32,14 @@ def _d(key: str) -> str:
     return default_text(key, _SHOWN.get(key))
 
 
+# --help's panels, shown in the order `conveyor run` declares its first option of each (cli/run.py): what a record's
+# prompt is and what the output holds first, then generation and the pooling tasks, the engine, the run's control.
+PROMPT = "Input and prompt"
+OUTPUT = "Output"
 GEN = "Generation"
-ENG = "Engine"
-DATA = "Input and output"
-RUN = "Run control"
-
 POOL = "Embeddings, classification, scoring"
+ENG = "Engine"
+RUN = "Run control"
 
 TaskOpt = Annotated[Optional[str], typer.Option(
     help=f"What to compute for each record: {choices_text('task')}. auto: a batch line's url says (/v1/embeddings, "
@@ -56,12 +58,13 @@ DimensionsOpt = Annotated[Optional[int], typer.Option(
 
 InputArg = Annotated[str, typer.Argument(help="Prompts: .jsonl, .json, .parquet, .csv, .tsv (.gz, .bz2, .xz, .zst), a "
                                               "datasets folder, a hub dataset name (with --split), or - for stdin.")]
-OutputOpt = Annotated[str, typer.Option("--output", "-o", help="Output file: .parquet or .jsonl; - writes JSONL to "
-                                                              "stdout once the run is complete (with --run-dir).")]
+OutputOpt = Annotated[str, typer.Option("--output", "-o", help="A file (.parquet or .jsonl), a folder/ for part "
+                                        "files, or a URL such as s3://bucket/out/ (with --run-dir); - writes JSONL to "
+                                        "stdout once the run is complete (with --run-dir).")]
 ConfigOpt = Annotated[Optional[str], typer.Option("--config", "-c", help="YAML file of options; flags override it.")]
 
 ModelOpt = Annotated[Optional[str], typer.Option(help="Embedded model name, local HF folder, .gguf file or hub id. "
-                                                      f"{_d('model')}", rich_help_panel=ENG)]
+                                                      f"{_d('model')}")]
 DtypeOpt = Annotated[Optional[str], typer.Option(help=f"{choices_text('dtype')}. {_d('dtype')}",
                                                  rich_help_panel=ENG)]
 DeviceOpt = Annotated[Optional[str], typer.Option(help=f"auto, cpu, cuda or cuda:N. {_d('device')}",
@@ -118,50 +121,50 @@ ReasoningParserOpt = Annotated[Optional[str], typer.Option(
 SystemPromptOpt = Annotated[Optional[str], typer.Option(help="System message (TEXT, or @FILE) for chat records that "
                                                              "have none: messages records, --chat-field, "
                                                              "--prompt-template-as chat. Not with raw prompts.",
-                                                        rich_help_panel=GEN)]
+                                                        rich_help_panel=PROMPT)]
 ChatTemplateOpt = Annotated[Optional[str], typer.Option(
     help="The chat template (a Jinja file, or the template itself) that builds chat records' prompts, instead of "
-         "the model's own (vLLM's option); for a model that has none.", rich_help_panel=DATA)]
+         "the model's own (vLLM's option); for a model that has none.", rich_help_panel=PROMPT)]
 ChatFieldOpt = Annotated[Optional[str], typer.Option(help="Field whose text is the user message, sent through the "
                                                           "model's chat template (what an instruct model expects).",
-                                                     rich_help_panel=DATA)]
+                                                     rich_help_panel=PROMPT)]
 PromptTemplateOpt = Annotated[Optional[str], typer.Option(
     help="TEXT or @FILE with {field} placeholders (field names only; {{ and }} are braces), filled from each "
     "record's fields. It builds a raw prompt (no chat template); with --prompt-template-as chat, the user message "
-    "sent through the chat template.", rich_help_panel=DATA)]
+    "sent through the chat template.", rich_help_panel=PROMPT)]
 PromptTemplateAsOpt = Annotated[Optional[str], typer.Option(help="What --prompt-template builds: prompt (a raw "
                                                                  "prompt) or chat (the user message). "
-                                                                 f"{_d('prompt_template_as')}", rich_help_panel=DATA)]
+                                                                 f"{_d('prompt_template_as')}", rich_help_panel=PROMPT)]
 TruncatePromptTokensOpt = Annotated[Optional[str], typer.Option(
     help="K or auto: keep a prompt's last K tokens (as vLLM's truncate_prompt_tokens; auto: as many as the context "
     "leaves after the record's max_tokens); rows say how many were cut (prompt_tokens_truncated). Unset: an "
-    "over-long prompt is an error row.", rich_help_panel=GEN)]
+    "over-long prompt is an error row.", rich_help_panel=PROMPT)]
 ServedModelNameOpt = Annotated[Optional[str], typer.Option(
     help="NAME[,NAME...]: the model names an OpenAI batch body may give; another is an error line. Unset: --model "
-    "as given and its last path part.", rich_help_panel=DATA)]
+    "as given and its last path part.", rich_help_panel=PROMPT)]
 PromptFieldOpt = Annotated[Optional[str], typer.Option(help=f"Field holding a raw prompt. {_d('prompt_field')}",
-                                                       rich_help_panel=DATA)]
+                                                       rich_help_panel=PROMPT)]
 MessagesFieldOpt = Annotated[Optional[str], typer.Option(help=f"Field holding chat messages. {_d('messages_field')}",
-                                                         rich_help_panel=DATA)]
+                                                         rich_help_panel=PROMPT)]
 IdFieldOpt = Annotated[Optional[str], typer.Option(help=f"Field holding the record id. {_d('id_field')}",
-                                                   rich_help_panel=DATA)]
+                                                   rich_help_panel=PROMPT)]
 KeepFieldsOpt = Annotated[Optional[str], typer.Option(help="Input fields to copy to the output, e.g. a,b.",
-                                                      rich_help_panel=DATA)]
+                                                      rich_help_panel=OUTPUT)]
 InputFormatOpt = Annotated[Optional[str], typer.Option(help=f"{choices_text('input_format')} (default: from the "
-                                                            "extension).", rich_help_panel=DATA)]
+                                                            "extension).", rich_help_panel=PROMPT)]
 OutputFormatOpt = Annotated[Optional[str], typer.Option(help=f"{choices_text('output_format')} (default: from the "
-                                                             "extension).", rich_help_panel=DATA)]
+                                                             "extension).", rich_help_panel=OUTPUT)]
 RowsPerFileOpt = Annotated[Optional[int], typer.Option(help="Write the output as part files of N records each "
                                                           "(part-00000.parquet, ...) into the folder -o names, each as "
                                                           "soon as its records are done. -o folder/ alone: "
-                                                          f"{DEFAULT_ROWS_PER_FILE:,} a part.", rich_help_panel=DATA)]
-SplitOpt = Annotated[Optional[str], typer.Option(help="Split of a hub dataset.", rich_help_panel=DATA)]
-LimitOpt = Annotated[Optional[int], typer.Option(help="Only the first N records.", rich_help_panel=DATA)]
+                                                          f"{DEFAULT_ROWS_PER_FILE:,} a part.", rich_help_panel=OUTPUT)]
+SplitOpt = Annotated[Optional[str], typer.Option(help="Split of a hub dataset.", rich_help_panel=PROMPT)]
+LimitOpt = Annotated[Optional[int], typer.Option(help="Only the first N records.", rich_help_panel=PROMPT)]
 MaxRecordBytesOpt = Annotated[Optional[str], typer.Option(help="A record bigger than this (e.g. 4MiB) is an error "
                                                                f"row, never parsed. {_d('max_record_bytes')}",
-                                                          rich_help_panel=DATA)]
+                                                          rich_help_panel=PROMPT)]
 OnErrorOpt = Annotated[Optional[str], typer.Option(help="Bad records: record (error row), skip (no row) or fail "
-                                                        f"(stop). {_d('on_error')}", rich_help_panel=DATA)]
+                                                        f"(stop). {_d('on_error')}", rich_help_panel=OUTPUT)]
 MaxNumSeqsOpt = Annotated[Optional[int], typer.Option(help=f"Requests running at once. {_d('max_num_seqs')}",
                                                       rich_help_panel=ENG)]
 MaxBatchedTokensOpt = Annotated[Optional[int], typer.Option(help="Tokens per forward pass. "

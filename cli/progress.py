@@ -1,7 +1,9 @@
 """Progress display: a Rich bar on a TTY, a plain log line every N seconds otherwise (cron, pipes).
 
 Renders io's `RunProgress` (`Run.progress()`), read only when a line or frame is drawn; writes to stderr. The bar
-counts records done of the total and its ETA is in records too (how it is estimated: `io/run_progress.py`).
+counts records done of the total and its ETA is in records too (how it is estimated: `io/run_progress.py`). On a
+narrow terminal the bar's line drops its least useful fields first (`fitted_line`): records done / total, the ETA
+and the errors stay.
 """
 
 from __future__ import annotations
@@ -13,6 +15,9 @@ from collections.abc import Callable
 from conveyor.io.run_progress import RunProgress
 
 ReadProgress = Callable[[], RunProgress]
+
+_LABEL = "conveyor "
+_BAR_WIDTHS = (10, 40)  # the bar is drawn only where it gets at least 10 columns, and takes at most 40
 
 
 def _fmt_eta(seconds: float | None) -> str:
@@ -45,41 +50,73 @@ class PlainProgress:
         self.last = now
         p = read()
         total = p.total if p.total is not None else "?"
-        self.stream.write(
-            f"conveyor: {time.strftime('%H:%M:%S')} records {p.done}/{total} errors {p.errors} "
-            f"| {p.tokens_per_s:.1f} tok/s | running {p.running} waiting {p.waiting} "
-            f"| kv {p.kv_usage:.0%} | preemptions {p.preemptions} | eta {_fmt_eta(p.eta_s)}\n")
+        engine = f"waiting {p.waiting}" if p.pooling else \
+            f"running {p.running} waiting {p.waiting} | kv {p.kv_usage:.0%} | preemptions {p.preemptions}"
+        self.stream.write(f"conveyor: {time.strftime('%H:%M:%S')} records {p.done}/{total} errors {p.errors} "
+                          f"| {p.tokens_per_s:.1f} tok/s | {engine} | eta {_fmt_eta(p.eta_s)}\n")
         self.stream.flush()
 
 
+def fitted_line(p: RunProgress, width: int):
+    """The bar's line for `p` in at most `width` columns (a rich Text). Records done / total, the ETA and the errors
+    always show; the other fields go where they do not fit, the least useful first (preemptions, KV use, the
+    engine's queue, then the bar and the token rate), and the label last."""
+    from rich.text import Text
+
+    kept = [f"{p.done}/{p.total if p.total is not None else '?'} eta {_fmt_eta(p.eta_s)}", f"err {p.errors}"]
+    extra = [f"{p.tokens_per_s:.0f} tok/s"] + ([f"wait {p.waiting}"] if p.pooling else [
+        f"run {p.running} wait {p.waiting}", f"kv {p.kv_usage:.0%}", f"preempt {p.preemptions}"])
+    least, most = _BAR_WIDTHS
+    for count in range(len(extra), -1, -1):  # with the bar: as many fields as leave it room
+        text = " | ".join(kept + extra[:count])
+        room = width - len(_LABEL) - len(text) - 1
+        if room >= least:
+            bar = min(room, most)
+            done = round(bar * min(p.done / p.total, 1.0)) if p.total else 0
+            style = "bar.finished" if p.total and p.done >= p.total else "bar.complete"
+            return Text.assemble((_LABEL, "bold"), ("━" * done, style), ("━" * (bar - done), "bar.back"), " " + text)
+    for count in range(len(extra), -1, -1):  # without it
+        text = " | ".join(kept + extra[:count])
+        if len(_LABEL) + len(text) <= width:
+            return Text.assemble((_LABEL, "bold"), text)
+    line = Text(" | ".join(kept))
+    line.truncate(width, overflow="ellipsis")
+    return line
+
+
+class _Line:
+    """The live display's renderable: the latest progress, fitted to the width it is drawn at."""
+
+    def __init__(self) -> None:
+        self.progress: RunProgress | None = None
+
+    def __rich_console__(self, console, options):
+        if self.progress is not None:
+            yield fitted_line(self.progress, options.max_width)
+
+
 class RichProgress:
-    """A live bar: records done / total, ETA (in records), output tokens/s, running/waiting, KV use, preemptions."""
+    """A live line: a bar, records done / total, ETA (in records), errors, output tokens/s, running/waiting, KV use,
+    preemptions, as many as the terminal's width holds."""
 
     def __init__(self) -> None:
         from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+        from rich.live import Live
 
-        self.progress = Progress(  # (the ETA is io's, which also counts the records left before any has finished)
-            TextColumn("[bold]conveyor"), BarColumn(), MofNCompleteColumn(), TextColumn("eta {task.fields[eta]}"),
-            TextColumn("{task.fields[info]}"), console=Console(stderr=True), transient=False,
-            refresh_per_second=4)
-        self.task = None
+        self.line = _Line()
+        self.live = Live(self.line, console=Console(stderr=True), transient=False, refresh_per_second=4)
 
     def __enter__(self):
-        self.progress.__enter__()
+        self.live.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        self.progress.__exit__(*exc)
+        self.live.__exit__(*exc)
 
     def update(self, read: ReadProgress, force: bool = False) -> None:
-        p = read()
-        info = (f"{p.tokens_per_s:.0f} tok/s | run {p.running} wait {p.waiting} | kv {p.kv_usage:.0%} "
-                f"| preempt {p.preemptions} | err {p.errors}")
-        eta = _fmt_eta(p.eta_s)
-        if self.task is None:
-            self.task = self.progress.add_task("run", total=p.total, info=info, eta=eta)
-        self.progress.update(self.task, completed=p.done, total=p.total, info=info, eta=eta)
+        self.line.progress = read()
+        if force:
+            self.live.refresh()
 
 
 class NoProgress:

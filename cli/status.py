@@ -1,5 +1,5 @@
-"""`conveyor status OUTPUT`: how far a run got (each shard's, for a run split by --shard or --executor ray),
-whether it is running, and how to resume it."""
+"""`conveyor status OUTPUT` (or RUN_DIR): how far a run got (each shard's, for a run split by --shard or --executor
+ray), whether it is running, and how to resume it."""
 
 from __future__ import annotations
 
@@ -9,7 +9,11 @@ import sys
 import time
 from pathlib import Path
 
+from conveyor.cli.exit_codes import UsageError
+from conveyor.io.counts import counted
 from conveyor.io.run_rebase import pending_in_changed_input
+from conveyor.io.state.run_dir import RunDir
+from conveyor.io.state.shards import SHARD_DIR
 from conveyor.io.state.status import ShardStatus, run_status
 from conveyor.io.storage import info as info_of
 from conveyor.io.storage import is_remote
@@ -17,7 +21,8 @@ from conveyor.io.storage import is_remote
 
 def show_status(output: str, run_dir: str | None) -> int:
     """Print the run's state; exit 0 where it finished (its output written), 75 where it has not (resumable); a
-    missing run directory is a usage error (2)."""
+    missing run directory is a usage error (2). `output` may name the run directory itself."""
+    output, run_dir = _output_and_run_dir(output, run_dir)
     status = run_status(output, run_dir)
     if status.shards is not None:
         return _show_shards(status.path, status.shards, output)
@@ -32,10 +37,12 @@ def show_status(output: str, run_dir: str | None) -> int:
         out.write(f"input:  {info['input_path']}\nmodel:  {info.get('model')}\n")
     samples = info.get("num_samples", done)
     out.write(f"done:   {done}" + (f" / {total}" if total is not None else "") + f"  (errors {info.get('num_errors', 0)})"
-              + (f"  {samples} samples\n" if samples != done else "\n"))
+              + (f"  {counted(samples, 'sample')}\n" if samples != done else "\n"))
     if info.get("num_partials"):
-        out.write(f"in flight: {info['num_partials']} records hold {info['partial_tokens']} generated tokens "
-                  "(continued where they stopped when the run resumes)\n")
+        one = info["num_partials"] == 1
+        out.write(f"in flight: {info['num_partials']} {'record holds' if one else 'records hold'} "
+                  f"{counted(info['partial_tokens'], 'generated token')} (continued where "
+                  f"{'it' if one else 'they'} stopped when the run resumes)\n")
     reuse, unknown = pending_in_changed_input(status.path)
     if reuse is not None:
         left = reuse.new + reuse.changed
@@ -51,7 +58,7 @@ def show_status(output: str, run_dir: str | None) -> int:
     holder = info.get("lock_holder")
     parts = info.get("parts")
     if parts is not None:
-        out.write(f"parts:  {parts['written']} written in {parts['folder']}/ ({parts['records']:,} records each)\n")
+        out.write(f"parts:  {parts['written']} written in {parts['folder']}/ ({counted(parts['records'], 'record', thousands=True)} each)\n")
         written = total is not None and parts["written"] >= max(1, -(-total // parts["records"]))
     else:
         written = info_of(output) is not None if is_remote(output) else Path(output).exists()
@@ -73,11 +80,50 @@ def show_status(output: str, run_dir: str | None) -> int:
     return 0 if finished else 75
 
 
+def _output_and_run_dir(given: str, run_dir: str | None) -> tuple[str, str | None]:
+    """(the output, its run directory or None for the default) of `conveyor status GIVEN [--run-dir DIR]`: GIVEN is
+    the output, or a run directory (its output read from its manifest); an output in object storage has its state in
+    the --run-dir its run was given, never beside it in the store."""
+    if run_dir is None and is_remote(given):
+        raise UsageError(f"{given}: the state of an output in object storage (its journal and lock) lives in the "
+                         "folder its run was given as --run-dir, not in the store; name that folder: "
+                         f"conveyor status {shlex.quote(given)} --run-dir DIR (or conveyor status DIR)")
+    if run_dir is None and _is_run_dir(Path(given)):
+        return _output_of(Path(given)), given
+    return given, run_dir
+
+
+def _is_run_dir(path: Path) -> bool:
+    """Whether `path` is a run directory: a run's manifest, or the shard folders of a split run, in it."""
+    if not path.is_dir():
+        return False
+    return RunDir(path).manifest_path.exists() or any(SHARD_DIR.fullmatch(p.name) and p.is_dir()
+                                                      for p in path.iterdir())
+
+
+def _output_of(run_dir: Path) -> str:
+    """The output the run of `run_dir` writes: its manifest's (a shard's, for a split run), found beside the run
+    directory where that is the output's default one (`<output>.conveyor`, whatever folder the run was started in);
+    else the output whose default run directory it is."""
+    beside = run_dir.with_name(run_dir.name.removesuffix(".conveyor"))
+    for folder in [run_dir, *sorted(p for p in run_dir.iterdir() if SHARD_DIR.fullmatch(p.name) and p.is_dir())]:
+        manifest = RunDir(folder).load_manifest()
+        if manifest is not None:
+            output = manifest.output_path
+            if run_dir.name != Path(output).name + ".conveyor":
+                return output
+            return str(beside) + ("/" if output.endswith("/") else "")
+    if run_dir.name.endswith(".conveyor"):
+        return str(beside)
+    raise UsageError(f"{run_dir}: no manifest in this run directory names its output; name the output too: "
+                     f"conveyor status OUTPUT --run-dir {shlex.quote(str(run_dir))}")
+
+
 def _show_shards(path: Path, shards: list[ShardStatus], output: str) -> int:
     """A run split by --shard (or --executor ray): one line per shard, then the whole."""
     out = sys.stdout
     count = len(shards)
-    out.write(f"run directory: {path} ({count} shards)\n")
+    out.write(f"run directory: {path} ({counted(count, 'shard')})\n")
     done = errors = finished = running = 0
     total: int | None = 0
     missing = []
@@ -104,11 +150,11 @@ def _show_shards(path: Path, shards: list[ShardStatus], output: str) -> int:
         if state == "stopped" and info.get("command"):
             out.write(f"  resume with: {info['command']}\n")
     out.write(f"all:    {done}" + (f" / {total}" if total is not None else "") + f"  (errors {errors}); "
-              f"{finished} of {count} shards finished, {running} running\n")
+              f"{finished} of {counted(count, 'shard')} finished, {running} running\n")
     parts = [one.info.get("parts") for one in shards if one.info is not None]
     if finished == count and parts and all(parts):  # shards that wrote their own part files: nothing to merge
-        out.write(f"output: {sum(p['written'] for p in parts)} parts written in {parts[0]['folder']}/ by the "
-                  f"{count} shards\n")
+        out.write(f"output: {counted(sum(p['written'] for p in parts), 'part')} written in {parts[0]['folder']}/ by "
+                  f"the {counted(count, 'shard')}\n")
         return 0
     if finished == count:
         written = Path(output).exists()

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from conveyor.cli.exit_codes import ExitCode, UsageError
+from conveyor.io.counts import counted
 from conveyor.io.run_report import Outcome, RunSummary
 
 EXIT_CODES = {Outcome.OK: ExitCode.OK, Outcome.SOME_ERRORS: ExitCode.SOME_ERRORS, Outcome.STOPPED: ExitCode.STOPPED}
@@ -28,7 +29,7 @@ def print_summary(summary: RunSummary, message: str, stream=None) -> None:
     table.add_column("value", justify="right")
     if s.setup.task == "generate":
         rows = [
-            ("records", s.records if s.samples == s.records else f"{s.records} ({s.samples} samples)"),
+            ("records", s.records if s.samples == s.records else f"{s.records} ({counted(s.samples, 'sample')})"),
             ("ok", s.ok), ("errors", s.errors),
             *_finish_reason_rows(s),
             ("prompt tokens", s.prompt_tokens), ("completion tokens", s.completion_tokens),
@@ -40,7 +41,7 @@ def print_summary(summary: RunSummary, message: str, stream=None) -> None:
     else:  # a pooling task: records and their tokens, nothing generated
         rows = [
             ("task", s.setup.task), ("records", s.records if s.samples == s.records else
-                                     f"{s.records} ({s.samples} rows)"),
+                                     f"{s.records} ({counted(s.samples, 'row')})"),
             ("ok", s.ok), ("errors", s.errors), ("tokens", s.prompt_tokens),
             ("model load", f"{s.load_s:.1f} s"), ("compute", f"{s.elapsed_s:.1f} s"),
             ("records/s", f"{s.records_per_s:.1f}"), ("tokens/s", f"{s.prompt_tokens_per_s:.1f}"),
@@ -54,9 +55,10 @@ def print_summary(summary: RunSummary, message: str, stream=None) -> None:
     if s.resumed_from:
         rows.append(("resumed from", s.resumed_from))
     if s.continued:
-        rows.append(("continued", f"{s.continued} records, {s.tokens_carried_over} tokens carried over"))
+        rows.append(("continued", f"{counted(s.continued, 'record')}, {counted(s.tokens_carried_over, 'token')} "
+                                  "carried over"))
     if s.in_flight_saved:
-        rows.append(("in flight, saved", f"{s.in_flight_saved} records (continued when the run resumes)"))
+        rows.append(("in flight, saved", f"{counted(s.in_flight_saved, 'record')} (continued when the run resumes)"))
     for name, value in rows:
         table.add_row(name, str(value))
     stream = stream or sys.stdout
@@ -122,7 +124,8 @@ def closing_line(records: int, total: int | None, errors: int, ended: str) -> st
     """--quiet's one line, for a cron job's log: the records with a row (of how many, where known), the errors, and
     how the run ended."""
     done = f"{records}/{total}" if total is not None else str(records)
-    return f"{done} records have a row ({errors} errors); {ended}"
+    have = "record has" if (total if total is not None else records) == 1 else "records have"
+    return f"{done} {have} a row ({counted(errors, 'error')}); {ended}"
 
 
 def print_profile(profile: dict, out) -> None:
@@ -131,7 +134,7 @@ def print_profile(profile: dict, out) -> None:
     for key, value in profile.items():
         if key.endswith("_s") and key != "step_s":
             out.write(f"  {key[:-2]:<12} {value:9.3f} s  {value / total:6.1%}\n")
-    out.write(f"  {'total':<12} {total:9.3f} s over {int(profile.get('steps', 0))} steps\n")
+    out.write(f"  {'total':<12} {total:9.3f} s over {counted(int(profile.get('steps', 0)), 'step')}\n")
 
 
 def check_summary_path(path: str | None) -> None:

@@ -7,6 +7,7 @@ import sys
 
 from conveyor.cli.config import build_config
 from conveyor.cli.exit_codes import ExitCode
+from conveyor.io.counts import counted
 
 
 def validate(flags: dict, config_path: str | None, show_errors: int) -> int:
@@ -20,7 +21,7 @@ def validate(flags: dict, config_path: str | None, show_errors: int) -> int:
     out = sys.stdout
     lengths = sink.lengths
     ok = sink.num_ok
-    out.write(f"{spec.input.path}: {sink.records} records, {ok} ok, {sink.num_errors} errors\n")
+    out.write(f"{spec.input.path}: {counted(sink.records, 'record')}, {ok} ok, {counted(sink.num_errors, 'error')}\n")
     if ok:
         out.write(f"prompt tokens: min {min(lengths)}, median {sink.percentile(0.5)}, p95 {sink.percentile(0.95)}, "
                   f"max {max(lengths)}, total {sum(n * c for n, c in lengths.items())} (model context "

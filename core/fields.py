@@ -10,6 +10,7 @@ fills which field (cli/config.py), so an option's type, choices and limits are w
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import types
 import typing
@@ -72,8 +73,10 @@ def check_value(cls: type, name: str, value: Any) -> Any:
             return None
         raise ConfigError(name, f"{name}: a value is required")
     if meta.choices and value not in meta.choices:
-        allowed = ", ".join(str(c) for c in meta.choices if c is not None)
-        raise ConfigError(name, f"{name}: {value!r} is not one of {allowed}", value)
+        allowed = [str(c) for c in meta.choices if c is not None]
+        close = difflib.get_close_matches(str(value), allowed, n=1, cutoff=0.6)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise ConfigError(name, f"{name}: {value!r} is not one of {', '.join(allowed)}{hint}", value)
     typed = _typed(name, value, kinds)
     if meta.positive and not typed > 0:
         raise ConfigError(name, f"{name}: must be positive, got {value!r}", value)

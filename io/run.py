@@ -43,6 +43,7 @@ from conveyor.core import (
     resolve_engine_config,
     resolve_reasoning,
 )
+from conveyor.io.counts import counted
 from conveyor.io.errors import InputChanged, SpecError
 from conveyor.io.records.pending import PendingRecords
 from conveyor.io.records.pooling_builder import PoolingRequestBuilder
@@ -100,8 +101,8 @@ _PART_COLUMNS_KEY = "part_columns"  # the journal's record of the optional colum
 
 
 def _count(number: int, noun: str) -> str:
-    """"1 row", "3 rows"."""
-    return f"{number:,} {noun}{'' if number == 1 else 's'}"
+    """"1 row", "1,024 rows"."""
+    return counted(number, noun, thousands=True)
 
 
 def _without_keep_fields(manifest: Manifest) -> Manifest:
@@ -206,7 +207,7 @@ class Run:
             taken = self.run_dir.take_back(fresh)
             if taken:
                 stored = self.run_dir.load_manifest()
-                self.say(f"took back the {taken} rows of an earlier run with these settings, which --restart had set "
+                self.say(f"took back the {_count(taken, 'row')} of an earlier run with these settings, which --restart had set "
                          "aside")
         manifest = fresh if stored is None else self._manifest(stored, fresh.input_fingerprint)
         if _piped(manifest.input_fingerprint) and (stored is None or fingerprints_content(stored.input_fingerprint)):
@@ -234,8 +235,8 @@ class Run:
         t = self.totals
         if spec.state.retry_errors:
             t.retried_errors = self.journal.forget_run_errors()
-            self.say(f"--retry-errors: {t.retried_errors} records whose error row the run made are computed again"
-                     if t.retried_errors else "--retry-errors: no error row of the run's own making to retry")
+            self.say(f"--retry-errors: {_count(t.retried_errors, 'record')} whose error row the run made "
+                     f"{'is' if t.retried_errors == 1 else 'are'} computed again" if t.retried_errors else "--retry-errors: no error row of the run's own making to retry")
         if t.reuse is None and not read_once and self.journal.num_committed():
             self._check_rows(reader)
         if folder is not None:
@@ -337,8 +338,10 @@ class Run:
         self.totals.reuse = reuse.to_json()
         self.say(f"{why}: {reuse.describe()}")
         if reuse.moved_without_id:
-            self.say(f"{reuse.moved_without_id} records without an id are at another index than before (a record was "
-                     "inserted or removed ahead of them): their seeds follow their index, so they are computed again; "
+            one = reuse.moved_without_id == 1
+            self.say(f"{_count(reuse.moved_without_id, 'record')} without an id {'is' if one else 'are'} at another "
+                     "index than before (a record was inserted or removed ahead): a seed follows its record's index, "
+                     f"so {'it is' if one else 'they are'} computed again; "
                      "give records an id (--id-field) to reuse their rows wherever they move")
         return True
 
@@ -392,7 +395,7 @@ class Run:
             engine.enable_profiling()
         check_dimensions(spec, engine.vector_size)
         self.builder = PoolingRequestBuilder(engine.tokenizer, spec.build, spec.pooling, spec.task, engine.limits,
-                                             spec.model, engine.cross_encoder, engine.vector_size)
+                                             spec.model, engine.cross_encoder, engine.vector_size, engine.prompt)
 
     def _reasoning(self, tokenizer):
         """The run's reasoning section (core.reasoning.Reasoning) for the model's tokenizer; SpecError naming
@@ -407,7 +410,7 @@ class Run:
         another machine): the rest are right, but need not be bitwise an uninterrupted run's."""
         before = self.arithmetic
         if before is not None and before != now:
-            self.say(f"the first {self.totals.resumed_from} rows of this run were computed with {before}; it resumes "
+            self.say(f"the first {_count(self.totals.resumed_from, 'row')} of this run were computed with {before}; it resumes "
                      f"with {now}, so the rest need not equal an uninterrupted run's bit for bit (rerun with "
                      "--restart, or resume on the machine it started on, to keep one arithmetic)")
         self.arithmetic = now

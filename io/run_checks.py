@@ -87,8 +87,13 @@ def check_chat_template(spec: RunSpec, tokenizer) -> None:
 
 
 def no_chat_template_note(spec: RunSpec, tokenizer, say: Callable[[str], None]) -> None:
-    """Said once at the start: chat records of a model without a chat template become error rows."""
-    if spec.build.chat_template is None and not has_chat_template(tokenizer):
+    """Said once at the start where a record may be a chat (a messages field, an OpenAI chat body) and the model has
+    no chat template to build it with: those records become error rows. Not where the options ask for raw prompts
+    (a --prompt-template, or a --prompt-field named without a --messages-field): there it would concern nothing."""
+    build, default = spec.build, BuildOptions()
+    raw = build.prompt_template is not None or \
+        (build.prompt_field != default.prompt_field and build.messages_field == default.messages_field)
+    if not raw and build.chat_template is None and not has_chat_template(tokenizer):
         say(f"note: {spec.model} has no chat template: chat records (a messages field, an OpenAI chat body) become "
             "error rows saying so; give one with --chat-template FILE")
 
@@ -114,20 +119,18 @@ def named_fields(build: BuildOptions) -> list[tuple[str, str]]:
 def check_named_fields(spec: RunSpec, reader: Reader) -> None:
     """A field an option names that the input does not have (a misspelled column) is a usage error before the model
     loads, with the nearest field: a table's columns are its fields; a JSON input's are those of its first
-    FIELD_SAMPLE records, checked for the fields that build the prompt (a keep field no record has is a column of
-    nulls, said after the run: records need not share their fields). So is a table whose columns hold no prompt
-    for generation (no prompt or messages column, no --chat-field or --prompt-template): every row would be an error
-    row, and naming the column then would need --restart. Not checked: stdin and pipes (read once), and inputs of
-    OpenAI batch lines (their fields are the body's). The input's first records are read once for both."""
+    FIELD_SAMPLE records (a field none of them has, a keep field too: records need not share their fields, but a
+    field in none of the first hundred is a typo far more often than a rare field). So is an input whose records
+    hold no prompt for generation (no prompt or messages column, or field in none of the first records; no
+    --chat-field or --prompt-template): every row would be an error row. Not checked: stdin and pipes (read once),
+    and inputs of OpenAI batch lines (their fields are the body's). The input's first records are read once."""
     build, source = spec.build, spec.input.path
     named = named_fields(build)
-    if reader.format not in _TABLES:
-        named = [(option, name) for option, name in named if option != "--keep-fields"]
-    needs_prompt = spec.task == "generate" and reader.format in _TABLES and build.chat_field is None and \
-        build.prompt_template is None
+    needs_prompt = spec.task == "generate" and build.chat_field is None and build.prompt_template is None
     if not (named or needs_prompt) or source == "-" or not (os.path.isfile(source) or os.path.isdir(source)):
         return
-    records = [r.record for r in itertools.islice(reader, FIELD_SAMPLE if named else 1) if r.record is not None]
+    sample = 1 if reader.format in _TABLES else FIELD_SAMPLE
+    records = [r.record for r in itertools.islice(reader, sample) if r.record is not None]
     if not records or any(is_batch_line(r) for r in records):
         return
     seen = list(dict.fromkeys(key for r in records for key in r))
@@ -139,14 +142,27 @@ def check_named_fields(spec: RunSpec, reader: Reader) -> None:
         if reader.format in _TABLES:
             where = f"{source} has no column {name!r}{hint}; its columns: {', '.join(seen)}"
         else:
-            where = (f"none of the first {len(records)} records of {source} has a field {name!r}{hint}; their fields: "
+            where = (f"{_none_has(records, source, f'field {name!r}')}{hint}; their fields: "
                      f"{', '.join(seen[:20])}{', ...' if len(seen) > 20 else ''}")
         raise SpecError(f"{option} {name}: {where}")
     if needs_prompt and build.prompt_field not in seen and build.messages_field not in seen:
-        raise SpecError(f"{source} has no {build.prompt_field!r} or {build.messages_field!r} column to take each "
-                        f"prompt from (its columns: {', '.join(seen)}); name the column with --chat-field COLUMN (its "
-                        "text as the user's message, through the chat template) or --prompt-field COLUMN (raw "
-                        "text), or build the prompt with --prompt-template")
+        table = reader.format in _TABLES
+        fields = f"{build.prompt_field!r} or {build.messages_field!r}"
+        what = f"{source} has no {fields} column" if table else \
+            _none_has(records, source, f"{fields} field")
+        kind = "column" if table else "field"
+        listed = f"{', '.join(seen[:20])}{', ...' if len(seen) > 20 else ''}"
+        raise SpecError(f"{what} to take each prompt from ({'its' if table else 'their'} {kind}s: {listed}); name the "
+                        f"{kind} with --chat-field {kind.upper()} (its text as the user's message, through the chat "
+                        f"template) or --prompt-field {kind.upper()} (raw text), or build the prompt with "
+                        "--prompt-template")
+
+
+def _none_has(records: list, source: str, what: str) -> str:
+    """"none of the first 3 records of F has a WHAT", or "the first record of F has no WHAT"."""
+    if len(records) == 1:
+        return f"the first record of {source} has no {what}"
+    return f"none of the first {len(records)} records of {source} has a {what}"
 
 
 def _option(name: str) -> str:

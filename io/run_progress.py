@@ -33,6 +33,7 @@ class RunProgress:
     waiting: int  # ... and those waiting
     kv_usage: float  # fraction of the KV cache's blocks in use
     preemptions: int
+    pooling: bool = False  # a pooling task: its token rate is the input's, and it runs, caches and preempts nothing
 
 
 def run_progress(totals: RunTotals, stats, n: int, tokens_cap: int, now: float | None = None,
@@ -48,7 +49,8 @@ def run_progress(totals: RunTotals, stats, n: int, tokens_cap: int, now: float |
         left = None if t.total is None else t.total - t.done
         return RunProgress(done=t.done, total=t.total, errors=t.errors, tokens_per_s=rate,
                            eta_s=records_eta_seconds(left, t.done - t.resumed_from, elapsed),
-                           running=0, waiting=stats.num_waiting if stats else 0, kv_usage=0.0, preemptions=0)
+                           running=0, waiting=stats.num_waiting if stats else 0, kv_usage=0.0, preemptions=0,
+                           pooling=True)
     generated = stats.num_generated_tokens if stats else 0
     in_flight = -(-(stats.num_running + stats.num_waiting) // n) if stats else 0  # (records: a request per sample)
     left = None if t.total is None else t.total - t.done

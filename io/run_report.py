@@ -30,6 +30,11 @@ class Outcome(enum.Enum):
 
 
 _WORST_FIRST = (Outcome.STOPPED, Outcome.SOME_ERRORS, Outcome.OK)  # a run of several parts ends as its worst
+# The --summary-json keys of what only generation does: a pooling task's summary has none of them.
+GENERATION_KEYS = ("completion_tokens", "output_tokens_per_s", "preemptions", "prefix_cache_hit_rate", "draft_tokens",
+                   "accepted_draft_tokens", "draft_acceptance_rate", "continued", "tokens_carried_over",
+                   "in_flight_saved", "ttft_s", "tpot_s", "mean_running", "occupancy", "finish_reasons",
+                   "structured_outputs", "structured_outputs_cut")
 
 
 def draft_acceptance_rate(draft_tokens: int, accepted: int) -> float | None:
@@ -116,9 +121,9 @@ class RunSummary:
         return draft_acceptance_rate(self.draft_tokens, self.accepted_draft_tokens)
 
     def to_json(self) -> dict[str, Any]:
-        """The --summary-json object."""
+        """The --summary-json object: the keys of the run's task (a pooling task's has no GENERATION_KEYS)."""
         s = self.setup
-        return {
+        out = {
             "records": self.records, "samples": self.samples, "ok": self.ok, "errors": self.errors,
             "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
             "load_s": self.load_s, "elapsed_s": self.elapsed_s, "output_tokens_per_s": self.output_tokens_per_s,
@@ -138,6 +143,7 @@ class RunSummary:
             "cpu_isa": s.cpu_isa, "batch_invariant": s.batch_invariant,
             "status": self.outcome.value,
         }
+        return out if s.task == "generate" else {key: value for key, value in out.items() if key not in GENERATION_KEYS}
 
     @classmethod
     def merge(cls, summaries: list[RunSummary]) -> RunSummary:

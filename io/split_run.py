@@ -8,6 +8,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+from conveyor.io.counts import counted
 from conveyor.io.errors import SpecError
 from conveyor.io.rows.writers import STDOUT, infer_output_format
 from conveyor.io.run_checks import check_output, output_folder
@@ -44,7 +45,7 @@ def finish_shard(spec: RunSpec, shard: Shard, shard_run_dir: Path, output_format
         say(f"warning: shard {shard} done, but {output} cannot be written yet: {e}")
         return outcome, "", False
     return (Outcome.SOME_ERRORS if merged.has_error_rows else Outcome.OK,
-            f"all {shard.count} shards done: merged {merged.rows} rows", True)
+            f"all {counted(shard.count, 'shard')} done: merged {counted(merged.rows, 'row', thousands=True)}", True)
 
 
 class SplitRun:

@@ -23,6 +23,7 @@ import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
+from conveyor.io.counts import counted
 from conveyor.io.errors import JournalCorrupt, RunDirError, SpecError
 from conveyor.io.records.readers.record import open_binary
 from conveyor.io.state.atomic import make_temp, remove_leftovers
@@ -122,7 +123,7 @@ class PartWriter:
         before = json.loads(stored) if stored is not None else None
         if before is not None and self.parts:
             if before["records"] != layout.records:
-                raise SpecError(f"--rows-per-file {layout.records}: the {len(self.parts)} parts this run wrote so far "
+                raise SpecError(f"--rows-per-file {layout.records}: the {_parts(len(self.parts))} this run wrote so far "
                                 f"hold {before['records']} records each; resume with --rows-per-file "
                                 f"{before['records']}, or pass --restart to write every part again")
             if before["name"] != layout.name(0):
@@ -289,7 +290,7 @@ class PartWriter:
                          "again")
             found, expected = self.journal.count_between(first, stop), self.layout.expected(first, stop)
             if found != expected:
-                raise JournalCorrupt(self.journal.path, f"it holds {found} rows of records {first} to {stop - 1}, "
+                raise JournalCorrupt(self.journal.path, f"it holds {counted(found, 'row')} of records {first} to {stop - 1}, "
                                                         f"where {expected} were expected")
             self._write(part, first, stop)
         beyond = [part for part in self.parts if part >= count]

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from conveyor.io.counts import counted
 from conveyor.io.errors import JournalCorrupt, RunDirError
 from conveyor.io.state.atomic import atomic_write_text, fsync_dir
 from conveyor.io.state.journal import Journal
@@ -394,7 +395,7 @@ class RunDir:
                 with Journal(self.journal_path, read_only=True, verify=False) as journal:
                     out["num_committed"] = journal.count_rows()  # counted: its counter could be stale
                     if out["num_committed"] != journal.num_committed():
-                        out["journal_error"] = (f"{self.journal_path} holds {out['num_committed']} rows but counts "
+                        out["journal_error"] = (f"{self.journal_path} holds {counted(out['num_committed'], 'row', thousands=True)} but counts "
                                                 f"{journal.num_committed()}: it was changed outside conveyor; run "
                                                 "with --restart to start over")
                     out["num_errors"] = journal.num_errors()

@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from conveyor.io.counts import counted
 from conveyor.io.errors import SpecError
 from conveyor.io.rows.rows import SAMPLE_INDEX, SAMPLES_KEY, duplicate_id_row, vector_size, without_errors
 from conveyor.io.state.atomic import atomic_write_text, make_temp, remove_leftovers
@@ -112,7 +113,7 @@ class ShardSet:
                 raise ShardError(f"{self.path} holds no shards (folders shard-I-of-N, made by `conveyor run ... "
                                  "--shard I/N`); run the shards first, or give the --run-dir they used")
             if len(found) > 1:
-                raise ShardError(f"{self.path} holds shards of more than one split ({', '.join(f'{n} shards' for n in sorted(found))}); "
+                raise ShardError(f"{self.path} holds shards of more than one split ({', '.join(counted(n, 'shard') for n in sorted(found))}); "
                                  "remove the folders of the split you do not want")
             count = next(iter(found))
         if count > MAX_SHARDS:
@@ -168,7 +169,7 @@ class ShardSet:
             with Journal(m.path / "journal.sqlite", read_only=True, verify=False) as journal:
                 have, want = journal.num_committed(), m.shard.num_records(total)
             if have != want:
-                raise ShardError(f"shard {m.shard} holds {have} rows where its share of the {total} input records "
+                raise ShardError(f"shard {m.shard} holds {counted(have, 'row')} where its share of the {counted(total, 'input record')} "
                                  f"is {want}; run it again (`conveyor run ... --shard {m.shard}`)")
         return members
 

@@ -153,7 +153,7 @@ def test_retry_errors_computes_again_the_records_the_run_failed_and_keeps_bad_in
     assert plain.code == 3 and {r["id"]: r["status"] for r in read_rows(out)}["r2"] == "error"
     retried = _run(tiny_model, src, out, "--retry-errors", "--summary-json", tmp_path / "s.json")
     assert retried.code == 3, retried.err  # the empty prompt's row stays
-    assert "--retry-errors: 1 records whose error row the run made are computed again" in retried.err
+    assert "--retry-errors: 1 record whose error row the run made is computed again" in retried.err
     assert _summary(tmp_path / "s.json")["retried_errors"] == 1
     fresh = _run(tiny_model, src, tmp_path / "fresh.jsonl", "--restart")
     _same_rows(read_rows(out), read_rows(tmp_path / "fresh.jsonl"))

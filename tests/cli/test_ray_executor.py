@@ -51,7 +51,7 @@ def test_two_workers_equal_a_single_run_and_the_summary_is_over_every_workers_ro
                                    "--summary-json", tmp_path / "summary.json"))
     assert result.code == 3, result.err
     # --quiet: one closing line for a cron job's log, as a local run gives
-    assert result.err_lines[-1] == f"conveyor: {len(RECORDS)}/{len(RECORDS)} records have a row (1 errors); wrote {out}"
+    assert result.err_lines[-1] == f"conveyor: {len(RECORDS)}/{len(RECORDS)} records have a row (1 error); wrote {out}"
     rows = read_rows(out)
     assert_same_rows(rows, single)
     assert sorted(p.name for p in (tmp_path / "out.parquet.conveyor").iterdir() if p.is_dir()) == \

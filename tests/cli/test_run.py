@@ -326,7 +326,7 @@ def test_validate_finds_repeated_ids_across_its_scratch_commits(tiny_model, tmp_
     monkeypatch.setattr(ValidationSink, "COMMIT_EVERY", 2)  # the ids of records 1..4 are on disk by record 5
     records = [{"id": f"r{i}", "prompt": "w1 " * (i + 1)} for i in range(6)] + [{"id": "r1", "prompt": "again"}]
     result = run_in_process("validate", write_jsonl(tmp_path / "ids.jsonl", records), "--model", tiny_model)
-    assert result.code == 3 and "7 records, 6 ok, 1 errors" in result.out, result.out
+    assert result.code == 3 and "7 records, 6 ok, 1 error" in result.out, result.out
     assert "line 7: duplicate id 'r1'" in result.out
     assert "prompt tokens: min 3, median 9, p95 13, max 13, total 48" in result.out, result.out  # 2n + 1 tokens
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from cli_helpers import read_rows, run_in_process, tiny_args, write_jsonl
+from cli_helpers import read_rows, run_in_process, tiny_args, write_input, write_jsonl
 
 RECORDS = [{"id": f"q{i}", "question": f"What is {i} + {i}?", "topic": "sums"} for i in range(3)]
 
@@ -41,7 +41,6 @@ def test_a_misspelled_column_is_refused_before_the_model_loads(tiny_model, tmp_p
 
 
 def test_a_json_inputs_first_records_are_checked(tiny_model, tmp_path):
-    """(--keep-fields aside: a JSON input's records need not share their fields; one no record had is a warning)"""
     source = write_jsonl(tmp_path / "in.jsonl", RECORDS)
     result = run_in_process("run", source, "-o", tmp_path / "out.jsonl", *tiny_args(tiny_model), "--chat-field",
                             "question", "--id-field", "key")
@@ -50,6 +49,23 @@ def test_a_json_inputs_first_records_are_checked(tiny_model, tmp_path):
             "question, topic") in result.err
     checked = run_in_process("validate", source, "--model", tiny_model, "--chat-field", "qustion")
     assert checked.code == 2 and "did you mean question?" in checked.err
+    kept = run_in_process("run", source, "-o", tmp_path / "out.jsonl", *tiny_args(tiny_model), "--chat-field",
+                          "question", "--keep-fields", "tpoic")
+    assert kept.code == 2 and len(kept.err_lines) == 1, kept.err
+    assert (f"--keep-fields tpoic: none of the first 3 records of {source} has a field 'tpoic' (did you mean "
+            "topic?)") in kept.err
+    assert not (tmp_path / "out.jsonl.conveyor" / "journal.sqlite").exists()
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "json"])
+def test_a_json_input_without_a_prompt_field_is_refused_before_the_model_loads(tiny_model, tmp_path, fmt):
+    source = write_input(tmp_path / f"in.{fmt}", RECORDS, fmt)
+    result = run_in_process("run", source, "-o", tmp_path / "out.jsonl", *tiny_args(tiny_model))
+    assert result.code == 2, result.err
+    assert (f"none of the first 3 records of {source} has a 'prompt' or 'messages' field to take each prompt from "
+            "(their fields: id, question, topic); name the field with --chat-field FIELD") in result.err
+    assert len(result.err_lines) == 1 and "loading" not in result.err
+    assert not (tmp_path / "out.jsonl.conveyor" / "journal.sqlite").exists()
 
 
 def test_fields_that_are_there_pass_and_batch_lines_are_not_checked(tiny_model, tmp_path):

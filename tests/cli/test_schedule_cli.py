@@ -96,5 +96,5 @@ def test_validate_checks_priority_fields_under_the_priority_schedule(tiny_model,
     assert plain.code == 0, plain.out + plain.err  # a plain record's priority is data
     result = run_in_process("validate", source, "--model", tiny_model, "--schedule", "priority")
     assert result.code == 3, result.out + result.err
-    assert "2 records, 1 ok, 1 errors" in result.out
+    assert "2 records, 1 ok, 1 error" in result.out
     assert "line 1: priority must be an integer, got a string" in result.out
