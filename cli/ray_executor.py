@@ -176,7 +176,9 @@ def run_on_ray(invocation: Invocation) -> int:
         ok=merged.rows - (0 if skip else merged.errors), wall_s=round(time.monotonic() - started, 3),
         outcome=Outcome.SOME_ERRORS if merged.errors and not skip else Outcome.OK)
     parts = driver.output_folder is not None
-    wrote = f"wrote {counted(merged.rows, 'row', thousands=True)} as part files in {driver.output_folder}/" if parts else \
+    # (the workers wrote the parts, some in earlier processes of the run: the folder's rows are said, not "wrote")
+    wrote = f"{driver.output_folder}/ holds the run's {counted(merged.rows, 'row', thousands=True)} as part files" \
+        if parts else \
         f"wrote {spec.output.path}"
     if cli.quiet:  # warnings and errors, and one closing line for a cron job's log
         print_warnings(summary)
