@@ -76,30 +76,38 @@ def check_model_exists(model: str) -> None:
         raise ConfigError("model", str(e).removeprefix("--")) from None
 
 
-def load_pooling_tokenizer(model: str, task: str) -> tuple[Any, ModelLimits, bool, int | None]:
-    """(tokenizer, limits, whether a score pair is one sequence (a cross-encoder), the embedding's size or None) of
-    `model` doing pooling `task`, from its config and files alone (`conveyor validate`)."""
+def load_pooling_tokenizer(model: str, task: str, pooling: str | None = None
+                           ) -> tuple[Any, ModelLimits, bool, int | None, str]:
+    """(tokenizer, limits, whether a score pair is one sequence (a cross-encoder), the embedding's size or None, the
+    prompt its sentence-transformers config prepends to every text) of `model` doing pooling `task` (pooling by
+    `pooling`, None: the checkpoint's), from its config and files alone (`conveyor validate`). The tokenizer
+    lowercases texts where that config asks, as the pooling engine's does."""
     from transformers import AutoTokenizer
 
     from conveyor.core.model_files import hub_snapshot
     from conveyor.core.model_loader import _resolve, load_config
     from conveyor.core.pooling_config import context_limit, model_kind, pooling_config
+    from conveyor.core.sentence_transformers_text import lowercase_texts
 
-    check_pooling_model(model, task)
+    check_pooling_model(model, task, pooling)
     path, gguf_file = _resolve(model)
     cfg = load_config(model)
-    kind = model_kind(cfg, model)
-    folder = Path(path).expanduser()
-    config = pooling_config(folder if folder.is_dir() else hub_snapshot(model), model, kind.encoder)
+    local = Path(path).expanduser()
+    folder = local if local.is_dir() else hub_snapshot(model)
+    kind = model_kind(cfg, model, folder)
+    config = pooling_config(folder, model, kind.encoder, pooling)
     tokenizer = AutoTokenizer.from_pretrained(path, gguf_file=gguf_file)
+    if config.lower_case:
+        lowercase_texts(tokenizer, model, config.lower_case)
     limits = ModelLimits(context_limit(cfg, config), int(getattr(cfg, "vocab_size", 0) or len(tokenizer)))
-    return tokenizer, limits, kind.classifier, None if kind.classifier else int(cfg.hidden_size)
+    return tokenizer, limits, kind.classifier, None if kind.classifier else int(cfg.hidden_size), config.prompt
 
 
-def check_pooling_model(model: str, task: str) -> None:
+def check_pooling_model(model: str, task: str, pooling: str | None = None) -> None:
     """What the pooling engine would refuse once `model` loads, from its config and files alone: a model not there, a
-    task the checkpoint cannot do, a pooling config conveyor does not compute (UnsupportedModel), weight files
-    missing or cut short (ConfigError model)."""
+    task the checkpoint cannot do, a pooling config conveyor does not compute where `pooling` (--pooling) does not
+    replace it (UnsupportedModel), weight files missing or cut short (ConfigError model)."""
+    from conveyor.core.checkpoint_format import check_format
     from conveyor.core.model_files import hub_snapshot
     from conveyor.core.model_loader import _resolve, check_weight_files, load_config
     from conveyor.core.model_support import architecture
@@ -108,10 +116,12 @@ def check_pooling_model(model: str, task: str) -> None:
     check_model_exists(model)
     path, gguf_file = _resolve(model)
     cfg = load_config(model)
-    kind = model_kind(cfg, model)
+    check_format(cfg, model, gguf=gguf_file is not None)
+    local = Path(path).expanduser()
+    folder = local if local.is_dir() else hub_snapshot(model)
+    kind = model_kind(cfg, model, folder)
     check_task(kind, task, model, architecture(cfg))
-    folder = Path(path).expanduser()
-    pooling_config(folder if folder.is_dir() else hub_snapshot(model), model, kind.encoder)
+    pooling_config(folder, model, kind.encoder, pooling)
     if gguf_file is None:
         check_weight_files(model, path)
 
@@ -123,20 +133,12 @@ def load_tokenizer(model: str) -> tuple[Any, int]:
     return load(model)
 
 
-def model_report(model: str) -> tuple[list[tuple[str, str]], str | None]:
-    """What `conveyor models --check` says of `model` from its config and its weight files' headers alone: (lines,
-    why conveyor refuses it or None)."""
-    from conveyor.core.model_loader import _resolve, check_weight_files, load_config
-    from conveyor.core.model_support import report
+def model_report(model: str, task: str = "auto") -> tuple[list[tuple[str, str]], str | None]:
+    """What `conveyor models --check` says of `model` doing `task` (auto: as `run --task auto` decides) from its
+    config, its weight files' headers and its tokenizer alone: (lines, why run refuses it or None)."""
+    from conveyor.core.model_check import check_report
 
-    path, gguf_file = _resolve(model)
-    lines, why = report(load_config(model), model)
-    if why is None and gguf_file is None:
-        try:
-            check_weight_files(model, path)
-        except ConfigError as e:
-            return lines, str(e).removeprefix(f"model {model}: ")
-    return lines, why
+    return check_report(model, task)
 
 
 def check_before_loading(model: str, config: EngineConfig, grammar: Grammar | None = None) -> None:

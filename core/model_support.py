@@ -184,13 +184,10 @@ def attention_features(cfg: Any) -> list[str]:
     return out
 
 
-def report(cfg: Any, name: str) -> tuple[list[tuple[str, str]], str | None]:
-    """(lines of `conveyor models --check`: (what, value), why it is refused or None)."""
-    why = refusal(cfg)
-    model_type = getattr(cfg, "model_type", "?")
-    lines = [("model", name), ("architecture", f"{architecture(cfg)} (model type {model_type})")]
-    if why is not None:
-        return lines, why
+def generation_routes(cfg: Any) -> list[tuple[str, str]]:
+    """What `conveyor models --check` says of a model it generates with (`refusal` lets it): (what, value) for its
+    route on each backend, its attention and its context."""
+    lines = []
     family, why_not = fused_family(cfg)
     if family is not None:
         lines.append(("cpu backend", f"fused {family} forward: conveyor's exact kernels (a record's output does not "
@@ -211,4 +208,4 @@ def report(cfg: Any, name: str) -> tuple[list[tuple[str, str]], str | None]:
         lines.append(("context", f"{context} tokens"))
     lines.append(("checked at load", "each layer's attention as its transformers forward hands it over (window, "
                                      "softcap, sinks, scaling), before any record runs"))
-    return lines, None
+    return lines

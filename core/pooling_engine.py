@@ -38,9 +38,11 @@ class _Pending:
 
 
 class PoolingEngine:
-    def __init__(self, model: PoolingModel, tokenizer, task: str, config: EngineConfig, max_model_len: int) -> None:
+    def __init__(self, model: PoolingModel, tokenizer, task: str, config: EngineConfig, max_model_len: int,
+                 prompt: str) -> None:
         self.model = model
         self.tokenizer = tokenizer
+        self.prompt = prompt  # what the checkpoint's sentence-transformers config prepends to every text (the builder)
         self.task = task
         self.config = config = config.for_device(model.device.type)
         self.lookahead = config.lookahead or DEFAULT_LOOKAHEAD
@@ -60,8 +62,8 @@ class PoolingEngine:
 
     @classmethod
     def from_pretrained(cls, model: str, task: str, config: EngineConfig, pooling: str | None) -> PoolingEngine:
-        loaded, tokenizer, _, context = load_pooling_model(model, task, config.device, config.dtype, pooling)
-        return cls(loaded, tokenizer, task, config, context)
+        loaded, tokenizer, settings, context = load_pooling_model(model, task, config.device, config.dtype, pooling)
+        return cls(loaded, tokenizer, task, config, context, settings.prompt)
 
     # -- what the run asks of any engine -------------------------------------------------------------------------
 

@@ -21,10 +21,12 @@ from pathlib import Path
 import torch
 
 from conveyor.core.backends import packed_pooling
+from conveyor.core.checkpoint_format import check_format
 from conveyor.core.errors import ConfigError
 from conveyor.core.model_files import hub_snapshot
 from conveyor.core.pooling_config import ModelKind, PoolingConfig, check_task, context_limit, model_kind, pooling_config
 from conveyor.core.pooling_params import TokenSequence
+from conveyor.core.sentence_transformers_text import lowercase_texts
 
 
 class PoolingModel:
@@ -85,9 +87,9 @@ def _pool(hidden: torch.Tensor, first: int, n: int, method: str) -> torch.Tensor
 
 def load_pooling_model(model: str, task: str, device: str, dtype: str, pooling: str | None
                        ) -> tuple[PoolingModel, object, PoolingConfig, int]:
-    """(the model for `task`, its tokenizer, its pooling config, its context in tokens). UnsupportedModel before
-    the weights are read where the checkpoint cannot do the task; ConfigError (model) where its weights are not all
-    there."""
+    """(the model for `task`, its tokenizer (lowercasing texts where the checkpoint's sentence-transformers config
+    asks), its pooling config, its context in tokens). UnsupportedModel before the weights are read where the
+    checkpoint cannot do the task; ConfigError (model) where its weights are not all there."""
     from transformers import AutoModel, AutoModelForSequenceClassification, AutoTokenizer
 
     from conveyor.core.backends import resolve_device
@@ -98,16 +100,20 @@ def load_pooling_model(model: str, task: str, device: str, dtype: str, pooling: 
     torch_dtype = resolve_dtype(dtype, dev)
     path, gguf_file = _resolve(model)
     cfg = load_config(model)
-    kind = model_kind(cfg, model)
+    check_format(cfg, model, gguf=gguf_file is not None)
+    local = Path(path).expanduser()
+    folder = local if local.is_dir() else hub_snapshot(model)
+    kind = model_kind(cfg, model, folder)
     check_task(kind, task, model, architecture(cfg))
-    folder = Path(path).expanduser()
-    config = pooling_config(folder if folder.is_dir() else hub_snapshot(model), model, kind.encoder)
+    config = pooling_config(folder, model, kind.encoder, pooling)
     if gguf_file is None:
         check_weight_files(model, path)
     loader = AutoModelForSequenceClassification if kind.classifier else AutoModel
     try:
         with gguf_parsed_once() if gguf_file else contextlib.nullcontext():
             tokenizer = AutoTokenizer.from_pretrained(path, gguf_file=gguf_file)
+            if config.lower_case:  # (before the weights: a tokenizer it cannot lowercase in refuses the model)
+                lowercase_texts(tokenizer, model, config.lower_case)
             loaded, info = loader.from_pretrained(path, gguf_file=gguf_file, dtype=torch_dtype,
                                                   output_loading_info=True)
     except (OSError, ValueError) as e:
@@ -120,4 +126,4 @@ def load_pooling_model(model: str, task: str, device: str, dtype: str, pooling: 
                           f"weights ({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}); transformers "
                           "would fill them with random values")
     loaded.to(dev).eval()
-    return PoolingModel(loaded, kind, pooling or config.pooling, model), tokenizer, config, context_limit(cfg, config)
+    return PoolingModel(loaded, kind, config.pooling, model), tokenizer, config, context_limit(cfg, config)

@@ -47,10 +47,11 @@ def validate_run(spec: RunSpec, show_errors: int, say: Callable[[str], None]) ->
         builder = RequestBuilder(tokenizer, spec.build, spec.sampling, limits, spec.model,
                                  priorities=spec.engine.schedule == "priority")
     else:
-        tokenizer, limits, cross_encoder, size = load_pooling_tokenizer(spec.model, spec.task)
+        tokenizer, limits, cross_encoder, size, prompt = load_pooling_tokenizer(spec.model, spec.task,
+                                                                                spec.pooling.pooling)
         check_dimensions(spec, size)
         builder = PoolingRequestBuilder(tokenizer, spec.build, spec.pooling, spec.task, limits, spec.model,
-                                        cross_encoder, size)
+                                        cross_encoder, size, prompt)
     check_chat_template(spec, tokenizer)
     if spec.task == "generate":
         no_chat_template_note(spec, tokenizer, say)

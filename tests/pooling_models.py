@@ -1,6 +1,8 @@
 """Tiny random-weight models for the pooling tasks, saved as checkpoints a user would have: a BERT embedder with a
-sentence-transformers pooling config, a Qwen3-shaped decoder, a BERT sequence classifier, an XLM-RoBERTa-shaped
-cross-encoder and a Llama reward model. The encoders share a small WordPiece vocabulary written here."""
+sentence-transformers pooling config (5.x's layout, written here from its format, or saved by the installed
+sentence-transformers itself), a BERT whose tokenizer keeps case, a Qwen3-shaped decoder, a BERT sequence classifier,
+an XLM-RoBERTa-shaped cross-encoder and a Llama reward model. The encoders share a small WordPiece vocabulary written
+here."""
 
 from __future__ import annotations
 
@@ -14,14 +16,18 @@ WORDS = ("the a an of to and in is was for on with as by at from it this that be
          "upload feature bug hello world assistant helpful unhelpful you are query passage document").split()
 
 
-def bert_tokenizer(folder: Path):
-    from transformers import BertTokenizerFast
-
+def _vocab(folder: Path) -> Path:
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *string.ascii_lowercase, *string.digits,
              *string.punctuation, *WORDS, *(f"##{c}" for c in string.ascii_lowercase)]
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "vocab.txt").write_text("\n".join(dict.fromkeys(vocab)) + "\n")
-    tokenizer = BertTokenizerFast(vocab_file=str(folder / "vocab.txt"), model_max_length=128)
+    return folder / "vocab.txt"
+
+
+def bert_tokenizer(folder: Path):
+    from transformers import BertTokenizerFast
+
+    tokenizer = BertTokenizerFast(vocab_file=str(_vocab(folder)), model_max_length=128)
     tokenizer.save_pretrained(folder)
     return tokenizer
 
@@ -31,7 +37,9 @@ def _encoder_config(cls, tokenizer, **extra):
                intermediate_size=128, max_position_embeddings=136, pad_token_id=tokenizer.pad_token_id, **extra)
 
 
-def sentence_transformers_files(folder: Path, pooling: str, normalize: bool = True, max_seq_length: int = 128):
+def sentence_transformers_files(folder: Path, pooling: str, normalize: bool = True, max_seq_length: int = 128,
+                                do_lower_case: bool = False):
+    """sentence-transformers 5.x's files around the model in `folder`: its module paths, its pooling_mode_* flags."""
     modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
                {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
     if normalize:
@@ -44,17 +52,52 @@ def sentence_transformers_files(folder: Path, pooling: str, normalize: bool = Tr
         {"word_embedding_dimension": 64, **{m: m == modes[pooling] for m in modes.values()},
          "pooling_mode_max_tokens": False, "pooling_mode_mean_sqrt_len_tokens": False}))
     (folder / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": max_seq_length,
-                                                                  "do_lower_case": False}))
+                                                                  "do_lower_case": do_lower_case}))
 
 
-def bert_embedder(folder: Path, pooling: str = "mean") -> Path:
+def bert_model(folder: Path) -> Path:
+    """A BERT base model (no head, no pooler) and its tokenizer, without sentence-transformers files."""
     import torch
     from transformers import BertConfig, BertModel
 
     tokenizer = bert_tokenizer(folder)
     torch.manual_seed(1)
     BertModel(_encoder_config(BertConfig, tokenizer), add_pooling_layer=False).save_pretrained(folder)
-    sentence_transformers_files(folder, pooling)
+    return folder
+
+
+def cased_bert_model(folder: Path) -> Path:
+    """A BERT base model whose WordPiece tokenizer keeps case and knows the vocabulary's words ("paris" is one,
+    "Paris" none), without sentence-transformers files."""
+    import torch
+    from transformers import BertConfig, BertModel, BertTokenizerFast
+
+    tokenizer = BertTokenizerFast(vocab=str(_vocab(folder)), do_lower_case=False, model_max_length=128)
+    tokenizer.save_pretrained(folder)
+    torch.manual_seed(6)
+    BertModel(_encoder_config(BertConfig, tokenizer), add_pooling_layer=False).save_pretrained(folder)
+    return folder
+
+
+def bert_embedder(folder: Path, pooling: str = "mean") -> Path:
+    sentence_transformers_files(bert_model(folder), pooling)
+    return folder
+
+
+def saved_by_sentence_transformers(folder: Path, base: Path, pooling_mode, *between, normalize: bool = True,
+                                   max_seq_length: int | None = None, include_prompt: bool = True,
+                                   prompts: dict | None = None, default_prompt_name: str | None = None) -> Path:
+    """The model in `base` saved into `folder` by the installed sentence-transformers' own `save` (its current
+    layout): its Transformer, Pooling by `pooling_mode` (a name or a tuple of names), the modules `between`, and
+    Normalize where `normalize`; its `prompts` and `default_prompt_name` where given."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
+
+    transformer = Transformer(str(base), max_seq_length=max_seq_length)
+    pooling = Pooling(transformer.get_embedding_dimension(), pooling_mode=pooling_mode, include_prompt=include_prompt)
+    modules = [transformer, pooling, *between, *([Normalize()] if normalize else [])]
+    SentenceTransformer(modules=modules, device="cpu", prompts=prompts, default_prompt_name=default_prompt_name
+                        ).save(str(folder))
     return folder
 
 
@@ -92,8 +135,9 @@ def _decoder_tokenizer(folder: Path):
     return tokenizer
 
 
-def qwen3_embedder(folder: Path) -> Path:
-    """A Qwen3-shaped decoder saved as an embedding checkpoint: a base model (no LM head), last-token pooling."""
+def qwen3_model(folder: Path) -> Path:
+    """A Qwen3-shaped base model (no LM head) and its tokenizer (with a chat template), without sentence-transformers
+    files."""
     import torch
     from transformers import Qwen3Config, Qwen3Model
 
@@ -103,7 +147,12 @@ def qwen3_embedder(folder: Path) -> Path:
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
                          pad_token_id=tokenizer.pad_token_id, architectures=["Qwen3Model"])
     Qwen3Model(config).save_pretrained(folder)
-    sentence_transformers_files(folder, "last", max_seq_length=512)
+    return folder
+
+
+def qwen3_embedder(folder: Path) -> Path:
+    """A Qwen3-shaped decoder saved as an embedding checkpoint: a base model (no LM head), last-token pooling."""
+    sentence_transformers_files(qwen3_model(folder), "last", max_seq_length=512)
     return folder
 
 

@@ -9,13 +9,18 @@ What a record holds, by task:
   `encoding_format`, `dimensions`), `/v1/score` (`text_1`/`text_2` or `queries`/`documents`), `/v1/rerank`
   (`query`, `documents`, `top_n`), `/v1/classify` (`input`).
 A record's own `dimensions` and `truncate_prompt_tokens` replace the run's. A field that only generation reads (a
-sampling setting, n, a grammar) is an error naming it: it would change nothing. A text too long for the model
+sampling setting, n, a grammar) is an error naming it: it would change nothing. The prompt a checkpoint's
+sentence-transformers config prepends to every text (`encode`'s default prompt; a cross-encoder's goes before a
+pair's first text) is joined to each text here, before it is tokenized, so its tokens count within the length
+limit; token ids are the model's input as given, and a chat, which has no text to prepend it to, is an error row
+for such a model. A text too long for the model
 without truncation, an empty one, a pair of the wrong shape: the record's error row. Imports only conveyor.core's
 public names; the tokenizer is passed in.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,11 +81,13 @@ class BuiltPooling:
 class PoolingRequestBuilder:
     """Turns RawRecords into BuiltPooling requests or ErrorRows for `task`. `cross_encoder`: a score pair is one
     sequence (the two texts as the tokenizer pairs them) rather than two embeddings compared; `vector_size`: the
-    embedding's size (a `dimensions` above it is refused)."""
+    embedding's size (a `dimensions` above it is refused); `prompt`: what the checkpoint prepends to every text."""
 
     def __init__(self, tokenizer: Any, options: BuildOptions, pooling: PoolingOptions, task: str,
-                 limits: ModelLimits, model: str | None, cross_encoder: bool, vector_size: int | None) -> None:
+                 limits: ModelLimits, model: str | None, cross_encoder: bool, vector_size: int | None,
+                 prompt: str = "") -> None:
         self.tokenizer = tokenizer
+        self.prompt = prompt
         self.options = options
         self.pooling = pooling
         self.task = task
@@ -147,6 +154,10 @@ class PoolingRequestBuilder:
                 raise Reject(f"--prompt-template: {e}") from None
         if self.template is not None or any(record.get(name) is not None
                                             for name in (options.chat_field, options.messages_field)):
+            if self.prompt:
+                raise Reject(f"the model's sentence-transformers config prepends a default prompt "
+                             f"({json.dumps(self.prompt)}) to every text, and a chat has no text to prepend it to; "
+                             f"give the record's text in '{options.prompt_field}' (or --prompt-template) instead")
             return self.prompts.tokens(record, "")[1]
         value = record.get(options.prompt_field)
         if value is None:
@@ -283,6 +294,7 @@ class PoolingRequestBuilder:
                 cuts.append(len(ids) - keep)
                 ids = ids[-keep:]
         else:
+            text = self.prompt + text  # (joined as sentence-transformers joins them: its tokens count in the limit)
             whole = self.tokenizer(text, pair, add_special_tokens=True)
             ids = list(whole["input_ids"])
             types = whole.get("token_type_ids")
@@ -293,8 +305,10 @@ class PoolingRequestBuilder:
         if not ids:
             raise Reject("an input has no tokens; give a non-empty text")
         if len(ids) > limit:
-            raise _TooLong(f"an input is {len(ids)} tokens but the model takes at most {limit}; shorten it, or let "
-                           "conveyor cut it with --truncate-prompt-tokens auto", len(ids))
+            prompted = " (with the default prompt the model's sentence-transformers config prepends)" \
+                if self.prompt and not isinstance(text, list) else ""
+            raise _TooLong(f"an input is {len(ids)} tokens{prompted} but the model takes at most {limit}; shorten "
+                           "it, or let conveyor cut it with --truncate-prompt-tokens auto", len(ids))
         if any(not 0 <= t < self.limits.vocab_size for t in ids):
             raise Reject(f"{prefix}input: a token id is outside the model's vocabulary [0, {self.limits.vocab_size})")
         return TokenSequence(tuple(ids), tuple(types) if types is not None and any(types) else None)
