@@ -27,7 +27,7 @@ def _vocab(folder: Path) -> Path:
 def bert_tokenizer(folder: Path):
     from transformers import BertTokenizerFast
 
-    tokenizer = BertTokenizerFast(vocab_file=str(_vocab(folder)), model_max_length=128)
+    tokenizer = BertTokenizerFast(vocab=str(_vocab(folder)), model_max_length=128)
     tokenizer.save_pretrained(folder)
     return tokenizer
 
