@@ -52,7 +52,8 @@ def test_a_kill_while_a_part_is_written_leaves_a_temporary_file_the_resume_remov
     proc = entry_in_child(argv, setup=_KILL_IN_WRITE.format(nth=2))  # part 0 written, killed in part 1's
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     names = sorted(os.listdir(folder))
-    assert names[0].startswith(".part-00001.jsonl.tmp-") and names[1:] == ["part-00000.jsonl"], names
+    assert names[0].startswith(".part-00001.jsonl.tmp-"), names
+    assert names[1:] == ["_conveyor_run.json", "part-00000.jsonl"], names
     other_shard = folder / f".part-00001-shard-0-of-2.jsonl.tmp-{atomic._HOST}-{dead_pid()}-abc"
     other_shard.write_text("x")  # another shard's part: that shard's to remove
 
@@ -60,6 +61,7 @@ def test_a_kill_while_a_part_is_written_leaves_a_temporary_file_the_resume_remov
     assert resumed.code == 0, resumed.err
     assert f"removed the temporary files of 1 part (part-00001.jsonl) that an interrupted write left in {folder}/" \
         in resumed.err
-    assert sorted(os.listdir(folder)) == [other_shard.name, "part-00000.jsonl", "part-00001.jsonl", "part-00002.jsonl"]
+    assert sorted(os.listdir(folder)) == [other_shard.name, "_conveyor_run.json", "part-00000.jsonl", "part-00001.jsonl",
+                                          "part-00002.jsonl"]
     assert [r["id"] for name in ("part-00000.jsonl", "part-00001.jsonl", "part-00002.jsonl")
             for r in read_rows(folder / name)] == ids
