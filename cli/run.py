@@ -164,9 +164,9 @@ def execute(invocation: Invocation) -> int:
                     _note_loading(spec.model)
                 run.load_engine()
         elif not cli.quiet:
+            output = "checking its part files against" if run.parts is not None else "writing the output from"
             say(f"nothing to do: every record has its row ({counted(run.totals.done, 'record')}, "
-                f"{counted(run.totals.errors, 'error row')}); writing the output from the run's journal, without "
-                "loading the model")
+                f"{counted(run.totals.errors, 'error row')}); {output} the run's journal, without loading the model")
         progress = make_progress(cli.quiet or not pending, cli.log_every)  # (nothing computed: nothing to show)
         collector.release()
         try:
