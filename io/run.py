@@ -51,7 +51,7 @@ from conveyor.io.records.readers import fingerprint, fingerprints_content, open_
 from conveyor.io.records.readers.spool import spool
 from conveyor.io.records.request_builder import RequestBuilder
 from conveyor.io.records_run import run_records
-from conveyor.io.rows.parts import RUN_ID_KEY, PartLayout, PartOwner, PartWriter
+from conveyor.io.rows.parts import RUN_ID_KEY, STALE_KEY, PartLayout, PartOwner, PartWriter
 from conveyor.io.rows.rows import SAMPLE_INDEX, output_rows, part_columns, vector_size, without_errors
 from conveyor.io.rows.sink import BadRecordStop, JournalSink, RunTotals
 from conveyor.io.rows.sink_options import CommitPolicy
@@ -234,6 +234,7 @@ class Run:
             clear_done(self.run_dir.path)  # said again when this shard has every row
         t = self.totals
         if spec.state.retry_errors:
+            self.journal.set_meta_value(STALE_KEY, "1")
             t.retried_errors = self.journal.forget_run_errors()
             self.say(f"--retry-errors: {_count(t.retried_errors, 'record')} whose error row the run made "
                      f"{'is' if t.retried_errors == 1 else 'are'} computed again" if t.retried_errors else "--retry-errors: no error row of the run's own making to retry")
@@ -332,6 +333,7 @@ class Run:
         """The journal carried over to the input as it is now (the records this run answers: within --limit, this
         shard's); the counts said and kept for the summary. False where its rows cannot be matched."""
         spec = self.spec
+        journal.set_meta_value(STALE_KEY, "1")  # (its parts are checked against the rows: a kill in between too)
         reuse = rebase_journal(journal, input_entries(reader, spec.build.id_field, spec.input.limit, self.shard))
         if reuse is None:
             return False
@@ -457,7 +459,7 @@ class Run:
         outcome = Outcome.SOME_ERRORS if self.totals.errors and not skip_errors else Outcome.OK
         if self.parts is not None:
             count, rows = self.parts.finish(self.input_records)
-            now, rows_now = self.parts.written_now
+            now, rows_now = self.parts.written_here()
             folder = f"{self.parts.layout.folder}/"
             if now == count:
                 where = f"wrote {_count(count, 'part')} ({_count(rows, 'row')}) in {folder}"
@@ -508,10 +510,12 @@ class Run:
                    f"{_count(self.input_records, 'record')} of it")
         else:
             return
+        written = "no output was written" if self.parts is None else \
+            f"its last parts were not written (those in {self.parts.layout.folder}/ are checked again with the rows)"
         raise InputChanged(f"the input {path} changed while this run read it ({why}), so its rows may answer records "
-                           "that are not in it: no output was written; the run's rows are kept: run the same command "
-                           "again once the input is settled, and every row is checked against the input as it is "
-                           "then (those of changed records are computed again)")
+                           f"that are not in it: {written}; the run's rows are kept: run the same command again once "
+                           "the input is settled, and every row is checked against the input as it is then (those of "
+                           "changed records are computed again)")
 
     def _write_rows(self, rows, path: str, first: int, stop: int) -> int:
         """Journal rows (input order) of the records [first, stop) into one part file at `path`, as the output file
@@ -531,15 +535,15 @@ class Run:
                             staging=str(self.run_dir.path), file_metadata={RUN_ID_KEY: self.parts.owner.run_id})
 
     def _part_columns(self, first: int, stop: int) -> tuple[str, ...]:
-        """The optional columns of the part of records [first, stop): those the run's settings fill and those its
-        rows hold when its first part is written, fixed then (the journal keeps them), so that every part has the
-        same columns; a later part whose rows hold another (a record asked for it) has it too, and says so."""
+        """The optional columns of the part of records [first, stop): those the run's settings fill, fixed when its
+        first part is written (the journal keeps them; every shard of a split run comes to the same), so that every
+        part has the same columns; a part whose rows hold another (a record asked for it) has it too, and says so."""
         spec, journal = self.spec, self.journal
         stored = journal.meta_value(_PART_COLUMNS_KEY)
         if stored is not None:
             fixed = tuple(json.loads(stored))
         else:
-            asked = set(journal.columns())
+            asked = set()
             sampling = spec.sampling
             asked |= {"logprobs"} if sampling.logprobs is not None else set()
             asked |= {"prompt_logprobs", "prompt_logprob_sum"} if sampling.prompt_logprobs is not None else set()
@@ -556,9 +560,9 @@ class Run:
             held.update(key for row in output_rows(json.loads(text)) for key in row)
         more = [c for c in part_columns(spec.task, held) if c not in fixed]
         if more:
-            self.say(f"records {first} to {stop - 1} asked for {', '.join(more)}, which the parts before them lack: "
-                     "their part has the column; read the folder with its columns united (pyarrow's "
-                     "unify_schemas, DuckDB's union_by_name)")
+            self.say(f"records {first} to {stop - 1} asked for {', '.join(more)}, which the run's settings do not "
+                     "fill: their part has the column and other parts may not; read the folder with its columns "
+                     "united (pyarrow's unify_schemas, DuckDB's union_by_name)")
         return part_columns(spec.task, {*fixed, *more})
 
     def _result(self, outcome: Outcome, message: str, output_written: bool = False, written: str = "") -> RunResult:

@@ -58,6 +58,8 @@ class PendingRecords:
 
     def _unanswered(self) -> Iterator[RawRecord]:
         start = self.journal.contiguous_prefix()
+        if self.limit is not None:  # (rows past a --limit lowered since they were computed stay out of this run)
+            start = min(start, self.limit)
         self.input_records = start  # the records below the prefix all have rows
         committed = self.journal.committed_indices_from(start)
         next_committed = next(committed, None)

@@ -37,6 +37,9 @@ _LAYOUT_KEY = "parts_layout"  # the journal's record of the folder, part size an
 # dataset skip it). Each Parquet part also carries the run's id in its footer, under RUN_ID_KEY.
 MARKER = "_conveyor_run.json"
 RUN_ID_KEY = "conveyor.run_id"
+# Set in the journal before rows are changed under its parts (a rebase, --retry-errors) and cleared once they are
+# checked (`revalidate`): a process killed between the two leaves it, and the next checks them.
+STALE_KEY = "parts_stale"
 
 
 @dataclass(frozen=True)
@@ -101,7 +104,7 @@ class PartWriter:
         self.journal = journal
         self.layout = layout
         self.owner = owner
-        self.written_now = (0, 0)  # (parts, output rows) this process wrote
+        self.written_now: set[int] = set()  # the parts this process wrote
         self.write_rows = write_rows
         self.say = say
         self.limit = limit  # --limit: no part reaches past it
@@ -143,14 +146,20 @@ class PartWriter:
             self.say(f"--restart: removed the {_parts(len(on_disk), 'part file')} of the earlier run from "
                      f"{layout.folder}/")
             on_disk = set()
-        if on_disk and not self.parts and not journal.num_committed():
+        if on_disk and not self.parts and not journal.num_committed() and claim is not None:  # (no marker of ours)
             raise SpecError(f"-o {layout.folder}/: the folder holds part files this run did not write "
                             f"({_some(sorted(on_disk))}); remove them, choose another folder, or pass --restart to "
                             "replace them")
         gone = []
         for part, entry in sorted(self.parts.items()):
-            if entry.state == "writing" and entry.name in on_disk:  # killed after its file appeared: kept
-                self._record(part, entry.first, entry.stop, "written", entry.rows or self._count_rows(entry))
+            if entry.state == "writing" and entry.name in on_disk:  # killed after its file appeared: kept where its
+                # rows are still the journal's (the digest recorded with "writing"), else written again
+                if entry.digest and entry.digest == self._digest(entry.first, entry.stop):
+                    self._record(part, entry.first, entry.stop, "written", entry.rows or self._count_rows(entry),
+                                 entry.digest)
+                else:
+                    self._forget([part], remove_files=True)
+                    on_disk.discard(entry.name)
             elif entry.name not in on_disk:
                 if entry.state == "written":
                     gone.append(entry.name)
@@ -166,8 +175,9 @@ class PartWriter:
                      f"does not record ({_some(stray)})")
         if claim is not None:
             self._write_marker(replace=claim)
-        if rows_changed:
+        if rows_changed or journal.meta_value(STALE_KEY) is not None:
             self.revalidate()
+            journal.set_meta_value(STALE_KEY, None)
 
     def _claim(self, restart: bool) -> bool | None:
         """Whether the folder's MARKER is to be written (True: replacing another run's; None: it is this run's
@@ -228,8 +238,10 @@ class PartWriter:
             else:
                 try:
                     os.link(temp, path)
-                except FileExistsError:  # another run took it first
-                    self._refuse(self._marker() or {}, restart=False)
+                except FileExistsError:  # another process took it first: this run's (a shard of it), or refused
+                    marker = self._marker() or {}
+                    if marker.get("run_id") != self.owner.run_id:
+                        self._refuse(marker, restart=False)
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(temp)
@@ -298,6 +310,11 @@ class PartWriter:
             self._forget(beyond, remove_files=True)
         return count, sum(entry.rows for entry in self.parts.values())
 
+    def written_here(self) -> tuple[int, int]:
+        """(the parts this process wrote that the folder holds now, their output rows)."""
+        mine = [entry for part, entry in self.parts.items() if part in self.written_now and entry.state == "written"]
+        return len(mine), sum(entry.rows for entry in mine)
+
     # -- one part ----------------------------------------------------------------------------------------------
 
     def _written_as(self, part: int, first: int, stop: int) -> bool:
@@ -310,7 +327,7 @@ class PartWriter:
         file is there on resume is always the new one."""
         if part in self.parts:
             self._remove(self.parts[part].name)
-        self._record(part, first, stop, "writing", 0)
+        self._record(part, first, stop, "writing", 0, self._digest(first, stop))  # (what its file will hold)
         digest = hashlib.sha256()
 
         def rows() -> Iterator[dict]:
@@ -325,11 +342,11 @@ class PartWriter:
             raise RunDirError(f"{self.layout.path_of(name)}: {problem}, right after this run wrote it: another process "
                               f"writes in {self.layout.folder}/; give each run a folder of its own")
         self._record(part, first, stop, "written", written, digest.hexdigest())
-        self.written_now = (self.written_now[0] + 1, self.written_now[1] + written)
+        self.written_now.add(part)
 
     def _record(self, part: int, first: int, stop: int, state: str, rows: int, digest: str | None = None) -> None:
         entry = PartEntry(first, stop, self.layout.name(part), state, rows,
-                          digest if digest is not None else self._digest(first, stop) if state == "written" else "")
+                          digest if digest is not None else self._digest(first, stop))
         self.journal.record_part(part, entry)
         self.parts[part] = entry
 

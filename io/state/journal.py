@@ -318,9 +318,13 @@ class Journal:
         with self._guard():
             return self._meta(key)
 
-    def set_meta_value(self, key: str, value: str) -> None:
+    def set_meta_value(self, key: str, value: str | None) -> None:
+        """Set (None: remove) one of the journal's own values, committed at once."""
         with self._guard():
-            self._conn.execute("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", (key, value))
+            if value is None:
+                self._conn.execute("DELETE FROM meta WHERE key = ?", (key,))
+            else:
+                self._conn.execute("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", (key, value))
 
     def count_between(self, first: int, stop: int) -> int:
         """The committed rows of the records [first, stop)."""

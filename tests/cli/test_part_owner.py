@@ -9,6 +9,7 @@ import shutil
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 from cli_helpers import read_rows, run_in_process, tiny_args, write_jsonl
 
 OPTS = ("--max-tokens", "4", "--temperature", "0", "--rows-per-file", "3")
@@ -80,3 +81,48 @@ def test_a_finished_rerun_claims_no_part_it_did_not_write(tiny_model, tmp_path):
     assert again.code == 0, again.err
     assert "wrote" not in again.err
     assert f"{folder}/ holds this run's 2 parts (6 rows), written earlier" in again.err
+
+
+def test_a_part_killed_before_its_record_is_written_again_where_its_rows_changed(tiny_model, tmp_path):
+    import sqlite3
+
+    records = [{"id": f"r{i}", "prompt": f"Record {i}."} for i in range(3)]
+    src, folder, run_dir = write_jsonl(tmp_path / "in.jsonl", records), tmp_path / "out", tmp_path / "run"
+    assert _run(tiny_model, src, folder, run_dir).code == 0
+    with sqlite3.connect(run_dir / "journal.sqlite") as db:  # as a process killed after part 0's rename leaves it
+        db.execute("UPDATE parts SET state = 'writing' WHERE part = 0")
+    records[1]["prompt"] = "Record one, edited."
+    write_jsonl(src, records)
+    again = _run(tiny_model, src, folder, run_dir)
+    assert again.code == 0, again.err
+    fresh = tmp_path / "fresh"
+    assert _run(tiny_model, src, fresh, tmp_path / "fresh-run").code == 0
+    assert [r["output"] for r in _rows(folder)] == [r["output"] for r in _rows(fresh)]
+
+
+def test_the_shards_of_one_run_share_its_folder_whoever_makes_the_marker(tmp_path):
+    from conveyor.io.rows.parts import MARKER, PartLayout, PartOwner, PartWriter
+    from conveyor.io.state.journal import Journal
+
+    folder = tmp_path / "out"
+    folder.mkdir()
+    owner = PartOwner("a" * 32, str(tmp_path / "run"))
+    with Journal(tmp_path / "j0.sqlite") as j0, Journal(tmp_path / "j1.sqlite") as j1:
+        writers = [PartWriter(j, PartLayout(str(folder), 3, "jsonl"), owner, lambda *a: 0, print) for j in (j0, j1)]
+        writers[1]._write_marker(replace=False)  # (shard 1 makes it between shard 0's look and its own write)
+        writers[0]._write_marker(replace=False)
+        assert json.loads((folder / MARKER).read_text())["run_id"] == owner.run_id
+        stranger = PartWriter(j0, PartLayout(str(folder), 3, "jsonl"), PartOwner("b" * 32, str(tmp_path)), print,
+                              print)
+        with pytest.raises(Exception, match="holds the parts of another run"):
+            stranger._write_marker(replace=False)
+
+
+def test_a_part_folder_of_error_rows_only_starts_over_with_new_settings(tiny_model, tmp_path):
+    src = tmp_path / "in.jsonl"
+    src.write_text("not json\n{\"prompt\": 3}\n", encoding="utf-8")
+    folder, run_dir = tmp_path / "out", tmp_path / "run"
+    assert _run(tiny_model, src, folder, run_dir).code == 3
+    again = _run(tiny_model, src, folder, run_dir, "--max-tokens", "5")
+    assert again.code == 3, again.err
+    assert "so the run starts over with the new settings" in again.err and len(_rows(folder)) == 2

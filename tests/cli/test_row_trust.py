@@ -155,3 +155,55 @@ def test_a_partial_continues_only_the_record_it_was_saved_for(tmp_path, n):
             requests = JournalSink(journal, partials=partials).admit(raw, built(digest))
             for request in requests if n > 1 else [requests]:
                 assert bool(request.output_token_ids) is continued, digest
+
+
+def test_a_lowered_limit_resumes_with_the_rows_within_it(tiny_model, tmp_path):
+    src = write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt": f"Say {i}."} for i in range(6)])
+    out = tmp_path / "out.jsonl"
+    for limit in (("--limit", "3"), (), ("--limit", "3")):
+        done = _run(tiny_model, src, out, *limit)
+        assert done.code == 0, done.err
+    assert [r["id"] for r in read_rows(out)] == ["r0", "r1", "r2"]
+
+
+def test_a_long_line_of_whitespace_is_a_blank_line(tiny_model, tmp_path):
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"prompt": "Say a."}\n' + " " * 300 + '\n{"prompt": "Say b."}\n', encoding="utf-8")
+    done = _run(tiny_model, src, tmp_path / "out.jsonl", "--max-record-bytes", "200")
+    assert done.code == 0, done.err
+    assert len(read_rows(tmp_path / "out.jsonl")) == 2
+
+
+def test_a_datasets_folder_resumes_and_reruns_with_its_rows(tiny_model, tmp_path):
+    folder = write_input(tmp_path / "ds", [{"id": f"r{i}", "prompt": f"Say {i}."} for i in range(3)], "datasets")
+    out = tmp_path / "out.jsonl"
+    assert _run(tiny_model, folder, out).code == 0
+    again = _run(tiny_model, folder, out)  # (every record has its row: datasets' select past the end raised)
+    assert again.code == 0, again.err
+    assert "nothing to do" in again.err and len(read_rows(out)) == 3
+
+
+def test_a_digest_of_a_value_json_has_no_form_for_is_the_same_in_every_process():
+    from conveyor.io.records.readers.record import Reader, table_row
+
+    class Picture:  # (a decoded image: its str names its address, its data are bytes)
+        def __init__(self, data: bytes) -> None:
+            self.data, self.mode, self.size = data, "RGB", (2, 1)
+
+        def tobytes(self) -> bytes:
+            return self.data
+
+    reader = Reader()
+    reader.with_digests = True
+    first, same, other = (table_row(reader, {"image": Picture(data)}, 0, None).digest
+                          for data in (b"\x01\x02\x03" * 2, b"\x01\x02\x03" * 2, b"\x01\x02\x04" * 2))
+    assert first == same != other
+
+
+def test_a_csv_error_rows_message_follows_its_header(tiny_model, tmp_path):
+    src, out = tmp_path / "in.csv", tmp_path / "out.jsonl"
+    src.write_text("prompt,a\nSay x,1\nSay y,1,2,3\n", encoding="utf-8")
+    assert _run(tiny_model, src, out).code == 3
+    src.write_text("prompt,a,b\nSay x,1,\nSay y,1,2,3\n", encoding="utf-8")
+    assert _run(tiny_model, src, out).code == 3
+    assert read_rows(out)[1]["error"] == "line 3: the row has 4 fields but the header has 3; quote cells that contain commas"

@@ -55,6 +55,8 @@ class DatasetsFolderReader(Reader):
 
     def iter_from(self, start_index: int) -> Iterator[RawRecord]:
         num_rows = len(self.dataset)
+        if start_index >= num_rows:  # (datasets' select of an empty range past the end raises)
+            return
         rows = self.dataset.select(range(start_index, num_rows)) if start_index else self.dataset
         for index, row in enumerate(rows, start_index):
             yield table_row(self, row, index, None)

@@ -123,7 +123,7 @@ class JsonlReader(Reader):
 
 def _lines(f: BinaryIO, limit: int) -> Iterator[tuple[bytes | None, int, str | None]]:
     """(line, its size in bytes, None) for each line of `f`; a line longer than `limit` is never held
-    whole: (None, its size, the digest of its bytes), read past in chunks."""
+    whole: (None, its size, the digest of its bytes), read past in chunks (b"" for one of whitespace only)."""
     while True:
         raw = f.readline(limit + 1)
         if not raw:
@@ -131,13 +131,17 @@ def _lines(f: BinaryIO, limit: int) -> Iterator[tuple[bytes | None, int, str | N
         if len(raw) <= limit or raw.endswith(b"\n"):
             yield raw, len(raw), None
             continue
-        size, h = len(raw), hashlib.sha256(raw)
+        size, h, blank = len(raw), hashlib.sha256(raw), raw.isspace()
         while not raw.endswith(b"\n"):
             raw = f.readline(CHUNK)
             if not raw:
                 break
             size += len(raw)
             h.update(raw)
+            blank = blank and raw.isspace()
+        if blank:  # (whitespace only, however long: a blank line, which takes no index, as `count` has it)
+            yield b"", size, None
+            continue
         yield None, size, h.hexdigest()[:32]
 
 

@@ -139,12 +139,23 @@ def table_row(reader: Reader, row: dict, index: int, line: int | None) -> RawRec
     where = location(index, line)
     digest = None
     if reader.with_digests:
-        digest = digest_of(json.dumps(row, sort_keys=True, default=str, ensure_ascii=False)
+        digest = digest_of(json.dumps(row, sort_keys=True, default=_stable_text, ensure_ascii=False)
                            .encode("utf-8", "surrogatepass"))
     size = _size(row)
     if size > reader.max_record_bytes:
         return RawRecord(index, line, None, oversized(where, size, reader.max_record_bytes), digest)
     return RawRecord(index, line, row, None, digest)
+
+
+def _stable_text(value: Any) -> str:
+    """A value JSON has no form for, as a record's digest takes it: the same value gives the same text in every
+    process. An object that holds its data as bytes (a decoded image, an array) by a hash of them (its `str` may
+    name a memory address, or elide the middle of a long array); anything else (dates, decimals, bytes) by `str`."""
+    tobytes = getattr(value, "tobytes", None)
+    if callable(tobytes):
+        shape = getattr(value, "mode", ""), getattr(value, "size", ""), getattr(value, "shape", "")
+        return f"{type(value).__name__}{shape}:{hashlib.sha256(tobytes()).hexdigest()}"
+    return str(value)
 
 
 def _size(value: Any) -> int:

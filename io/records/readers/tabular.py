@@ -156,9 +156,10 @@ class CsvReader(Reader):
             index += 1
 
     def _record(self, index: int, line: int, header: list[str], cells: list[str]) -> RawRecord:
-        # (an error row's digest is its cells', so that a rerun tells whether the same bad row is still there)
-        digest = digest_of(json.dumps(cells, ensure_ascii=False).encode("utf-8", "surrogatepass")) \
-            if self.with_digests else None
+        # (an error row's digest is its header's and cells', so that a rerun tells whether the same bad row, with the
+        # same message, is still there)
+        digest = digest_of(json.dumps([header, cells], ensure_ascii=False).encode("utf-8", "surrogatepass")) \
+            if self.with_digests and (not _is_utf8(cells) or len(cells) > len(header)) else None
         if not _is_utf8(cells):
             return RawRecord(index, line, None, f"{location(index, line)}: not valid UTF-8; save the file as UTF-8",
                              digest)
