@@ -207,8 +207,8 @@ class Run:
             taken = self.run_dir.take_back(fresh)
             if taken:
                 stored = self.run_dir.load_manifest()
-                self.say(f"took back the {_count(taken, 'row')} of an earlier run with these settings, which --restart had set "
-                         "aside")
+                self.say(f"took back the {_count(taken, 'row')} of an earlier run with these settings, which --restart "
+                         "had set aside")
         manifest = fresh if stored is None else self._manifest(stored, fresh.input_fingerprint)
         if _piped(manifest.input_fingerprint) and (stored is None or fingerprints_content(stored.input_fingerprint)):
             # stdin or a pipe, read once: copied to the run directory first, it is read like a file (and a rerun
@@ -237,7 +237,8 @@ class Run:
             self.journal.set_meta_value(STALE_KEY, "1")
             t.retried_errors = self.journal.forget_run_errors()
             self.say(f"--retry-errors: {_count(t.retried_errors, 'record')} whose error row the run made "
-                     f"{'is' if t.retried_errors == 1 else 'are'} computed again" if t.retried_errors else "--retry-errors: no error row of the run's own making to retry")
+                     f"{'is' if t.retried_errors == 1 else 'are'} computed again" if t.retried_errors else
+                     "--retry-errors: no error row of the run's own making to retry")
         if t.reuse is None and not read_once and self.journal.num_committed():
             self._check_rows(reader)
         if folder is not None:
@@ -412,8 +413,8 @@ class Run:
         another machine): the rest are right, but need not be bitwise an uninterrupted run's."""
         before = self.arithmetic
         if before is not None and before != now:
-            self.say(f"the first {_count(self.totals.resumed_from, 'row')} of this run were computed with {before}; it resumes "
-                     f"with {now}, so the rest need not equal an uninterrupted run's bit for bit (rerun with "
+            self.say(f"the first {_count(self.totals.resumed_from, 'row')} of this run were computed with {before}; it "
+                     f"resumes with {now}, so the rest need not equal an uninterrupted run's bit for bit (rerun with "
                      "--restart, or resume on the machine it started on, to keep one arithmetic)")
         self.arithmetic = now
         write_run_info(self.run_dir.path, self.totals.total, self.command, now)
@@ -519,7 +520,7 @@ class Run:
 
     def _write_rows(self, rows, path: str, first: int, stop: int) -> int:
         """Journal rows (input order) of the records [first, stop) into one part file at `path`, as the output file
-        would hold them; the rows written. Every part has the same columns: each optional column of the run's task
+        would hold them; the rows written. Every part has the same columns (`_part_columns`)
         (an embedding's column is a fixed-size list where the part's vectors all have one size)."""
         spec = self.spec
         if not is_remote(path):  # (a folder removed while the run went is made anew)

@@ -126,8 +126,8 @@ class PartWriter:
         before = json.loads(stored) if stored is not None else None
         if before is not None and self.parts:
             if before["records"] != layout.records:
-                raise SpecError(f"--rows-per-file {layout.records}: the {_parts(len(self.parts))} this run wrote so far "
-                                f"hold {before['records']} records each; resume with --rows-per-file "
+                raise SpecError(f"--rows-per-file {layout.records}: the {_parts(len(self.parts))} this run wrote so "
+                                f"far hold {before['records']} records each; resume with --rows-per-file "
                                 f"{before['records']}, or pass --restart to write every part again")
             if before["name"] != layout.name(0):
                 self.say(f"the parts so far were written as {before['name']}, ...: every part is written again as "
@@ -302,8 +302,8 @@ class PartWriter:
                          "again")
             found, expected = self.journal.count_between(first, stop), self.layout.expected(first, stop)
             if found != expected:
-                raise JournalCorrupt(self.journal.path, f"it holds {counted(found, 'row')} of records {first} to {stop - 1}, "
-                                                        f"where {expected} were expected")
+                raise JournalCorrupt(self.journal.path, f"it holds {counted(found, 'row')} of records {first} to "
+                                                        f"{stop - 1}, where {expected} were expected")
             self._write(part, first, stop)
         beyond = [part for part in self.parts if part >= count]
         if beyond:
