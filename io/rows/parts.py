@@ -14,19 +14,18 @@ the same file and need no merge.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
 import re
 import tempfile
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from conveyor.io.counts import counted
 from conveyor.io.errors import JournalCorrupt, RunDirError, SpecError
 from conveyor.io.records.readers.record import open_binary
-from conveyor.io.state.atomic import make_temp, remove_leftovers
+from conveyor.io.state.atomic import atomic_write_text, create_text, make_temp, remove_leftovers
 from conveyor.io.state.journal import Journal, PartEntry
 from conveyor.io.state.shards import Shard
 from conveyor.io.storage import info, is_remote, join, list_names, put, remove
@@ -225,26 +224,20 @@ class PartWriter:
         runs that start together one owns it and the other is refused), or replacing another's."""
         text = json.dumps({"run_id": self.owner.run_id, "run_dir": self.owner.run_dir}) + "\n"
         path = self.layout.path_of(MARKER)
-        fd, temp = make_temp(tempfile.gettempdir() if is_remote(path) else self.layout.folder, MARKER)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(text)
-                f.flush()
-                os.fsync(f.fileno())
-            if is_remote(path):  # (a store has no atomic create: the parts' footers tell the runs apart)
+        if replace and not is_remote(path):
+            atomic_write_text(path, text)
+        elif is_remote(path):  # (a store has no atomic create: the parts' footers tell the runs apart)
+            fd, temp = make_temp(tempfile.gettempdir(), MARKER)
+            try:
+                with os.fdopen(fd, "w", encoding="utf-8") as f:
+                    f.write(text)
                 put(temp, path)
-            elif replace:
-                os.replace(temp, path)
-            else:
-                try:
-                    os.link(temp, path)
-                except FileExistsError:  # another process took it first: this run's (a shard of it), or refused
-                    marker = self._marker() or {}
-                    if marker.get("run_id") != self.owner.run_id:
-                        self._refuse(marker, restart=False)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
+            finally:
                 os.remove(temp)
+        elif not create_text(path, text):  # another process took it first: this run's (a shard of it), or refused
+            marker = self._marker() or {}
+            if marker.get("run_id") != self.owner.run_id:
+                self._refuse(marker, restart=False)
 
     def revalidate(self) -> None:
         """Remove the parts whose rows in the journal are no longer the rows they were written from."""
@@ -327,21 +320,16 @@ class PartWriter:
         file is there on resume is always the new one."""
         if part in self.parts:
             self._remove(self.parts[part].name)
-        self._record(part, first, stop, "writing", 0, self._digest(first, stop))  # (what its file will hold)
-        digest = hashlib.sha256()
-
-        def rows() -> Iterator[dict]:
-            for _, text in self.journal.row_texts_between(first, stop):
-                digest.update(text.encode())
-                yield json.loads(text)
-
+        digest = self._digest(first, stop)  # (what its file will hold: nothing commits while it is written)
+        self._record(part, first, stop, "writing", 0, digest)
+        rows = (json.loads(text) for _, text in self.journal.row_texts_between(first, stop))
         name = self.layout.name(part)
-        written = self.write_rows(rows(), self.layout.path_of(name), first, stop)
+        written = self.write_rows(rows, self.layout.path_of(name), first, stop)
         problem = self._problem(name, written)
         if problem is not None:  # (never recorded written: the next run writes it again)
             raise RunDirError(f"{self.layout.path_of(name)}: {problem}, right after this run wrote it: another process "
                               f"writes in {self.layout.folder}/; give each run a folder of its own")
-        self._record(part, first, stop, "written", written, digest.hexdigest())
+        self._record(part, first, stop, "written", written, digest)
         self.written_now.add(part)
 
     def _record(self, part: int, first: int, stop: int, state: str, rows: int, digest: str | None = None) -> None:

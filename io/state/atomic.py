@@ -111,6 +111,26 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
         f.write(text)
 
 
+def create_text(path: str | os.PathLike, text: str) -> bool:
+    """Write `text` to `path` whole, only where nothing is there yet (a private temporary file, fsync, then a hard
+    link: of two processes that try at once, one makes it); False where a file was there already."""
+    directory, name = os.path.split(os.path.abspath(path))
+    fd, temp = make_temp(directory, name)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(temp, path)
+        except FileExistsError:
+            return False
+    finally:
+        os.remove(temp)
+    fsync_dir(directory)
+    return True
+
+
 def fsync_dir(directory: str | os.PathLike) -> None:
     """Make a rename in `directory` durable; where a directory cannot be opened or synced, nothing to do."""
     try:

@@ -4,12 +4,11 @@ run. A part folder names its owner by it (io/rows/parts.py)."""
 
 from __future__ import annotations
 
-import os
 import uuid
 from pathlib import Path
 
 from conveyor.io.errors import RunDirError
-from conveyor.io.state.atomic import fsync_dir, make_temp
+from conveyor.io.state.atomic import create_text
 
 RUN_ID_FILE = "run_id"
 
@@ -21,19 +20,7 @@ def run_id(run_dir: Path) -> str:
     found = _read(path)
     if found is not None:
         return found
-    fd, temp = make_temp(path.parent, RUN_ID_FILE)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(uuid.uuid4().hex + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        try:
-            os.link(temp, path)  # (fails where another process made it first: its id stands)
-        except FileExistsError:
-            pass
-    finally:
-        os.remove(temp)
-    fsync_dir(path.parent)
+    create_text(path, uuid.uuid4().hex + "\n")  # (where another process made it first, its id stands)
     found = _read(path)
     if found is None:
         raise RunDirError(f"{path} does not hold a run id; delete it, and the run makes a new one")

@@ -156,16 +156,13 @@ class CsvReader(Reader):
             index += 1
 
     def _record(self, index: int, line: int, header: list[str], cells: list[str]) -> RawRecord:
-        # (an error row's digest is its header's and cells', so that a rerun tells whether the same bad row, with the
-        # same message, is still there)
-        digest = digest_of(json.dumps([header, cells], ensure_ascii=False).encode("utf-8", "surrogatepass")) \
-            if self.with_digests and (not _is_utf8(cells) or len(cells) > len(header)) else None
-        if not _is_utf8(cells):
-            return RawRecord(index, line, None, f"{location(index, line)}: not valid UTF-8; save the file as UTF-8",
-                             digest)
-        if len(cells) > len(header):
-            return RawRecord(index, line, None, f"{location(index, line)}: the row has {len(cells)} fields but the header "
-                                                f"has {len(header)}; quote cells that contain {self.separator}", digest)
+        problem = "not valid UTF-8; save the file as UTF-8" if not _is_utf8(cells) else \
+            f"the row has {len(cells)} fields but the header has {len(header)}; quote cells that contain " \
+            f"{self.separator}" if len(cells) > len(header) else None
+        if problem is not None:  # (its digest is its header's and cells': the same bad row with the same message)
+            digest = digest_of(json.dumps([header, cells], ensure_ascii=False).encode("utf-8", "surrogatepass")) \
+                if self.with_digests else None
+            return RawRecord(index, line, None, f"{location(index, line)}: {problem}", digest)
         record = dict(zip(header, cells))
         for name in header[len(cells):]:
             record[name] = None  # a short row: the missing trailing cells are null
