@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 
-def counted(count: int, noun: str, plural: str | None = None, thousands: bool = False) -> str:
-    """`count` and `noun`, or its `plural` (the noun with an "s" where not given) for a count other than 1;
-    `thousands`: the count written with commas (10,000)."""
+def counted(count: int, noun: str, thousands: bool = False) -> str:
+    """`count` and `noun`, with an "s" for a count other than 1; `thousands`: the count written with commas
+    (10,000)."""
     number = f"{count:,}" if thousands else str(count)
-    return f"{number} {noun if count == 1 else plural or noun + 's'}"
+    return f"{number} {noun if count == 1 else noun + 's'}"

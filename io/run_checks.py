@@ -134,24 +134,22 @@ def check_named_fields(spec: RunSpec, reader: Reader) -> None:
     if not records or any(is_batch_line(r) for r in records):
         return
     seen = list(dict.fromkeys(key for r in records for key in r))
+    table = reader.format in _TABLES
+    listed = ", ".join(seen) if table else f"{', '.join(seen[:20])}{', ...' if len(seen) > 20 else ''}"
     for option, name in named:
         if name in seen:
             continue
         close = difflib.get_close_matches(name, seen, n=1, cutoff=0.6)
         hint = f" (did you mean {close[0]}?)" if close else ""
-        if reader.format in _TABLES:
-            where = f"{source} has no column {name!r}{hint}; its columns: {', '.join(seen)}"
+        if table:
+            where = f"{source} has no column {name!r}{hint}; its columns: {listed}"
         else:
-            where = (f"{_none_has(records, source, f'field {name!r}')}{hint}; their fields: "
-                     f"{', '.join(seen[:20])}{', ...' if len(seen) > 20 else ''}")
+            where = f"{_none_has(records, source, f'field {name!r}')}{hint}; their fields: {listed}"
         raise SpecError(f"{option} {name}: {where}")
     if needs_prompt and build.prompt_field not in seen and build.messages_field not in seen:
-        table = reader.format in _TABLES
         fields = f"{build.prompt_field!r} or {build.messages_field!r}"
-        what = f"{source} has no {fields} column" if table else \
-            _none_has(records, source, f"{fields} field")
+        what = f"{source} has no {fields} column" if table else _none_has(records, source, f"{fields} field")
         kind = "column" if table else "field"
-        listed = f"{', '.join(seen[:20])}{', ...' if len(seen) > 20 else ''}"
         raise SpecError(f"{what} to take each prompt from ({'its' if table else 'their'} {kind}s: {listed}); name the "
                         f"{kind} with --chat-field {kind.upper()} (its text as the user's message, through the chat "
                         f"template) or --prompt-field {kind.upper()} (raw text), or build the prompt with "

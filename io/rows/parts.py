@@ -82,11 +82,6 @@ class PartLayout:
         return json.dumps({"folder": self.folder, "records": self.records, "name": self.name(0)})
 
 
-def _parts(count: int, noun: str = "part") -> str:
-    """"1 part", "3 parts"."""
-    return f"{count} {noun}{'s' if count != 1 else ''}"
-
-
 def _some(names: list[str]) -> str:
     """The first few of `names`, for a message."""
     return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
@@ -125,8 +120,8 @@ class PartWriter:
         before = json.loads(stored) if stored is not None else None
         if before is not None and self.parts:
             if before["records"] != layout.records:
-                raise SpecError(f"--rows-per-file {layout.records}: the {_parts(len(self.parts))} this run wrote so "
-                                f"far hold {before['records']} records each; resume with --rows-per-file "
+                raise SpecError(f"--rows-per-file {layout.records}: the {counted(len(self.parts), 'part')} this "
+                                f"run wrote so far hold {before['records']} records each; resume with --rows-per-file "
                                 f"{before['records']}, or pass --restart to write every part again")
             if before["name"] != layout.name(0):
                 self.say(f"the parts so far were written as {before['name']}, ...: every part is written again as "
@@ -136,13 +131,13 @@ class PartWriter:
         if not is_remote(layout.folder):
             left = sorted(set(remove_leftovers(layout.folder, layout.is_ours)))
             if left:
-                self.say(f"removed the temporary files of {_parts(len(left))} "
+                self.say(f"removed the temporary files of {counted(len(left), 'part')} "
                          f"({_some(left)}) that an interrupted write left in {layout.folder}/")
         on_disk = {name for name in self._names() if layout.is_ours(name)}
         if restart and on_disk:
             for name in sorted(on_disk):
                 self._remove(name)
-            self.say(f"--restart: removed the {_parts(len(on_disk), 'part file')} of the earlier run from "
+            self.say(f"--restart: removed the {counted(len(on_disk), 'part file')} of the earlier run from "
                      f"{layout.folder}/")
             on_disk = set()
         if on_disk and not self.parts and not journal.num_committed() and claim is not None:  # (no marker of ours)
@@ -164,13 +159,13 @@ class PartWriter:
                     gone.append(entry.name)
                 self._forget([part], remove_files=False)
         if gone:
-            self.say(f"{_parts(len(gone))} written earlier {'is' if len(gone) == 1 else 'are'} not in "
+            self.say(f"{counted(len(gone), 'part')} written earlier {'is' if len(gone) == 1 else 'are'} not in "
                      f"{layout.folder}/ ({_some(gone)}): written again")
         stray = sorted(on_disk - {entry.name for entry in self.parts.values()})
         for name in stray:
             self._remove(name)
         if stray:
-            self.say(f"removed {_parts(len(stray), 'part file')} from {layout.folder}/ that this run's journal "
+            self.say(f"removed {counted(len(stray), 'part file')} from {layout.folder}/ that this run's journal "
                      f"does not record ({_some(stray)})")
         if claim is not None:
             self._write_marker(replace=claim)
@@ -191,7 +186,7 @@ class PartWriter:
         removed = sorted(name for name in self._names() if _PART_NAME.match(name))
         for name in removed:
             self._remove(name)
-        self.say(f"--restart: removed the {_parts(len(removed), 'part file')} of an earlier run whose state is "
+        self.say(f"--restart: removed the {counted(len(removed), 'part file')} of an earlier run whose state is "
                  f"gone from {self.layout.folder}/")
         return True
 
@@ -246,8 +241,8 @@ class PartWriter:
         if stale:
             names = [self.parts[p].name for p in stale]
             self._forget(stale, remove_files=True)
-            self.say(f"{_parts(len(stale))} held rows that changed ({_some(names)}): removed, and written again when "
-                     "their records have rows")
+            self.say(f"{counted(len(stale), 'part')} held rows that changed ({_some(names)}): removed, and written "
+                     "again when their records have rows")
 
     # -- while it runs, and at its end -----------------------------------------------------------------------
 
