@@ -153,6 +153,7 @@ class ModelKind:
     num_labels: int
     labels: tuple[str, ...]  # the head's label per class (id2label)
     score_activation: str  # a cross-encoder's: "sigmoid" or "identity" (sentence-transformers' activation_fn)
+    similarity: str | None = None  # an embedder's similarity_fn_name (None: not named, cosine)
 
 
 def model_kind(cfg, name: str, folder: Path | None) -> ModelKind:
@@ -167,19 +168,21 @@ def model_kind(cfg, name: str, folder: Path | None) -> ModelKind:
     num_labels = int(getattr(cfg, "num_labels", 0) or 0) if classifier else 0
     id2label = getattr(cfg, "id2label", None) or {}
     labels = tuple(str(id2label.get(i, id2label.get(str(i), f"LABEL_{i}"))) for i in range(num_labels))
-    given = _activation(cfg, folder)
+    saved = _json_object(folder / "config_sentence_transformers.json") if folder is not None else {}
+    given = _activation(cfg, saved) if classifier else None  # (an embedder has no activation to compute)
     if given not in (None, _SIGMOID, _IDENTITY):
         raise UnsupportedModel(f"model {name}: its cross-encoder activation {given} is not one conveyor computes "
                                "(Sigmoid or Identity)")
     activation = "identity" if given == _IDENTITY else "sigmoid"
-    return ModelKind(classifier, cfg.model_type in ENCODERS, num_labels, labels, activation)
+    similarity = saved.get("similarity_fn_name")
+    return ModelKind(classifier, cfg.model_type in ENCODERS, num_labels, labels, activation,
+                     str(similarity) if similarity else None)
 
 
-def _activation(cfg, folder: Path | None) -> str | None:
+def _activation(cfg, saved: dict) -> str | None:
     """The activation a cross-encoder's checkpoint names, where sentence-transformers looks for it first: 6.x's
-    config_sentence_transformers.json, then config.json's "sentence_transformers" (4.x, 5.x), then its
+    config_sentence_transformers.json (`saved`), then config.json's "sentence_transformers" (4.x, 5.x), then its
     sbert_ce_default_activation_function (before 4.0)."""
-    saved = _json_object(folder / "config_sentence_transformers.json") if folder is not None else {}
     st = getattr(cfg, "sentence_transformers", None)
     for given in (saved.get("activation_fn"), st.get("activation_fn") if isinstance(st, dict) else None,
                   getattr(cfg, "sbert_ce_default_activation_function", None)):
@@ -200,6 +203,10 @@ def check_task(kind: ModelKind, task: str, name: str, arch: str) -> None:
     if task == "reward" and kind.num_labels != 1:
         raise UnsupportedModel(f"--task reward: model {name} has a head of {kind.num_labels} labels; a reward model "
                                "gives one score. Use --task classify for its labels")
+    if task in ("score", "rerank") and not kind.classifier and kind.similarity not in (None, "cosine"):
+        raise UnsupportedModel(f"--task {task}: model {name}'s config_sentence_transformers.json names the similarity "
+                               f"{kind.similarity}, and conveyor scores an embedder's pairs by cosine; score them with "
+                               "sentence-transformers, or embed them (--task embed) and compare the vectors yourself")
     if task in ("score", "rerank") and kind.classifier and kind.num_labels != 1:
         raise UnsupportedModel(f"--task {task}: model {name} is a classifier of {kind.num_labels} labels; a "
                                "cross-encoder has one (its score); use --task classify for its labels")

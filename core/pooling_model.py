@@ -22,7 +22,7 @@ import torch
 
 from conveyor.core.backends import packed_pooling
 from conveyor.core.checkpoint_format import check_format
-from conveyor.core.errors import ConfigError
+from conveyor.core.errors import ConfigError, UnsupportedModel
 from conveyor.core.model_files import hub_snapshot
 from conveyor.core.pooling_config import ModelKind, PoolingConfig, check_task, context_limit, model_kind, pooling_config
 from conveyor.core.pooling_params import TokenSequence
@@ -116,6 +116,8 @@ def load_pooling_model(model: str, task: str, device: str, dtype: str, pooling: 
                 lowercase_texts(tokenizer, model, config.lower_case)
             loaded, info = loader.from_pretrained(path, gguf_file=gguf_file, dtype=torch_dtype,
                                                   output_loading_info=True)
+    except UnsupportedModel:  # (a refusal of the checkpoint's own: said as it is, not as a load that failed)
+        raise
     except (OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError("model", f"model {model}: could not load it ({first}); check the name or path") from e

@@ -235,3 +235,19 @@ def test_a_cross_encoder_saved_by_sentence_transformers_scores_as_its_predict(tm
     encoded = [engine.tokenizer(a, b) for a, b in pairs]
     got = _results(engine, [TokenSequence(tuple(e["input_ids"]), tuple(e["token_type_ids"])) for e in encoded])
     torch.testing.assert_close(got.flatten(), torch.tensor(model.predict(pairs)), rtol=1e-5, atol=1e-6)
+
+
+def test_an_embedders_similarity_other_than_cosine_refuses_score_and_an_activation_is_a_cross_encoders(bert,
+                                                                                                    tmp_path):
+    from conveyor.core import check_pooling_model
+
+    folder = tmp_path / "dot"
+    shutil.copytree(bert_embedder(tmp_path / "base"), folder)
+    settings = folder / "config_sentence_transformers.json"
+    settings.write_text(json.dumps({"similarity_fn_name": "dot", "activation_fn": "torch.nn.modules.Tanh"}))
+    check_pooling_model(str(folder), "embed")  # (an embedder: neither is read for its vectors)
+    with pytest.raises(UnsupportedModel, match="names the similarity dot, and conveyor scores an embedder's pairs by "
+                                               "cosine"):
+        check_pooling_model(str(folder), "score")
+    settings.write_text(json.dumps({"similarity_fn_name": "cosine"}))
+    check_pooling_model(str(folder), "score")
