@@ -38,3 +38,7 @@ _.pre_tokenizer
 # io.RawIOBase methods io.BufferedReader calls (io/records/readers/compression.py).
 _.readable
 _.readinto
+
+# pybind11 properties of the C++ Linear (csrc/decoder.h), written from Python; torch's module repr hook.
+_.vnni
+extra_repr

@@ -3,11 +3,12 @@
 which of them conveyor runs, and why it refuses the others before their weights are read, for every task alike.
 Pure Python, but for the one question of fp8 weights that depends on the machine's GPU (torch, imported there).
 
-Quantized weights run where transformers de-quantizes them as they load into the plain linears conveyor's routes
-compute: fp8 (block-scaled e4m3, transformers' FineGrainedFP8) where no GPU here computes FP8 (transformers' own
-rule: no CUDA or XPU device, or a CUDA one below compute capability 8.9), or where the config sets `dequantize`.
-Every other method (GPTQ, AWQ, compressed-tensors, bitsandbytes, MXFP4, ...) loads into modules of a library
-conveyor does not run: refused, naming the method. A .gguf file is de-quantized as it loads (`model_loader`).
+Quantized weights: compressed-tensors, GPTQ and AWQ checkpoints are read by conveyor itself (`core/quant`: what
+their configs ask for in `quant.formats`, refused there where conveyor does not compute it); fp8 (block-scaled
+e4m3, transformers' FineGrainedFP8) runs where transformers de-quantizes it as it loads: where no GPU here computes
+FP8 (transformers' own rule: no CUDA or XPU device, or a CUDA one below compute capability 8.9), or where the config
+sets `dequantize`. Every other method (bitsandbytes, MXFP4, HQQ, ...) loads into modules of a library conveyor does
+not run: refused, naming the method. A .gguf file is de-quantized as it loads (`model_loader`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from conveyor.core.errors import UnsupportedModel
+from conveyor.core.quant.formats import Refused, Scheme, scheme_of
+
+READ_METHODS = ("compressed-tensors", "gptq", "awq")  # the quantization methods conveyor reads itself
 
 # Sub-configs that give a checkpoint inputs other than text (transformers' names for them).
 MULTIMODAL_CONFIGS = {
@@ -32,6 +36,15 @@ def quantization(cfg: Any) -> dict | None:
     if qc is None or isinstance(qc, dict):
         return qc
     return qc.to_dict() if hasattr(qc, "to_dict") else dict(vars(qc))
+
+
+def read_scheme(cfg: Any, gguf: bool = False) -> Scheme | None:
+    """The Scheme of a checkpoint conveyor reads the quantized weights of itself (None: not such a checkpoint).
+    Refused where its config asks for what conveyor does not compute."""
+    qc = None if gguf else quantization(cfg)
+    if qc is None or str(qc.get("quant_method")) not in READ_METHODS:
+        return None
+    return scheme_of(qc)
 
 
 def describe_quantization(qc: dict) -> str:
@@ -83,6 +96,14 @@ def format_refusal(cfg: Any, gguf: bool = False) -> str | None:
     if qc is None:
         return None
     method = str(qc.get("quant_method", "unknown"))
+    if method in READ_METHODS:
+        try:
+            scheme_of(qc)
+        except Refused as e:
+            return (f"its weights are quantized ({describe_quantization(qc)}, config.json's quantization_config), and "
+                    f"{e}; use another quantization of the model (W8A8 or W4A16 compressed-tensors, GPTQ, AWQ) or "
+                    "an unquantized release")
+        return None
     if method == "fp8":
         gpu = _fp8_kept_on(qc)
         if gpu is None:
@@ -96,11 +117,15 @@ def format_refusal(cfg: Any, gguf: bool = False) -> str | None:
             "release of the model")
 
 
-def check_format(cfg: Any, name: str, gguf: bool = False) -> None:
-    """UnsupportedModel naming `name`, its architecture and why, where `format_refusal` refuses it."""
+def check_format(cfg: Any, name: str, gguf: bool = False, task: str = "generate") -> None:
+    """UnsupportedModel naming `name`, its architecture and why, where `format_refusal` refuses it, or where the
+    pooling `task` is asked of a checkpoint whose quantized weights conveyor reads itself (generation only)."""
     from conveyor.core.model_support import architecture
 
     why = format_refusal(cfg, gguf)
+    if why is None and task != "generate" and read_scheme(cfg, gguf) is not None:
+        why = (f"its weights are quantized ({read_scheme(cfg, gguf).describe()}), and conveyor runs quantized "
+               f"checkpoints for generation only, not for --task {task}; use an unquantized release of the model")
     if why is not None:
         raise UnsupportedModel(f"model {name} ({architecture(cfg)}): {why}")
 
@@ -110,7 +135,16 @@ def format_lines(cfg: Any, folder: Path | None, gguf: bool = False) -> list[tupl
     de-quantized, and an image processor that is not used."""
     lines = []
     qc = None if gguf else quantization(cfg)
-    if qc is not None:
+    scheme = read_scheme(cfg, gguf)
+    if scheme is not None:
+        lines.append(("weights", f"quantized: {scheme.describe()}, read by conveyor from the format's tensors"))
+        lines.append(("routes", "cpu (fused forward): de-quantized as they load, the dense kernels compute them"
+                      if scheme.dequantized else
+                      "cpu (fused forward): kept quantized (weight-only: de-quantized in the kernel's registers, the "
+                      "same sums as the dense route over the de-quantized weights; W8A8: int8 products, int32 sums, "
+                      "activations quantized per row); cpu (torch backend): the format's definition in torch; cuda: "
+                      "de-quantized to the model's dtype as they load"))
+    elif qc is not None:
         lines.append(("weights", f"quantized ({describe_quantization(qc)}): transformers de-quantizes them as they "
                                  "load here, and the routes below compute the de-quantized weights"))
     processor = next((name for name in IMAGE_PROCESSOR_FILES if folder is not None and (folder / name).is_file()),

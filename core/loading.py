@@ -116,7 +116,7 @@ def check_pooling_model(model: str, task: str, pooling: str | None = None) -> No
     check_model_exists(model)
     path, gguf_file = _resolve(model)
     cfg = load_config(model)
-    check_format(cfg, model, gguf=gguf_file is not None)
+    check_format(cfg, model, gguf=gguf_file is not None, task=task)
     local = Path(path).expanduser()
     folder = local if local.is_dir() else hub_snapshot(model)
     kind = model_kind(cfg, model, folder)

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from conveyor.core.cache_build import cache_dir, cached_build
-from conveyor.core.checkpoint_format import check_format
+from conveyor.core.checkpoint_format import check_format, read_scheme
 from conveyor.core.config import DEFAULT_MODEL
 from conveyor.core.errors import ConfigError, ModelLoadError
 from conveyor.core.model_shape import ModelShape
@@ -95,6 +95,9 @@ def load_model(model: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "a
         check_supported(cfg, model)
         if gguf_file is None:
             check_weight_files(model, path)
+        scheme = read_scheme(cfg, gguf=gguf_file is not None)
+        if scheme is not None:
+            return _load_quantized(model, path, cfg, scheme, torch_dtype, dev)
         try:
             tokenizer = AutoTokenizer.from_pretrained(path, gguf_file=gguf_file)
             lm, info = AutoModelForCausalLM.from_pretrained(path, gguf_file=gguf_file, dtype=torch_dtype,
@@ -111,6 +114,28 @@ def load_model(model: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "a
                           "checkpoint")
     lm.to(dev).eval()
     return lm, tokenizer
+
+
+def _load_quantized(model: str, path: str, cfg, scheme, torch_dtype, dev):
+    """(model, tokenizer) of a checkpoint whose quantized weights conveyor reads itself (`core/quant/load.py`)."""
+    from transformers import AutoTokenizer
+
+    from conveyor.core.model_files import hub_snapshot
+    from conveyor.core.quant.load import load_quantized
+
+    local = Path(path).expanduser()
+    folder = local if local.is_dir() else hub_snapshot(model)
+    if folder is None:
+        from huggingface_hub import snapshot_download
+
+        folder = Path(snapshot_download(model))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelLoadError(f"--model {model}: could not load its tokenizer ({first})") from e
+    lm = load_quantized(folder, cfg, scheme, torch_dtype, dev, model)
+    return lm.to(dev).eval(), tokenizer
 
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json",

@@ -100,7 +100,7 @@ def load_pooling_model(model: str, task: str, device: str, dtype: str, pooling: 
     torch_dtype = resolve_dtype(dtype, dev)
     path, gguf_file = _resolve(model)
     cfg = load_config(model)
-    check_format(cfg, model, gguf=gguf_file is not None)
+    check_format(cfg, model, gguf=gguf_file is not None, task=task)
     local = Path(path).expanduser()
     folder = local if local.is_dir() else hub_snapshot(model)
     kind = model_kind(cfg, model, folder)

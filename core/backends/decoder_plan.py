@@ -20,6 +20,7 @@ import torch
 from conveyor.core.attention_spec import ModelAttention
 from conveyor.core.model_shape import context_of
 from conveyor.core.model_support import FUSED_FAMILIES, Family
+from conveyor.core.quant.weights import QuantLinear, QuantWeight
 
 ROPE_BLOCK = 4096  # positions per extension of a rotary table
 ACTIVATIONS = {"SiLUActivation": "silu", "SiLU": "silu", "GELUTanh": "gelu_tanh", "PytorchGELUTanh": "gelu_tanh"}
@@ -117,9 +118,15 @@ class RotaryTable:
         return self.cos.index_select(0, positions), self.sin.index_select(0, positions)
 
 
-def concat_linears(modules: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+def concat_linears(modules: list[torch.nn.Linear]) -> tuple[torch.Tensor | QuantWeight, torch.Tensor | None]:
     """One [sum(N), K] weight (and bias, zeros for a module that has none; None where none has one) whose slices
-    the modules' parameters become, so the weights are held once: one matmul for q/k/v, one for gate/up."""
+    the modules' parameters become, so the weights are held once: one matmul for q/k/v, one for gate/up. Quantized
+    linears (`QuantLinear`) stack their quantized weights the same way."""
+    quantized = [isinstance(m, QuantLinear) for m in modules]
+    if any(quantized):
+        if not all(quantized):
+            raise _Decline("a matmul of quantized and unquantized linears")
+        return _concat_quantized(modules)
     weight = torch.cat([m.weight.detach() for m in modules])
     bias = None
     if any(m.bias is not None for m in modules):
@@ -135,7 +142,25 @@ def concat_linears(modules: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.
     return weight, bias
 
 
-def _linear(m: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _concat_quantized(modules: list[QuantLinear]) -> tuple[QuantWeight, torch.Tensor | None]:
+    try:
+        weight = QuantWeight.cat([m.quant for m in modules])
+    except ValueError as e:
+        raise _Decline(str(e)) from None
+    bias = None
+    if any(m.bias is not None for m in modules):
+        bias = torch.cat([m.bias.detach() if m.bias is not None else torch.zeros(m.out_features, dtype=m.dtype)
+                          for m in modules])
+    offset = 0
+    for m in modules:  # each module keeps views of the stacked weight, so it is held once
+        m.quant = weight.rows(offset, offset + m.out_features)
+        offset += m.out_features
+    return weight, bias
+
+
+def _linear(m: torch.nn.Linear) -> tuple[torch.Tensor | QuantWeight, torch.Tensor | None]:
+    if isinstance(m, QuantLinear):
+        return m.quant, None if m.bias is None else m.bias.detach()
     return m.weight.detach(), None if m.bias is None else m.bias.detach()
 
 

@@ -105,12 +105,24 @@ def test_check_names_a_causal_lms_chat_template_or_says_it_has_none(tiny_model, 
     assert run.code == 2 and "--chat-field" in run.err and ran == "generate", run.err
 
 
-QUANTIZED = {
-    "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True},
-    "awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm", "zero_point": True},
-    "compressed-tensors": {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {}},
-    "bitsandbytes": {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"},
-    "mxfp4": {"quant_method": "mxfp4"},
+QUANTIZED = {  # name -> (quantization_config, what the refusal says)
+    "gptq-3bit": ({"quant_method": "gptq", "bits": 3, "group_size": 128, "desc_act": False, "sym": True},
+                  "GPTQ with 3 bits is not supported (4 and 8 are)"),
+    "awq-gemv": ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv", "zero_point": True},
+                 "AWQ version 'gemv' is not supported (gemm is)"),
+    "compressed-tensors-nvfp4": (
+        {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "config_groups": {"group_0": {
+            "targets": ["Linear"], "weights": {"num_bits": 4, "type": "float", "strategy": "tensor_group",
+                                               "group_size": 16}}}},
+        "weight strategy 'tensor_group' is not supported"),
+    "compressed-tensors-fp8-activations": (
+        {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"group_0": {
+            "targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel"},
+            "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}}}},
+        "FP8 activations (float 8 bits) are not computed"),
+    "bitsandbytes": ({"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"},
+                     "quantization method bitsandbytes is not supported yet"),
+    "mxfp4": ({"quant_method": "mxfp4"}, "quantization method mxfp4 is not supported yet"),
 }
 
 
@@ -125,20 +137,40 @@ def _with_config(source, folder, **fields):
 def test_a_quantization_conveyor_does_not_compute_is_refused_by_check_and_run_alike(method, tiny_model, tmp_path):
     """run failed as the model loaded (exit 1: optimum, gptqmodel, compressed-tensors, bitsandbytes or a kernel
     repository missing) while --check said it was supported."""
-    folder = _with_config(tiny_model, tmp_path / method, quantization_config=QUANTIZED[method])
+    config, says = QUANTIZED[method]
+    folder = _with_config(tiny_model, tmp_path / method, quantization_config=config)
     check, lines = _check(folder)
     run, out, _ = _run(tmp_path, folder, *tiny_args(folder)[2:])
     assert check.code == run.code == 2, (check.out, run.err)
-    assert f"quantization method {method} is not supported yet" in lines["refused"], check.out
+    assert says in lines["refused"], check.out
     assert lines["refused"] in run.err and not out.exists(), run.err
 
 
 def test_an_embedding_model_with_quantized_weights_is_refused_alike(pooling_models, tmp_path):
-    folder = _with_config(pooling_models("bert-mean"), tmp_path / "gptq", quantization_config=QUANTIZED["gptq"])
+    config = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True}
+    folder = _with_config(pooling_models("bert-mean"), tmp_path / "gptq", quantization_config=config)
     check, lines = _check(folder)
     run, _, ran = _run(tmp_path, folder)
     assert check.code == run.code == 2 and lines["task"].startswith("embed") and ran == "embed", (check.out, run.err)
-    assert "quantization method gptq" in lines["refused"] and lines["refused"] in run.err
+    assert "quantized checkpoints for generation only, not for --task embed" in lines["refused"]
+    assert lines["refused"] in run.err
+
+
+@pytest.mark.parametrize("fmt", ["ct-w8a8", "ct-w4a16", "gptq-4", "awq"])
+def test_a_quantized_checkpoint_runs_quantized_and_check_says_how(fmt, tiny_model, tmp_path):
+    """compressed-tensors, GPTQ and AWQ folders: --check says the format and the routes, and run exits 0 with an ok
+    row for every record (tests/core/test_quantized_checkpoints.py holds the answers to the format's forward)."""
+    from quant_checkpoints import write
+
+    folder = shutil.copytree(tiny_model, tmp_path / fmt)
+    write(tf.AutoModelForCausalLM.from_pretrained(tiny_model), folder, fmt)
+    check, lines = _check(folder)
+    assert check.code == 0 and "refused" not in lines, check.out
+    assert lines["weights"].startswith("quantized: ") and "kept quantized" in lines["routes"], check.out
+    run, out, _ = _run(tmp_path, folder, *tiny_args(folder)[2:], "--max-tokens", "4")
+    assert run.code == 0, run.err
+    rows = read_rows(out)
+    assert [r["id"] for r in rows] == ["t0", "t1"] and all(r["status"] == "ok" for r in rows), rows
 
 
 def _fp8_checkpoint(source, folder):

@@ -48,7 +48,8 @@ _CSRC = Path(__file__).parent / "csrc"
 # alone cost 2 s more. Each file keeps its internals in a namespace named after it, so that the files of a unit cannot
 # take each other's helpers.
 _UNITS = (("paged_attention.cpp", "fused_ops.cpp", "sampling.cpp", "panel_gemm.cpp", "pair_gemm.cpp"),
-          ("bindings.cpp", "decoder.cpp", "amx_gemm.cpp", "encoder_attention.cpp", "encoder_ops.cpp", "peak.cpp"))
+          ("bindings.cpp", "decoder.cpp", "amx_gemm.cpp", "encoder_attention.cpp", "encoder_ops.cpp", "peak.cpp",
+           "quant_gemm.cpp"))
 _module = None
 _tried = False
 _why_not: str | None = None  # why cpu_kernels() is None, once it is

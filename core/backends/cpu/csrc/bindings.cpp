@@ -28,6 +28,11 @@ bool pair_gemm_available();
 at::Tensor amx_gemm(at::Tensor x, at::Tensor packed, int64_t N, c10::optional<at::Tensor> bias,
                     int64_t act);
 bool amx_gemm_available();
+at::Tensor wq_gemm(at::Tensor x, at::Tensor q, at::Tensor scales, at::Tensor zeros, c10::optional<at::Tensor> offsets,
+                   int64_t N, int64_t group, int64_t bits, c10::optional<at::Tensor> bias);
+at::Tensor i8_gemm(at::Tensor x, at::Tensor packed, at::Tensor wsum, at::Tensor wscale, int64_t N,
+                   c10::optional<at::Tensor> bias, double x_scale, bool vnni);
+bool i8_vnni_built();
 double fma_peak_gflops(double seconds, bool bf16);
 at::Tensor act_mul(at::Tensor gu, int64_t act);
 void norm_runs_inplace(at::Tensor x, int64_t offset, int64_t groups, int64_t n, at::Tensor w, double eps);
@@ -82,6 +87,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_gemm", &amx_gemm, "x @ W.T (+ bias) in bf16 on AMX tiles, W prepacked by linears.pack_amx; act 1: GELU "
         "(erf) of it (CPU)", pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("N"), pybind11::arg("bias"),
         pybind11::arg("act") = 0);
+  m.def("wq_gemm", &wq_gemm, "x @ W.T (+ bias), W quantized (4 or 8 bits, group scales, zeros, offsets) and "
+        "de-quantized in the panel, packed by linears.pack_wq (CPU)", pybind11::arg("x"), pybind11::arg("q"),
+        pybind11::arg("scales"), pybind11::arg("zeros"), pybind11::arg("offsets"), pybind11::arg("N"),
+        pybind11::arg("group"), pybind11::arg("bits"), pybind11::arg("bias"));
+  m.def("i8_gemm", &i8_gemm, "x @ W.T (+ bias) with int8 weights and x quantized to int8 per row, int32 sums, "
+        "packed by linears.pack_i8 (CPU)", pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("wsum"),
+        pybind11::arg("wscale"), pybind11::arg("N"), pybind11::arg("bias"), pybind11::arg("x_scale"),
+        pybind11::arg("vnni"));
+  m.def("i8_vnni_built", &i8_vnni_built, "whether i8_gemm's AVX512-VNNI route is built in");
   m.def("amx_gemm_available", &amx_gemm_available, "whether amx_gemm can run here (AMX built in and permitted)");
   m.def("act_mul", &act_mul, "act(gate) * up over [rows, 2I]: act 0 SiLU, 1 GELU-tanh (CPU)");
   m.def("norm_runs", &norm_runs_inplace,
@@ -92,6 +106,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init([](at::Tensor packed, int64_t n, c10::optional<at::Tensor> bias, int64_t route) {
              return Linear{packed, n, bias, route};
            }), py::arg("packed"), py::arg("n"), py::arg("bias"), py::arg("route"))
+      .def_readwrite("scales", &Linear::scales).def_readwrite("zeros", &Linear::zeros)
+      .def_readwrite("wsum", &Linear::wsum).def_readwrite("offsets", &Linear::offsets)
+      .def_readwrite("perm", &Linear::perm).def_readwrite("group", &Linear::group)
+      .def_readwrite("bits", &Linear::bits).def_readwrite("x_scale", &Linear::x_scale)
+      .def_readwrite("vnni", &Linear::vnni)
       .def("__call__", &Linear::operator());
   py::class_<Norm>(m, "Norm", "an RMSNorm's weight (the model's dtype, or float32: multiplied in float) and eps")
       .def(py::init([](at::Tensor weight, double eps) { return Norm{weight, eps}; }), py::arg("weight"),

@@ -28,11 +28,18 @@ at::Tensor pair_gemm(at::Tensor x, at::Tensor packed, int64_t N, c10::optional<a
                      int64_t act);
 at::Tensor amx_gemm(at::Tensor x, at::Tensor packed, int64_t N, c10::optional<at::Tensor> bias,
                     int64_t act);
+at::Tensor wq_gemm(at::Tensor x, at::Tensor q, at::Tensor scales, at::Tensor zeros, c10::optional<at::Tensor> offsets,
+                   int64_t N, int64_t group, int64_t bits, c10::optional<at::Tensor> bias);
+at::Tensor i8_gemm(at::Tensor x, at::Tensor packed, at::Tensor wsum, at::Tensor wscale, int64_t N,
+                   c10::optional<at::Tensor> bias, double x_scale, bool vnni);
 
-at::Tensor Linear::operator()(const at::Tensor& x) const {
+at::Tensor Linear::operator()(const at::Tensor& x_in) const {
+  const at::Tensor x = perm.has_value() && perm->defined() ? x_in.index_select(1, *perm) : x_in;
   switch (route) {
     case 1: return pair_gemm(x, packed, n, bias, 0);
     case 2: return amx_gemm(x, packed, n, bias, 0);
+    case 3: return wq_gemm(x, packed, scales, zeros, offsets, n, group, bits, bias);
+    case 4: return i8_gemm(x, packed, wsum, scales, n, bias, x_scale, vnni);
     default: return panel_gemm(x, packed, n, bias, 0);
   }
 }

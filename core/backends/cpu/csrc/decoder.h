@@ -7,12 +7,20 @@
 #include <cstdint>
 #include <vector>
 
-// y = x W^T (+ b) by one of the exact linear kernels: 0 float panels, 1 bf16 pairs, 2 AMX tiles. n == 0: absent.
+// y = x W^T (+ b) by one of the exact linear kernels: 0 float panels, 1 bf16 pairs, 2 AMX tiles, 3 quantized
+// weights de-quantized in the panel (`packed` their values, with `scales`, `zeros`, `offsets`, `group`, `bits`),
+// 4 W8A8 (`packed` int8, `wsum`, `scales` per column, `x_scale` static or 0, `vnni`). `perm`: x's columns taken in
+// this order first (GPTQ's act-order). n == 0: absent.
 struct Linear {
   at::Tensor packed;
   int64_t n = 0;
   c10::optional<at::Tensor> bias;
   int64_t route = 0;
+  at::Tensor scales, zeros, wsum;
+  c10::optional<at::Tensor> offsets, perm;
+  int64_t group = 0, bits = 0;
+  double x_scale = 0.0;
+  bool vnni = false;
   at::Tensor operator()(const at::Tensor& x) const;
 };
 
