@@ -8,7 +8,8 @@ their configs ask for in `quant.formats`, refused there where conveyor does not 
 e4m3, transformers' FineGrainedFP8) runs where transformers de-quantizes it as it loads: where no GPU here computes
 FP8 (transformers' own rule: no CUDA or XPU device, or a CUDA one below compute capability 8.9), or where the config
 sets `dequantize`. Every other method (bitsandbytes, MXFP4, HQQ, ...) loads into modules of a library conveyor does
-not run: refused, naming the method. A .gguf file is de-quantized as it loads (`model_loader`).
+not run: refused, naming the method. A .gguf file loads as transformers loads it, its linears of the block types
+conveyor computes kept in their blocks on the CPU (`quant/gguf_load.py`).
 """
 
 from __future__ import annotations

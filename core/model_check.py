@@ -47,6 +47,10 @@ def check_report(model: str, task: str = "auto") -> tuple[Lines, str | None]:
             reason = reason.removeprefix(prefix)
         return lines, reason
     lines += format_lines(cfg, folder, gguf=gguf_file is not None)
+    if gguf_file is not None:
+        from conveyor.core.quant.gguf_load import describe_gguf
+
+        lines += describe_gguf(Path(path) / gguf_file)
     if task == "generate":
         return lines + generation_routes(cfg) + [("chat template", _chat_template(model))], None
     return lines + _pooling_lines(model, cfg, folder, task), None

@@ -98,6 +98,8 @@ def load_model(model: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "a
         scheme = read_scheme(cfg, gguf=gguf_file is not None)
         if scheme is not None:
             return _load_quantized(model, path, cfg, scheme, torch_dtype, dev)
+        if gguf_file is not None and dev.type == "cpu":
+            return _load_gguf(model, Path(path) / gguf_file, cfg, torch_dtype)
         try:
             tokenizer = AutoTokenizer.from_pretrained(path, gguf_file=gguf_file)
             lm, info = AutoModelForCausalLM.from_pretrained(path, gguf_file=gguf_file, dtype=torch_dtype,
@@ -136,6 +138,21 @@ def _load_quantized(model: str, path: str, cfg, scheme, torch_dtype, dev):
         raise ModelLoadError(f"--model {model}: could not load its tokenizer ({first})") from e
     lm = load_quantized(folder, cfg, scheme, torch_dtype, dev, model)
     return lm.to(dev).eval(), tokenizer
+
+
+def _load_gguf(model: str, file: Path, cfg, torch_dtype):
+    """(model, tokenizer) of a .gguf file on the CPU, its linears of kept block types still in their blocks."""
+    from transformers import AutoTokenizer
+
+    from conveyor.core.quant.gguf_load import load_gguf_quantized
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
+        lm = load_gguf_quantized(file, cfg, torch_dtype, model)
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelLoadError(f"--model {model}: could not load it ({first}); check the file") from e
+    return lm, tokenizer
 
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json",

@@ -247,3 +247,16 @@ def test_task_is_checked_and_needs_check(tiny_model):
     assert r.code == 2 and "--task: 'embd' is not one of" in r.err and "did you mean embed" in r.err, r.err
     r = run_in_process("models", "--task", "embed")
     assert r.code == 2 and "--task embed" in r.err and "without --check it changes nothing" in r.err, r.err
+
+
+def test_a_gguf_file_runs_with_its_linears_in_their_blocks_and_check_says_so(tmp_path):
+    from gguf_files import write
+
+    file = tmp_path / "tiny-q4k.gguf"
+    write(file, "Q4_K")
+    check, lines = _check(file)
+    assert check.code == 0 and lines["weights"].startswith("GGUF: 15 Q4_K linears of block types kept"), check.out
+    assert "cpu: the kept linears stay quantized" in lines["routes"], check.out
+    run, out, _ = _run(tmp_path, file, "--kv-cache-memory", "8MiB", "--max-tokens", "4", "--dtype", "float32")
+    assert run.code == 0, run.err
+    assert [r["status"] for r in read_rows(out)] == ["ok", "ok"]
