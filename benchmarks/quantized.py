@@ -2,12 +2,14 @@
 
     python benchmarks/quantized.py --body llama-1b --n 32                      # the issue's 32-request workload
     python benchmarks/quantized.py --body smollm2-135m --n 32 --max-tokens-cap 32 --reps 1   # smoke test
+    python benchmarks/quantized.py --models bf16=~/.cache/conveyor/models/smollm2-135m-instruct,q4_1=FILE.gguf
 
 A Llama-shaped model of the body's sizes is built with random weights (seeded) and saved once as a bf16 folder and
 as quantized folders written from each format's definition (tests/quant_checkpoints.py: compressed-tensors W8A8
 int8 with per-token activations, W4A16 in groups of 32, GPTQ 4-bit). Each (variant, round) runs in a fresh process
 through `load_model` (the path `conveyor run` takes), variants alternating (A B C A B C ...); the table gives the
-median output tok/s and each variant's ratio to bf16's median. vLLM is not installed here: its W8A8 row is
+median output tok/s and each variant's ratio to bf16's median. `--models NAME=PATH,...` times given models instead
+(a GGUF file against its de-quantized folder, say; the one named bf16 is the baseline). vLLM is not installed here: its W8A8 row is
 measured where benchmarks/setup_vllm.sh has made its venv (throughput.py).
 """
 
@@ -71,7 +73,7 @@ def worker(args) -> None:
     from conveyor.core.model_loader import load_model
 
     torch.set_num_threads(args.threads)
-    model, tok = load_model(str(Path(args.folder) / args.worker), device="cpu", dtype="bfloat16")
+    model, tok = load_model(args.path, device="cpu", dtype="bfloat16")
     engine = Engine(model, tok, EngineConfig(device="cpu", dtype="bfloat16", max_num_seqs=args.max_num_seqs,
                                              max_waiting=max(256, args.n)))
 
@@ -106,18 +108,24 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-tokens-cap", type=int, default=None)
     p.add_argument("--folder", default=None, help="where the folders are (built there once)")
+    p.add_argument("--models", default=None, help="NAME=PATH,... to time instead of a built body (bf16= the baseline)")
+    p.add_argument("--path", default=None, help=argparse.SUPPRESS)
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         return worker(args)
-    folder = Path(args.folder or tempfile.mkdtemp(prefix=f"quantized-{args.body}-"))
-    if not (folder / "bf16" / "config.json").exists():
-        build(args.body, folder)
-    variants = args.variants.split(",")
+    if args.models:
+        paths = dict(item.split("=", 1) for item in args.models.split(","))
+    else:
+        folder = Path(args.folder or tempfile.mkdtemp(prefix=f"quantized-{args.body}-"))
+        if not (folder / "bf16" / "config.json").exists():
+            build(args.body, folder)
+        paths = {v: str(folder / v) for v in args.variants.split(",")}
+    variants = list(paths)
     results: dict[str, list[float]] = {v: [] for v in variants}
     for rep in range(args.reps):
         for v in variants:
-            cmd = [sys.executable, __file__, "--worker", v, "--folder", str(folder), "--n", str(args.n),
+            cmd = [sys.executable, __file__, "--worker", v, "--path", str(Path(paths[v]).expanduser()), "--n", str(args.n),
                    "--seed", str(args.seed), "--threads", str(args.threads), "--max-num-seqs", str(args.max_num_seqs)]
             if args.max_tokens_cap:
                 cmd += ["--max-tokens-cap", str(args.max_tokens_cap)]
@@ -127,7 +135,7 @@ def main() -> None:
             print(f"round {rep + 1} {v:10s} {r['tok_s']:8.1f} tok/s  {r['backend']}{'' if r['exact'] else ' (not exact)'}",
                   flush=True)
     base = statistics.median(results["bf16"]) if results.get("bf16") else None
-    print(f"\n{args.body}, {args.n} requests, {args.threads} threads (median of {args.reps})")
+    print(f"\n{args.models or args.body}, {args.n} requests, {args.threads} threads (median of {args.reps})")
     for v, xs in results.items():
         med = statistics.median(xs)
         print(f"{v:10s} {med:8.1f} tok/s" + (f"  {med / base:.2f}x bf16" if base else ""))

@@ -251,9 +251,12 @@ constexpr int MR8 = 14;
 // Rows [0, R) x 32 columns: acc = sum over k of (q + 128) * w, in int32, by VPDPBUSD (u8 x s8, four a lane).
 template <int R>
 inline void i8_block_vnni(const uint8_t* __restrict__ xu, int64_t ldx, const int8_t* __restrict__ panel, int64_t K4,
-                          int32_t* __restrict__ out) {
+                          bool first, int32_t* __restrict__ out) {
   __m512i a0[R], a1[R];
-  for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm512_setzero_si512();
+  for (int r = 0; r < R; ++r) {
+    a0[r] = first ? _mm512_setzero_si512() : _mm512_loadu_si512(out + r * PW);
+    a1[r] = first ? _mm512_setzero_si512() : _mm512_loadu_si512(out + r * PW + 16);
+  }
   for (int64_t k = 0; k < K4; ++k) {
     const __m512i w0 = _mm512_loadu_si512(panel + k * PW * 4), w1 = _mm512_loadu_si512(panel + k * PW * 4 + 64);
 #pragma GCC unroll 14
@@ -273,11 +276,12 @@ inline void i8_block_vnni(const uint8_t* __restrict__ xu, int64_t ldx, const int
 #endif
 
 constexpr int MR16 = 6;
+constexpr int64_t KT4 = 64;  // fours of k per tile: 256 k
 // Rows [0, R) x 32 columns, 8 at a time: acc = sum over k of q * w in int32, by int16 pair products (VPMADDWD),
 // each accumulator lane holding a column's even or odd pairs, added at the end.
 template <int R>
 inline void i8_block_madd(const int16_t* __restrict__ x16, int64_t ldx, const int8_t* __restrict__ panel, int64_t K4,
-                          int32_t* __restrict__ out) {
+                          bool first, int32_t* __restrict__ out) {
   for (int c = 0; c < PW; c += 8) {
     __m256i a[R], b[R];
     for (int r = 0; r < R; ++r) a[r] = b[r] = _mm256_setzero_si256();
@@ -294,9 +298,11 @@ inline void i8_block_madd(const int16_t* __restrict__ x16, int64_t ldx, const in
         b[r] = _mm256_add_epi32(b[r], _mm256_madd_epi16(wb, xv));
       }
     }
-    for (int r = 0; r < R; ++r) {  // [c0 c0 c1 c1 | c2 c2 c3 c3] and [c4 ... c7] -> c0 .. c7
-      const __m256i h = _mm256_permute4x64_epi64(_mm256_hadd_epi32(a[r], b[r]), 0xD8);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * PW + c), h);
+    for (int r = 0; r < R; ++r) {  // [c0 c0 c1 c1 | c2 c2 c3 c3] and [c4 ... c7] -> c0 .. c7, added to the tiles before
+      __m256i h = _mm256_permute4x64_epi64(_mm256_hadd_epi32(a[r], b[r]), 0xD8);
+      __m256i* dst = reinterpret_cast<__m256i*>(out + r * PW + c);
+      if (!first) h = _mm256_add_epi32(h, _mm256_loadu_si256(dst));
+      _mm256_storeu_si256(dst, h);
     }
   }
 }
@@ -338,14 +344,26 @@ void i8_gemm_impl(const float* xf, const int8_t* packed, const int32_t* wsum, co
                             : MR16;
         for (int64_t m0 = c0; m0 < c1; m0 += mr) {
           const int rows = static_cast<int>(std::min<int64_t>(mr, c1 - m0));
+          for (int64_t t0 = 0; t0 < K4; t0 += KT4) {  // k in tiles that stay in L1 with the block's rows of x
+            const int64_t t1 = std::min(K4, t0 + KT4);
+            const int8_t* tile = panel + t0 * PW * 4;
 #ifdef CONVEYOR_I8_VNNI
-          if (vnni) {
-            with_rows<MR8>(rows, [&](auto R) { i8_block_vnni<R.value>(xu.data() + m0 * ldx, ldx, panel, K4, out); });
+            if (vnni) {
+              with_rows<MR8>(rows, [&](auto R) {
+                i8_block_vnni<R.value>(xu.data() + m0 * ldx + 4 * t0, ldx, tile, t1 - t0, t0 == 0, out);
+              });
+              continue;
+            }
+#endif
+            with_rows<MR16>(rows, [&](auto R) {
+              i8_block_madd<R.value>(x16.data() + m0 * ldx + 4 * t0, ldx, tile, t1 - t0, t0 == 0, out);
+            });
+          }
+#ifdef CONVEYOR_I8_VNNI
+          if (vnni)
             for (int r = 0; r < rows; ++r)
               for (int64_t j = 0; j < PW; ++j) out[r * PW + j] -= 128 * wsum[col + j];
-          } else
 #endif
-            with_rows<MR16>(rows, [&](auto R) { i8_block_madd<R.value>(x16.data() + m0 * ldx, ldx, panel, K4, out); });
           for (int r = 0; r < rows; ++r) {
             const float sx = xs[m0 + r];
             scalar_t* dst = y + (m0 + r) * N + col;
