@@ -6,7 +6,9 @@
 #   2. bf16 exactness: seeded records alone vs batched, chunked and preempted (reported, not failed: the cuda
 #      backend's cuBLAS linears are not batch-invariant);
 #   3. speculative decoding on and off (float32, greedy; reported): equal records, acceptance, speed;
-#   4. bf16 throughput of conveyor, transformers' static batches and `generate_batch` on a random 0.63B Llama with
+#   4. quantized checkpoints (W8A8, W4A16, GPTQ act-order, AWQ) greedy float32 on the Triton kernels against the
+#      formats' torch forward;
+#   5. bf16 throughput of conveyor, transformers' static batches and `generate_batch` on a random 0.63B Llama with
 #      SmolLM2's tokenizer (256 requests of the benchmark workload's shape), with roofline fractions.
 # Assumes torch with CUDA, Triton and transformers are installed. conveyor itself need not be: when `import
 # conveyor` fails, a shim on PYTHONPATH maps conveyor.{core,io,cli} to this checkout's folders.

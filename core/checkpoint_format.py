@@ -98,6 +98,11 @@ def format_refusal(cfg: Any, gguf: bool = False) -> str | None:
         return None
     method = str(qc.get("quant_method", "unknown"))
     if method in READ_METHODS:
+        experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
+        if experts:
+            return (f"its weights are quantized ({describe_quantization(qc)}, config.json's quantization_config) and "
+                    f"it is a mixture of {experts} experts, whose quantized expert weights conveyor does not read "
+                    "yet; use an unquantized release of the model")
         try:
             scheme_of(qc)
         except Refused as e:
@@ -144,7 +149,7 @@ def format_lines(cfg: Any, folder: Path | None, gguf: bool = False) -> list[tupl
                       "cpu (fused forward): kept quantized (weight-only: de-quantized in the kernel's registers, the "
                       "same sums as the dense route over the de-quantized weights; W8A8: int8 products, int32 sums, "
                       "activations quantized per row); cpu (torch backend): the format's definition in torch; cuda: "
-                      "de-quantized to the model's dtype as they load"))
+                      "kept quantized, Triton kernels (weight-only: de-quantized per tile; W8A8: int8 dot products)"))
     elif qc is not None:
         lines.append(("weights", f"quantized ({describe_quantization(qc)}): transformers de-quantizes them as they "
                                  "load here, and the routes below compute the de-quantized weights"))

@@ -2,8 +2,9 @@
 the model built from its config with no weights, each quantized linear replaced by a `QuantLinear` read from the
 format's own tensors (`tensors.read_linear`), every other weight loaded as it is, in the model's dtype.
 
-On a device other than the CPU the quantized linears are de-quantized into plain linears of the model's dtype as
-they load (the CUDA backend computes dense weights); on the CPU they stay quantized for the fused forward's kernels.
+The quantized linears stay quantized on every device: the CPU's fused forward multiplies by them with its C++
+kernels, the CUDA backend's lean forward with Triton ones (`backends/cuda/triton_quant.py`). FP8 weights are
+de-quantized as they load, into plain linears of the model's dtype.
 """
 
 from __future__ import annotations
@@ -79,13 +80,12 @@ def load_quantized(folder: Path, cfg, scheme: Scheme, dtype: torch.dtype, device
             raise UnsupportedModel(f"model {named}: {name} is not stored as {scheme.describe()} says ({e})") from None
         bias = tensors.get(f"{name}.bias") if module.bias is not None else None
         parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
-        if isinstance(weight, QuantWeight) and device.type == "cpu":
-            new = QuantLinear(weight, bias, dtype)
+        if isinstance(weight, QuantWeight):
+            new = QuantLinear(weight.to(device), None if bias is None else bias.to(device), dtype)
         else:
-            dense = weight.dense() if isinstance(weight, QuantWeight) else weight
             new = torch.nn.Linear(module.in_features, module.out_features, bias=bias is not None, dtype=dtype,
                                   device="meta")
-            new.weight = torch.nn.Parameter(dense.to(dtype), requires_grad=False)
+            new.weight = torch.nn.Parameter(weight.to(dtype), requires_grad=False)
             if bias is not None:
                 new.bias = torch.nn.Parameter(bias.to(dtype), requires_grad=False)
         setattr(parent, name.rpartition(".")[2], new)

@@ -54,6 +54,13 @@ class QuantWeight:
         out[:, self.perm] = w
         return out
 
+    def to(self, device: torch.device) -> QuantWeight:
+        """The same weight with its tensors on `device`."""
+        def move(t):
+            return None if t is None else t.to(device)
+        return replace(self, values=move(self.values), scales=move(self.scales), zeros=move(self.zeros),
+                       offsets=move(self.offsets), perm=move(self.perm))
+
     def rows(self, start: int, end: int) -> QuantWeight:
         """Rows [start, end) of the weight (views)."""
         def cut(t):

@@ -146,6 +146,15 @@ def test_a_quantization_conveyor_does_not_compute_is_refused_by_check_and_run_al
     assert lines["refused"] in run.err and not out.exists(), run.err
 
 
+def test_a_quantized_mixture_of_experts_is_refused_by_check_and_run_alike(tiny_model, tmp_path):
+    config = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True}
+    folder = _with_config(tiny_model, tmp_path / "moe", quantization_config=config, num_local_experts=4)
+    check, lines = _check(folder)
+    run, out, _ = _run(tmp_path, folder, *tiny_args(folder)[2:])
+    assert check.code == run.code == 2 and "a mixture of 4 experts" in lines["refused"], check.out
+    assert lines["refused"] in run.err and not out.exists(), run.err
+
+
 def test_an_embedding_model_with_quantized_weights_is_refused_alike(pooling_models, tmp_path):
     config = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True}
     folder = _with_config(pooling_models("bert-mean"), tmp_path / "gptq", quantization_config=config)

@@ -10,7 +10,9 @@ tiny random Llama by the format's own definition (tests/core/quant_checkpoints.p
   at a near-tie, where the reference's own second choice is within NEAR_TIE of its first, and takes that second.)
 - on the fused route a record's output does not depend on its batch, in float32 and bf16;
 - the quantized kernels: weight-only equals the dense route over the de-quantized weights bit for bit, and W8A8
-  equals its torch definition bit for bit, for every row count, a row alone as in any batch.
+  equals its torch definition bit for bit, for every row count, a row alone as in any batch;
+- the CUDA backend's Triton kernels (in Triton's interpreter): greedy output against the format's forward, the
+  weight-only kernel against the de-quantized weights, W8A8 against its torch definition bit for bit.
 """
 
 from __future__ import annotations
@@ -180,3 +182,43 @@ def test_w8a8_torch_definition_quantizes_each_row_by_its_largest_magnitude():
     q = torch.clamp(torch.round(x / s[:, None]), -128, 127)
     want = ((q.double() @ w.double().t()).float() * s[:, None]) * sw
     assert torch.equal(QuantLinear(QuantWeight("w8a8", w, sw), None, torch.float32)(x), want)
+
+
+CUDA_PROMPTS = ("p5", "p7")
+
+
+def test_greedy_float32_on_the_cuda_route_with_the_triton_kernels(folders):
+    """The CUDA backend's lean forward over quantized weights (4-bit, zero points, act-order: the Triton kernels; in
+    Triton's interpreter here, benchmarks/gpu_check.sh runs it on a GPU) against the format's torch forward, on two
+    prompts sharing the cached prefix, chunked. (Every kind of weight against QuantLinear: the test below.)"""
+    model = _load(folders("gptq-4-asym-desc")[0])
+    want = {k: reference(model, prompts()[k], MAX_TOKENS) for k in CUDA_PROMPTS}
+    engine = Engine(model, CharTokenizer(), route_config("cuda", CROWDED))
+    outs = {o.req_id: o.output_token_ids for o in engine.generate(GenerationRequest(k, prompts()[k], GREEDY)
+                                                                  for k in CUDA_PROMPTS)}
+    assert outs == want, engine.backend.describe()
+    assert "lean" in engine.backend.describe() and engine.backend.lean.quantized  # the Triton kernels ran
+
+
+@pytest.mark.parametrize("bits, group, offsets", [(4, 32, False), (8, 64, True), (4, 16, True)])
+def test_triton_weight_only_kernel_computes_the_dequantized_weights(bits, group, offsets):
+    from conveyor.core.backends.cuda.triton_quant import TritonQuantLinear
+
+    g = torch.Generator().manual_seed(bits + group)
+    q = _random_wq(g, 40, 100, bits, group, offsets)
+    bias = torch.randn(40, generator=g)
+    x = torch.randn(19, 100, generator=g)
+    want = x.double() @ q.dequantize().double().t() + bias.double()
+    assert torch.allclose(TritonQuantLinear(q, bias)(x).double(), want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("x_scale", [0.0, 0.02], ids=["dynamic", "static"])
+def test_triton_w8a8_kernel_is_its_torch_definition_bit_for_bit(x_scale):
+    from conveyor.core.backends.cuda.triton_quant import TritonQuantLinear
+
+    g = torch.Generator().manual_seed(9)
+    q = QuantWeight("w8a8", torch.randint(-128, 128, (45, 100), generator=g, dtype=torch.int8),
+                    torch.rand(45, generator=g) * 0.01, x_scale=x_scale)
+    bias = torch.randn(45, generator=g)
+    x = torch.randn(7, 100, generator=g) * 3
+    assert torch.equal(TritonQuantLinear(q, bias)(x), QuantLinear(q, bias, torch.float32)(x))

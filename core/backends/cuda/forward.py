@@ -5,7 +5,8 @@ The same weights and arithmetic as transformers' eager forward (float32 norms, r
 dtype, the family's norm placement, q/k norms, multipliers and softcaps) in fewer operations: q/k/v and gate/up
 are one matmul each (the module weights become views into the concatenated tensors). Nothing in a dense model's
 forward reads a value back to the host, so it can be captured in a CUDA graph: the rotary tables are computed for
-every position up front. An MoE layer routes its tokens on the host (not captured).
+every position up front. An MoE layer routes its tokens on the host (not captured). A quantized linear
+(`QuantWeight`) runs the Triton kernels of `triton_quant.py` over its quantized form.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 from conveyor.core.attention_spec import ModelAttention
 from conveyor.core.backends.base import StepAttention
 from conveyor.core.backends.decoder_plan import DecoderPlan, LayerPlan, MoePlan, NormPlan
+from conveyor.core.quant.weights import QuantWeight
 
 MAX_ROTARY_POSITIONS = 1 << 17  # a longer context grows the tables outside any graph (`reserve`)
 
@@ -79,7 +81,19 @@ class DecoderForward:
         self.attention = attention.layers
         self.rotaries = plan.rotaries
         self.has_moe = any(layer.moe is not None for layer in plan.layers)
+        self.quantized: dict[int, object] = {}  # id of a QuantWeight -> its TritonQuantLinear
         self.reserve(min(table_positions(model), MAX_ROTARY_POSITIONS))
+
+    def _linear(self, x: torch.Tensor, pair) -> torch.Tensor:
+        weight, bias = pair
+        if not isinstance(weight, QuantWeight):
+            return F.linear(x, weight, bias)
+        linear = self.quantized.get(id(weight))
+        if linear is None:
+            from conveyor.core.backends.cuda.triton_quant import TritonQuantLinear
+
+            linear = self.quantized[id(weight)] = TritonQuantLinear(weight, bias)
+        return linear(x)
 
     def reserve(self, num_positions: int) -> None:
         for table in self.rotaries:
@@ -95,7 +109,7 @@ class DecoderForward:
         T = h.shape[0]
         norms = layer.norms
         x = rms_norm(h, norms["attn_in"]) if "attn_in" in norms else h
-        qkv = F.linear(x, *layer.qkv)
+        qkv = self._linear(x, layer.qkv)
         q = qkv[:, :H * D]
         k = qkv[:, H * D:(H + Hkv) * D]
         v = qkv[:, (H + Hkv) * D:].reshape(T, Hkv, D)
@@ -111,7 +125,7 @@ class DecoderForward:
             q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         attention.store(i, k, v)
         a = attention.attend(i, q, k, v, spec.scale, window=spec.window, softcap=spec.softcap)
-        o = F.linear(a.reshape(T, H * D), *layer.o)
+        o = self._linear(a.reshape(T, H * D), layer.o)
         if "attn_out" in norms:
             o = rms_norm(o, norms["attn_out"])
         if layer.residual_multiplier != 1.0:
@@ -121,9 +135,9 @@ class DecoderForward:
         if layer.moe is not None:
             m = _moe(x, layer.moe, layer.act)
         else:
-            gate_up = F.linear(x, *layer.gate_up)
+            gate_up = self._linear(x, layer.gate_up)
             n = layer.intermediate
-            m = F.linear(_act(gate_up[:, :n], layer.act) * gate_up[:, n:], *layer.down)
+            m = self._linear(_act(gate_up[:, :n], layer.act) * gate_up[:, n:], layer.down)
         if "mlp_out" in norms:
             m = rms_norm(m, norms["mlp_out"])
         if layer.residual_multiplier != 1.0:
@@ -138,7 +152,7 @@ class DecoderForward:
         for i, layer in enumerate(plan.layers):
             h = self._layer(i, layer, h, tables, attention)
         rows = h.index_select(0, logit_rows)
-        logits = F.linear(rms_norm(rows, plan.final_norm), *plan.lm_head)
+        logits = self._linear(rms_norm(rows, plan.final_norm), plan.lm_head)
         if plan.final_softcap is not None:
             logits = torch.tanh(logits / plan.final_softcap) * plan.final_softcap
         if plan.logits_divisor is not None:
