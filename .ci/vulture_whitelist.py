@@ -42,3 +42,8 @@ _.readinto
 # pybind11 properties of the C++ Linear (csrc/decoder.h), written from Python; torch's module repr hook.
 _.vnni
 extra_repr
+
+# llama.cpp's quantize parameters, a ctypes struct read by the library (benchmarks/gguf_vs_llama_cpp.py).
+_.ftype
+_.allow_requantize
+_.nthread

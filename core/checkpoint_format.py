@@ -144,7 +144,7 @@ def format_lines(cfg: Any, folder: Path | None, gguf: bool = False) -> list[tupl
     scheme = read_scheme(cfg, gguf)
     if scheme is not None:
         lines.append(("weights", f"quantized: {scheme.describe()}, read by conveyor from the format's tensors"))
-        lines.append(("routes", "cpu (fused forward): de-quantized as they load, the dense kernels compute them"
+        lines.append(("routes", "every backend: de-quantized as they load, the dense routes compute them"
                       if scheme.dequantized else
                       "cpu (fused forward): kept quantized (weight-only: de-quantized in the kernel's registers, the "
                       "same sums as the dense route over the de-quantized weights; W8A8: int8 products, int32 sums, "

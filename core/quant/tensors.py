@@ -108,6 +108,8 @@ def _compressed_tensors(ms: ModuleScheme, need, get, prefix: str, shape: tuple[i
                            x_scale=float(static.float().item()) if ms.static_input else 0.0)
     groups = scale.shape[1]
     group = -(-k // groups)
+    if zp is not None and ms.symmetric and bool(zp.any()):
+        raise ValueError("zero points that are not zero for weights the config calls symmetric")
     if zp is None or ms.symmetric:
         zero = torch.full((n, groups), float(1 << (ms.bits - 1)))
     elif zp.dtype == torch.int32 and ms.bits < 8 and zp.shape[0] != n:
