@@ -83,8 +83,10 @@ def _quantize_into(state: dict, name: str, w: torch.Tensor, fmt: str) -> torch.T
         q, s = _sym(w, 8, None)
         state[f"{name}.weight"] = q.to(torch.int8)
         state[f"{name}.weight_scale"] = s.reshape(n, 1)
+        state[f"{name}.weight_zero_point"] = torch.zeros(n, 1, dtype=torch.int8)  # (written for symmetric ones too)
         if fmt == "ct-w8a8-static":
             state[f"{name}.input_scale"] = torch.tensor([0.02])
+            state[f"{name}.input_zero_point"] = torch.zeros(1, dtype=torch.int8)
         return q.float() * s
     if fmt in ("ct-w4a16", "ct-w8a16", "ct-w4a16-actorder"):
         bits = 8 if fmt == "ct-w8a16" else 4
@@ -135,6 +137,7 @@ def _quantize_into(state: dict, name: str, w: torch.Tensor, fmt: str) -> torch.T
         state[f"{name}.qzeros"] = _pack_along(stored_z.t(), bits, 1)  # [groups, N / per]
         state[f"{name}.scales"] = s.t().contiguous().half()
         state[f"{name}.g_idx"] = g_idx
+        state[f"{name}.bias"] = torch.zeros(n, dtype=torch.float16)  # AutoGPTQ writes one for every linear
         which = g_idx.long() if s.shape[1] > 1 else torch.zeros(k, dtype=torch.long)
         return (q.float() - z.float()[:, which]) * s[:, which]
     if fmt == "awq":

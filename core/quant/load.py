@@ -78,7 +78,12 @@ def load_quantized(folder: Path, cfg, scheme: Scheme, dtype: torch.dtype, device
                               "weight file") from None
         except ValueError as e:
             raise UnsupportedModel(f"model {named}: {name} is not stored as {scheme.describe()} says ({e})") from None
-        bias = tensors.get(f"{name}.bias") if module.bias is not None else None
+        bias = tensors.get(f"{name}.bias")
+        if module.bias is None and bias is not None:  # (GPTQ writes a bias of zeros for every linear)
+            if bool(bias.any()):
+                raise UnsupportedModel(f"model {named}: {name} has a bias in the checkpoint that the model's "
+                                       "architecture has no place for")
+            bias = None
         parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
         if isinstance(weight, QuantWeight):
             new = QuantLinear(weight.to(device), None if bias is None else bias.to(device), dtype)

@@ -104,6 +104,9 @@ def _compressed_tensors(ms: ModuleScheme, need, get, prefix: str, shape: tuple[i
         static = get(f"{prefix}.input_scale")
         if ms.static_input and (static is None or static.numel() != 1):
             raise MissingTensor(f"{prefix}.input_scale")
+        input_zero = get(f"{prefix}.input_zero_point")
+        if input_zero is not None and bool(input_zero.any()):
+            raise ValueError("activation zero points that are not zero for activations the config calls symmetric")
         return QuantWeight("w8a8", (values - 128).to(torch.int8).contiguous(), scale[:, 0].contiguous(),
                            x_scale=float(static.float().item()) if ms.static_input else 0.0)
     groups = scale.shape[1]

@@ -93,6 +93,23 @@ def test_greedy_float32_equals_the_formats_torch_forward(fmt, route, folders):
         assert engine.backend.describe() == "cpu (fused llama forward)" and engine.backend.exact
 
 
+def test_a_tensor_the_model_has_no_place_for_is_refused_not_dropped(folders, tmp_path):
+    """GPTQ writes a bias of zeros beside every linear (read, and nothing to add); one that is not zero, where the
+    architecture has no bias, is refused rather than left out."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from conveyor.core.errors import UnsupportedModel
+
+    folder = shutil.copytree(folders("gptq-4")[0], tmp_path / "biased")
+    state = load_file(folder / "model.safetensors")
+    state["model.layers.0.self_attn.q_proj.bias"] = torch.ones_like(state["model.layers.0.self_attn.q_proj.bias"])
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(UnsupportedModel, match="q_proj has a bias in the checkpoint"):
+        _load(folder)
+
+
 @torch.inference_mode()
 def _parts_at_a_near_tie(model, prompt, got, want) -> bool:
     i = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
