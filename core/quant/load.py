@@ -64,12 +64,13 @@ def load_quantized(folder: Path, cfg, scheme: Scheme, dtype: torch.dtype, device
     with init_empty_weights(include_buffers=False):
         model = (auto_class or AutoModelForCausalLM).from_config(plain, dtype=dtype)
     replaced: set[str] = set()
+    tied = bool(getattr(plain, "tie_word_embeddings", False))
     for name, module in list(model.named_modules()):
         if not isinstance(module, torch.nn.Linear):
             continue
         ms = scheme.module(name)
-        if ms is None:
-            continue
+        if ms is None or (tied and module is model.get_output_embeddings()):
+            continue  # (a tied lm_head is the embeddings: stored once, unquantized)
         try:
             weight = read_linear(scheme, ms, name, tensors.get, (module.out_features, module.in_features))
         except MissingTensor as e:
