@@ -501,6 +501,8 @@ def main() -> None:
                    help="words per prompt, log-uniform (default 3,300: about 10-400 tokens with the chat template)")
     p.add_argument("--output-tokens", type=_span, default=(8, 256), metavar="MIN,MAX",
                    help="clip of the skewed max_tokens distribution (default 8,256)")
+    p.add_argument("--model", default=None, help="a model folder every engine loads (default: the embedded SmolLM2; "
+                   "a quantized folder, say, from benchmarks/quantized.py)")
     p.add_argument("--vllm-venv", type=Path, default=Path(os.environ.get("VLLM_VENV", HERE / ".venv-vllm")))
     p.add_argument("--vllm-eager", action="store_true", help="vLLM enforce_eager=True (no torch.compile)")
     p.add_argument("--timeout", type=int, default=7200, help="seconds per engine process")
@@ -534,7 +536,7 @@ def main() -> None:
 
     from conveyor.core.model_loader import ensure_embedded
 
-    folder = str(ensure_embedded("smollm2-135m-instruct"))
+    folder = args.model or str(ensure_embedded("smollm2-135m-instruct"))
     tokenizer = AutoTokenizer.from_pretrained(folder)
     shape = {"min_words": args.prompt_words[0], "max_words": args.prompt_words[1],
              "min_tokens": args.output_tokens[0], "max_tokens": args.output_tokens[1]}
