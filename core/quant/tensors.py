@@ -115,8 +115,8 @@ def _compressed_tensors(ms: ModuleScheme, need, get, prefix: str, shape: tuple[i
         raise ValueError("zero points that are not zero for weights the config calls symmetric")
     if zp is None or ms.symmetric:
         zero = torch.full((n, groups), float(1 << (ms.bits - 1)))
-    elif zp.dtype == torch.int32 and ms.bits < 8 and zp.shape[0] != n:
-        zero = unpack_int32(zp, ms.bits, 0, n).float().reshape(n, groups)  # stored as zero + 2^(b-1)
+    elif zp.dtype == torch.int32 and zp.shape[0] != n:  # pack-quantized: packed along N as zero + 2^(b-1)
+        zero = unpack_int32(zp, ms.bits, 0, n).float().reshape(n, groups)
     else:
         zero = _groups(zp, n) + float(1 << (ms.bits - 1))
     g_idx = get(f"{prefix}.weight_g_idx")

@@ -240,3 +240,21 @@ def test_triton_w8a8_kernel_is_its_torch_definition_bit_for_bit(x_scale):
     bias = torch.randn(45, generator=g)
     x = torch.randn(7, 100, generator=g) * 3
     assert torch.equal(TritonQuantLinear(q, bias)(x), QuantLinear(q, bias, torch.float32)(x))
+
+
+def test_8_bit_asymmetric_zero_points_are_read_from_their_packing_along_n():
+    """pack-quantized packs the zero points of asymmetric weights along N (8 bits: four a word) as it packs 4-bit
+    ones; they were read as if unpacked."""
+    from quant_checkpoints import _asym, _pack_along
+
+    from conveyor.core.quant.formats import ModuleScheme, Scheme
+    from conveyor.core.quant.tensors import read_linear
+
+    w = torch.randn(40, 64, generator=torch.Generator().manual_seed(2))
+    q, z, s = _asym(w, 8, 32)
+    tensors = {"m.weight_packed": _pack_along(q, 8, 1), "m.weight_scale": s, "m.weight_zero_point": _pack_along(z, 8, 0),
+               "m.weight_shape": torch.tensor([40, 64], dtype=torch.int32)}
+    scheme = ModuleScheme("wq", 8, 32, symmetric=False)
+    weight = read_linear(Scheme("compressed-tensors", "pack-quantized", ((("Linear",), scheme),)), scheme, "m",
+                         tensors.get, (40, 64))
+    assert torch.equal(weight.dense(), (q.float() - z.float().repeat_interleave(32, 1)) * s.repeat_interleave(32, 1))
