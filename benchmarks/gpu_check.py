@@ -202,6 +202,15 @@ def equivalence(folder: Path, device: str, num_prompts: int, max_tokens: int, ti
     return report
 
 
+class CharTokenizer:
+    """Stand-in tokenizer for the tiny models' random token ids: token i decodes to one character; no EOS."""
+
+    eos_token_id = None
+
+    def decode(self, ids, **kwargs):
+        return "".join(chr(0x4E00 + int(i)) for i in ids)
+
+
 def families(device: str, backend: str, names: list[str]) -> dict:
     """Greedy float32 on the backend vs transformers' full-recompute forward (eager attention), for tiny random
     models of each decoder family (tests/core/families.py: windows, softcaps, sinks, MoE, q/k norms, partial
@@ -215,12 +224,6 @@ def families(device: str, backend: str, names: list[str]) -> dict:
     from conveyor.core.engine import Engine
     from conveyor.core.outputs import GenerationRequest
     from conveyor.core.sampling_params import SamplingParams
-
-    class CharTokenizer:
-        eos_token_id = None
-
-        def decode(self, ids, **kwargs):
-            return "".join(chr(0x4E00 + int(i)) for i in ids)
 
     max_tokens = 12
     report = {"families": {}, "ok": True}
@@ -268,12 +271,6 @@ def quantized(device: str, backend: str, formats: list[str]) -> dict:
     from conveyor.core.outputs import GenerationRequest
     from conveyor.core.quant.load import load_quantized
     from conveyor.core.sampling_params import SamplingParams
-
-    class CharTokenizer:
-        eos_token_id = None
-
-        def decode(self, ids, **kwargs):
-            return "".join(chr(0x4E00 + int(i)) for i in ids)
 
     max_tokens = 12
     report = {"formats": {}, "ok": True}

@@ -89,12 +89,6 @@ class QuantWeight:
         return replace(first, values=stack("values"), scales=stack("scales"), zeros=stack("zeros"),
                        offsets=stack("offsets"))
 
-    def nbytes(self) -> int:
-        """Bytes the weight takes in memory as the kernels hold it (values at their bits, scales and zeros)."""
-        n, k = self.values.shape
-        meta = sum(t.numel() * 4 for t in (self.scales, self.zeros, self.offsets) if t is not None)
-        return n * k * self.bits // 8 + meta
-
 
 def quantize_rows(x: torch.Tensor, x_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(int values as float32 [M, K], scales [M, 1]) of x's rows, as the W8A8 kernel quantizes them: s = the row's

@@ -68,6 +68,15 @@ WINDOWED = {"qwen2-window", "mistral-window", "gemma2", "gemma3", "phi3-partial-
             "gpt-oss"}
 
 
+class CharTokenizer:
+    """Stand-in tokenizer: token i decodes to one distinct character; no EOS."""
+
+    eos_token_id = None
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(0x4E00 + int(i)) for i in ids)
+
+
 def build(name: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """The family's tiny model, seeded (the same weights every call), in eval mode; norm weights and sinks moved
     off their initial values so that every norm's form and every sink counts."""

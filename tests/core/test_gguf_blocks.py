@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from families import prompts, reference
+from families import CharTokenizer, prompts, reference
 from gguf_files import VOCAB, write
 from routes import route_config
 
@@ -21,13 +21,6 @@ from conveyor.core.quant.weights import QuantLinear
 MAX_TOKENS = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 CROWDED = EngineConfig(num_kv_blocks=14, max_num_batched_tokens=32, max_num_seqs=8)
-
-
-class CharTokenizer:
-    eos_token_id = None
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(chr(0x4E00 + int(i)) for i in ids)
 
 
 def _prompts():

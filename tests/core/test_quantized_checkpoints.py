@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from families import build, prompts, reference
+from families import CharTokenizer, build, prompts, reference
 from quant_checkpoints import FORMATS, write
 from routes import route_config
 
@@ -36,13 +36,6 @@ NEAR_TIE = 0.1  # logits apart (W8A8 only; the tiny models' logits are about 5 i
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 CROWDED = EngineConfig(num_kv_blocks=14, max_num_batched_tokens=32, max_num_seqs=8)
 kernels = pytest.mark.skipif(cpu_kernels() is None, reason="conveyor's C++ kernels do not run here")
-
-
-class CharTokenizer:
-    eos_token_id = None
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(chr(0x4E00 + int(i)) for i in ids)
 
 
 @pytest.fixture(scope="module")

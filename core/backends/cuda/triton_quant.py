@@ -24,6 +24,21 @@ BLOCK_M, BLOCK_N, BLOCK_K = 16, 32, 64
 
 
 @triton.jit
+def _dequant_dot(acc, u, rm, rn, rk, x_ptr, s_ptr, z_ptr, o_ptr, M, N, K, G, GROUPS, HAS_O: tl.constexpr):
+    """acc + x[rm, rk] @ w[rn, rk].T, w = ((u - z) * s) + o of each k's group (columns past K or N: zero)."""
+    g = rk // G
+    gm = (rn[:, None] < N) & (rk[None, :] < K)
+    s = tl.load(s_ptr + rn[:, None] * GROUPS + g[None, :], mask=gm, other=0.0)
+    z = tl.load(z_ptr + rn[:, None] * GROUPS + g[None, :], mask=gm, other=0.0)
+    w = (u - z) * s
+    if HAS_O:
+        w = w + tl.load(o_ptr + rn[:, None] * GROUPS + g[None, :], mask=gm, other=0.0)
+    x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K),
+                other=0.0).to(tl.float32)
+    return acc + tl.dot(x, tl.trans(w), input_precision="ieee")
+
+
+@triton.jit
 def _wq_kernel(x_ptr, q_ptr, s_ptr, z_ptr, o_ptr, b_ptr, y_ptr, M, N, K, QS, G, GROUPS,
                HAS_O: tl.constexpr, HAS_B: tl.constexpr, BITS: tl.constexpr,
                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
@@ -39,29 +54,12 @@ def _wq_kernel(x_ptr, q_ptr, s_ptr, z_ptr, o_ptr, b_ptr, y_ptr, M, N, K, QS, G, 
                 byte = tl.load(q_ptr + rn[:, None] * QS + (k0 // 2 + tl.arange(0, HALF))[None, :],
                                mask=(rn[:, None] < N) & (rk[None, :] < K), other=0)
                 u = ((byte >> (4 * h)) & 0x0F).to(tl.float32)
-                g = rk // G
-                gm = (rn[:, None] < N) & (rk[None, :] < K)
-                s = tl.load(s_ptr + rn[:, None] * GROUPS + g[None, :], mask=gm, other=0.0)
-                z = tl.load(z_ptr + rn[:, None] * GROUPS + g[None, :], mask=gm, other=0.0)
-                w = (u - z) * s
-                if HAS_O:
-                    w = w + tl.load(o_ptr + rn[:, None] * GROUPS + g[None, :], mask=gm, other=0.0)
-                x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K),
-                            other=0.0).to(tl.float32)
-                acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+                acc = _dequant_dot(acc, u, rm, rn, rk, x_ptr, s_ptr, z_ptr, o_ptr, M, N, K, G, GROUPS, HAS_O)
         else:
             rk = k0 + tl.arange(0, BK)
-            gm = (rn[:, None] < N) & (rk[None, :] < K)
-            u = tl.load(q_ptr + rn[:, None] * QS + rk[None, :], mask=gm, other=0).to(tl.float32)
-            g = rk // G
-            s = tl.load(s_ptr + rn[:, None] * GROUPS + g[None, :], mask=gm, other=0.0)
-            z = tl.load(z_ptr + rn[:, None] * GROUPS + g[None, :], mask=gm, other=0.0)
-            w = (u - z) * s
-            if HAS_O:
-                w = w + tl.load(o_ptr + rn[:, None] * GROUPS + g[None, :], mask=gm, other=0.0)
-            x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K),
-                        other=0.0).to(tl.float32)
-            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+            u = tl.load(q_ptr + rn[:, None] * QS + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < K),
+                        other=0).to(tl.float32)
+            acc = _dequant_dot(acc, u, rm, rn, rk, x_ptr, s_ptr, z_ptr, o_ptr, M, N, K, G, GROUPS, HAS_O)
     if HAS_B:
         acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty),
