@@ -36,8 +36,6 @@ from conveyor.core.model_loader import EMBEDDED_MODELS, check_model, is_embedded
 from conveyor.core.outputs import GenerationRequest, InFlight, ModelLimits, RequestOutput
 from conveyor.core.pooling_params import (
     POOLING_METHODS,
-    POOLING_TASKS,
-    TASKS,
     PoolingOptions,
     PoolingOutput,
     PoolingRequest,
@@ -48,12 +46,13 @@ from conveyor.core.request import FinishReason
 from conveyor.core.sampling_params import MAX_LOGPROBS, Grammar, SamplingParams
 from conveyor.core.schedule_types import TokenLogprobs
 from conveyor.core.schema_check import schema_error
+from conveyor.core.task import POOLING_TASKS, TASKS, Task
 
 __all__ = ["BACKENDS", "auto_task", "DEFAULT_KV_CACHE_MEMORY", "DEFAULT_MODEL", "DEFAULT_SPECULATIVE_TOKENS", "DEVICE_DEFAULTS",
            "DTYPES", "EMBEDDED_MODELS", "MAX_LOGPROBS", "MIN_WAITING", "REASONING_PARSERS", "SCHEDULES",
            "SPECULATIVE_METHODS", "ConfigError", "EngineConfig", "FinishReason", "GenerationRequest", "Grammar",
            "Grammars", "InFlight", "ModelLimits", "ModelLoadError", "OptionMeta", "POOLING_METHODS", "POOLING_TASKS", "PoolingOptions", "PoolingOutput",
-           "PoolingRequest", "RequestOutput", "TASKS", "TokenSequence", "SamplingParams", "TokenLogprobs",
+           "PoolingRequest", "RequestOutput", "TASKS", "TokenSequence", "SamplingParams", "Task", "TokenLogprobs",
            "check_before_loading", "check_pooling_model", "check_fields", "check_model", "check_value", "compiling", "field_kinds", "is_embedded_cached", "load_engine", "load_pooling_engine", "load_pooling_tokenizer", "load_tokenizer",
            "model_fingerprint", "model_report", "models_cache_dir", "option", "option_fields", "option_meta", "parse_memory", "resolve_engine_config", "resolve_reasoning",
            "schema_error"]

@@ -121,6 +121,8 @@ def _kinds(cls: type) -> dict[str, tuple[tuple[type, ...], bool]]:
             base = typing.get_origin(arg) or arg
             if base in _NAMES:
                 kinds.append(base)
+            elif isinstance(base, type) and issubclass(base, str):  # a str-valued enum (Task): given as its name
+                kinds.append(str)
             elif arg is not type(None) and arg is not typing.Any:
                 kinds = []  # a type not read here: leave the whole field to its own check
                 break

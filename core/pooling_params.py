@@ -14,8 +14,6 @@ from dataclasses import dataclass
 
 from conveyor.core.fields import check_fields, option
 
-TASKS = ("auto", "generate", "embed", "classify", "score", "rerank", "reward")
-POOLING_TASKS = ("embed", "classify", "score", "rerank", "reward")
 POOLING_METHODS = ("last", "mean", "cls")
 
 

@@ -20,6 +20,7 @@ from conveyor.core import (
     EngineConfig,
     PoolingOptions,
     SamplingParams,
+    Task,
     check_fields,
     option,
     option_meta,
@@ -89,7 +90,7 @@ class RunSpec:
     state: StateOptions = field(default_factory=StateOptions)
     # what the run computes: generate, or a pooling task (core.pooling_params); auto: a batch line's url, else what
     # the checkpoint is (a classifier: classify; an embedding model: embed; else generate). `Run` resolves it.
-    task: str = option(TASKS[0], choices=TASKS)
+    task: Task = option(Task.AUTO, choices=TASKS)
     pooling: PoolingOptions = field(default_factory=PoolingOptions)  # the pooling tasks' settings
     profile: bool = option(False)  # split the engine's step time into its phases
     # core.reasoning.REASONING_PARSERS: the output's reasoning in its own column
@@ -97,6 +98,7 @@ class RunSpec:
 
     def __post_init__(self) -> None:
         check_fields(self)
+        object.__setattr__(self, "task", Task(self.task))
 
     def generation_config(self, version: int = CONFIG_VERSION) -> dict[str, Any]:
         """What decides the output rows: a change of any of these under a run directory is drift. Every field of
