@@ -24,6 +24,7 @@ import torch
 from conveyor.core.backends import select_backend
 from conveyor.core.block_manager import BlockManager
 from conveyor.core.config import EngineConfig, parse_memory
+from conveyor.core.engine_api import EngineInfo, EngineStats
 from conveyor.core.grammar_admission import GrammarAdmission
 from conveyor.core.kv_cache import KVCache
 from conveyor.core.logits_state import LogitsState
@@ -36,37 +37,6 @@ from conveyor.core.speculative import CostCurve, SpeculativeConfig, Speculator
 
 MEASURED_ROWS = 256  # the speculator's cost curve is measured up to this many rows, and extended linearly past it
 MEASURED_CONTEXT = 128  # keys each measured row attends to
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv_usage: float  # fraction of KV blocks in use
-    num_preemptions: int
-    prefix_cache_hit_rate: float
-    num_computed_prompt_tokens: int
-    num_cached_prompt_tokens: int
-    num_generated_tokens: int
-    num_steps: int
-    num_forward_steps: int = 0  # steps that ran a forward pass (num_steps also counts those with nothing to run)
-    num_scheduled_rows: int = 0  # requests scheduled, summed over those steps: / num_forward_steps = mean running
-    num_draft_tokens: int = 0  # speculative decoding: draft tokens fed ...
-    num_accepted_draft_tokens: int = 0  # ... and accepted (equal to the token sampled there)
-
-
-@dataclass(frozen=True)
-class EngineInfo:
-    """What an engine runs (`Engine.info`): its model, dtype and backend, and the limits it runs under."""
-
-    model_path: str | None  # where the weights loaded from (the model config's name_or_path: a folder, a hub id)
-    dtype: str  # the weights' dtype, as the engine's config resolved it
-    backend: str
-    max_num_seqs: int  # requests a step runs at most
-    max_num_batched_tokens: int  # tokens a step's forward pass holds at most
-    max_model_len: int  # tokens a request may hold, prompt and output
-    batch_invariant: bool  # whether it meets the exactness contract (a record's bits whatever its batch)
-    cpu_isa: str | None = None  # the instructions of the cpu kernels it runs (kernels.cpu_isa); None off them
 
 
 @dataclass(frozen=True)
@@ -94,7 +64,7 @@ def eos_ids_of(model, tokenizer) -> set[int]:
 
 
 class Engine:
-    """Continuous batching over a paged KV cache for one transformers causal LM."""
+    """Continuous batching over a paged KV cache for one transformers causal LM (an `engine_api.InferenceEngine`)."""
 
     def __init__(self, model: torch.nn.Module, tokenizer, config: EngineConfig = EngineConfig()) -> None:
         self.model = model
@@ -106,6 +76,7 @@ class Engine:
                                       config.max_num_batched_tokens)
         shape = self.backend.shape
         self.limits = shape.limits  # what a request must fit: the context, the vocabulary
+        self.labels: tuple[str, ...] = ()  # (a classifier's: none here)
         self.max_model_len = shape.max_model_len
         num_blocks = config.num_kv_blocks
         if num_blocks is None:

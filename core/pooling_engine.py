@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from conveyor.core.config import EngineConfig
-from conveyor.core.engine import EngineInfo, EngineStats
+from conveyor.core.engine_api import EngineInfo, EngineStats
 from conveyor.core.outputs import ModelLimits
 from conveyor.core.pooling_model import PoolingModel, load_pooling_model
 from conveyor.core.pooling_params import PoolingOutput, PoolingRequest, TokenSequence

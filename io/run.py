@@ -434,7 +434,7 @@ class Run:
         state = self.spec.state
         sink = JournalSink(self.journal, CommitPolicy(state.checkpoint_every, state.checkpoint_seconds),
                            self.spec.output.on_error, self._token_text, self.totals, self.engine.in_flight,
-                           self.partials, self.spec.task, getattr(self.engine, "labels", ()),
+                           self.partials, self.spec.task, self.engine.labels,
                            after_commit=self.parts.write_ready if self.parts is not None else None)
         records = self._noting_keep_fields(self._pending)
         if run_records(records, self.builder, self.engine, sink, should_stop, on_progress) == "stopped":
