@@ -25,17 +25,20 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Iterator
 
+from conveyor.core.engine_api import InferenceEngine
 from conveyor.io.records.readers import RawRecord
+from conveyor.io.records.record_head import RecordBuilder
 from conveyor.io.rows.sink import RecordSink
 
 
-def run_records(records: Iterable[RawRecord], builder, engine, sink: RecordSink,
+def run_records(records: Iterable[RawRecord], builder: RecordBuilder, engine: InferenceEngine | None, sink: RecordSink,
                 should_stop: Callable[[], bool] = lambda: False, on_progress: Callable[[], None] | None = None,
                 progress_every: float = 0.2) -> str:
-    """Build every record (`builder`: a `request_builder.RequestBuilder`), run the requests through `engine` (a
-    core `Engine`, or None: build only) and give each record's outcome to `sink`, once. Returns "done" when
-    every record has gone to the sink, "stopped" when `should_stop()` said so first (checked between steps, and
-    between records while they are read); the sink is closed either way (a JournalSink commits what finished).
+    """Build every record (`builder`: a `RequestBuilder` or `PoolingRequestBuilder`), run the requests through
+    `engine` (the generation or pooling engine; None: build only) and give each record's outcome to `sink`, once.
+    Returns "done" when every record has gone to the sink, "stopped" when `should_stop()` said so first (checked
+    between steps, and between records while they are read); the sink is closed either way (a JournalSink commits
+    what finished).
     Exceptions propagate after the sink is closed."""
     completed = False
     try:
@@ -65,7 +68,8 @@ def run_records(records: Iterable[RawRecord], builder, engine, sink: RecordSink,
         sink.close(completed)
 
 
-def _requests(records: Iterable[RawRecord], builder, sink: RecordSink, should_stop: Callable[[], bool]) -> Iterator:
+def _requests(records: Iterable[RawRecord], builder: RecordBuilder, sink: RecordSink,
+              should_stop: Callable[[], bool]) -> Iterator:
     """Each record built and admitted by the sink: the requests to generate (a record that became a row here
     yields none, one with n > 1 one per sample). Ends early once `should_stop()` says so."""
     for raw in records:

@@ -12,8 +12,8 @@ from pathlib import Path
 from conveyor.io.errors import InputError
 from conveyor.io.records.readers import DEFAULT_MAX_RECORD_BYTES, RawRecord, Reader, fingerprint, open_reader
 from conveyor.io.records.readers.record import location
+from conveyor.io.records.record_head import own_id
 from conveyor.io.records.reject import Reject
-from conveyor.io.records.request_builder import own_id
 from conveyor.io.state.journal import Journal
 from conveyor.io.state.journal_rebase import Entry, Reuse, rebase
 from conveyor.io.state.run_dir import RunDir

@@ -9,7 +9,7 @@ from collections import Counter
 from conveyor.core import EngineConfig, Grammars
 from conveyor.io.records.pooling_builder import BuiltPooling
 from conveyor.io.records.readers.record import location
-from conveyor.io.records.request_builder import ErrorRow
+from conveyor.io.records.record_head import ErrorRow
 from conveyor.io.rows.rows import duplicate_id_message
 from conveyor.io.rows.sink import RecordSink
 from conveyor.io.state.journal import Journal

@@ -26,13 +26,13 @@ from typing import Any
 
 from conveyor.core import ModelLimits, PoolingOptions, PoolingRequest, SamplingParams, TokenSequence
 from conveyor.io.records import request_options
-from conveyor.io.records.batch_lines import error_id, is_batch_line, line_body, served_names
+from conveyor.io.records.batch_lines import is_batch_line, line_body, served_names
 from conveyor.io.records.build_options import BuildOptions
 from conveyor.io.records.prompt_template import PromptTemplate
 from conveyor.io.records.prompts import PromptTokens, reject_a_field_without_value
-from conveyor.io.records.readers.record import RawRecord, describe, location
+from conveyor.io.records.readers.record import RawRecord, describe
+from conveyor.io.records.record_head import ErrorRow, RecordHead, unreadable
 from conveyor.io.records.reject import Reject
-from conveyor.io.records.request_builder import ErrorRow, own_id, unreadable
 
 # What a pooling batch body may hold, by task, beside `model` and `user` (which change nothing).
 _BODY_FIELDS = {
@@ -102,28 +102,23 @@ class PoolingRequestBuilder:
         self._refused = tuple(name for name in _GENERATION_ONLY if name not in data)
 
     def build(self, raw: RawRecord) -> BuiltPooling | ErrorRow:
-        where = location(raw.index, raw.line)
         if raw.record is None:
             return unreadable(raw, self.options.keep_fields)
-        record = raw.record
-        kept = {name: record.get(name) for name in self.options.keep_fields}
-        record_id, id_given, num_tokens, cut = error_id(record, raw.index), False, None, None
+        record, head = raw.record, RecordHead.of(raw, self.options.keep_fields)
+        num_tokens = None
         try:
-            given_id = own_id(record, self.options.id_field)
-            id_given = given_id is not None
-            record_id = given_id if id_given else str(raw.index)
+            head.take_id(record, self.options.id_field)
             if is_batch_line(record):
-                body, url = line_body(record, self.served_model_names, self.task)
-                return self._built(raw, record_id, id_given, kept, *self._body_inputs(body), body, "body.",
-                                   batch_line=True)
+                body, _ = line_body(record, self.served_model_names, self.task)
+                return self._built(raw, head, *self._body_inputs(body), body, "body.", batch_line=True)
             self._check_plain(record)
-            return self._built(raw, record_id, id_given, kept, *self._record_inputs(record), record, "")
+            return self._built(raw, head, *self._record_inputs(record), record, "")
         except _TooLong as e:
             num_tokens = e.tokens
             message = str(e)
         except Reject as e:
             message = str(e)
-        return ErrorRow(raw.index, record_id, f"{where}: {message}", kept, None, num_tokens, raw.digest, cut, id_given)
+        return head.error(message, None, num_tokens)
 
     # -- a record's inputs -------------------------------------------------------------------------------------------
 
@@ -222,8 +217,8 @@ class PoolingRequestBuilder:
 
     # -- the request -------------------------------------------------------------------------------------------------
 
-    def _built(self, raw: RawRecord, record_id: str, id_given: bool, kept: dict, inputs: list, multiple: bool,
-               fields: dict, prefix: str, batch_line: bool = False) -> BuiltPooling:
+    def _built(self, raw: RawRecord, head: RecordHead, inputs: list, multiple: bool, fields: dict, prefix: str,
+               batch_line: bool = False) -> BuiltPooling:
         keep = self._truncation(fields, prefix)
         dimensions, normalize, encoding = self._vector_options(fields, prefix)
         cuts: list[int] = []
@@ -243,7 +238,7 @@ class PoolingRequestBuilder:
             if top_n < 0:
                 raise Reject(f"{prefix}top_n must be 0 (every document) or more, got {top_n}")
         documents = tuple(b for _, b in inputs) if self.task == "rerank" and batch_line else ()
-        return BuiltPooling(raw.index, record_id, self.task, request, kept, id_given, raw.digest,
+        return BuiltPooling(raw.index, head.id, self.task, request, head.kept, head.id_given, raw.digest,
                             sum(cuts) if keep is not None else None, encoding, batch_line, multiple, documents,
                             top_n or None)
 

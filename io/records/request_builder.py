@@ -13,51 +13,15 @@ from typing import Any
 
 from conveyor.core import GenerationRequest, ModelLimits, SamplingParams
 from conveyor.io.records import request_options
-from conveyor.io.records.batch_lines import batch_body, error_id, is_batch_line, served_names
+from conveyor.io.records.batch_lines import batch_body, is_batch_line, served_names
 from conveyor.io.records.build_options import BuildOptions
 from conveyor.io.records.prompts import PromptTokens
-from conveyor.io.records.readers.record import RawRecord, describe, location
+from conveyor.io.records.readers.record import RawRecord
+from conveyor.io.records.record_head import ErrorRow, RecordHead, own_id, unreadable
 from conveyor.io.records.reject import Reject
 from conveyor.io.records.seeds import sample_seed
 
-__all__ = ["BuiltRequest", "ErrorRow", "RequestBuilder", "own_id", "unreadable"]
-
-
-def own_id(record: dict, id_field: str) -> str | None:
-    """A record's own id (its `id_field`, else its `custom_id`), or None where it has none; Reject where the field
-    is not a non-empty string or an integer."""
-    name = id_field
-    value = record.get(name)
-    if value is None:
-        value, name = record.get("custom_id"), "custom_id"
-    if value is None:
-        return None
-    if isinstance(value, str) and value:
-        return value
-    if isinstance(value, int) and not isinstance(value, bool):
-        return str(value)
-    raise Reject(f"field '{name}' must be a non-empty string or an integer, got {describe(value)}; "
-                 "fix it or choose another field with --id-field")
-
-
-@dataclass(frozen=True)
-class ErrorRow:
-    index: int
-    id: str
-    error: str  # starts with the location: "line 12: ..." or "record 12: ..." (0-based index)
-    kept: dict
-    seed: int | None  # the effective seed when it could be worked out
-    prompt_tokens: int | None = None  # known when the error came after tokenizing
-    digest: str | None = None  # the input record's digest, where the reader gave one
-    prompt_tokens_truncated: int | None = None  # tokens cut from the prompt's start, where it was truncated
-    id_given: bool = False  # False: `id` is the index (or a bad id as given); no other record's id is checked against it
-
-
-def unreadable(raw: RawRecord, keep_fields: tuple[str, ...]) -> ErrorRow:
-    """The error row of a record its reader could not read (its kept fields null)."""
-    where = location(raw.index, raw.line)
-    return ErrorRow(raw.index, str(raw.index), raw.error or f"{where}: the record could not be read",
-                    dict.fromkeys(keep_fields), None, digest=raw.digest)
+__all__ = ["BuiltRequest", "RequestBuilder"]
 
 
 @dataclass(frozen=True)
@@ -117,17 +81,12 @@ class RequestBuilder:
              *(template.fields if template else ())})
 
     def build(self, raw: RawRecord) -> BuiltRequest | ErrorRow:
-        where = location(raw.index, raw.line)
         if raw.record is None:
             return unreadable(raw, self.options.keep_fields)
-        record = raw.record
-        kept = {name: record.get(name) for name in self.options.keep_fields}
-        record_id, id_given = error_id(record, raw.index), False
+        record, head = raw.record, RecordHead.of(raw, self.options.keep_fields)
         seed = num_tokens = cut = None
         try:
-            given_id = self._record_id(record)
-            id_given = given_id is not None
-            record_id = given_id if id_given else str(raw.index)
+            given_id = head.take_id(record, self.options.id_field)
             fields, prefix = self._request_fields(record)
             seed = request_options.record_seed(fields, prefix, self.options.seed, given_id, raw.index)
             n = request_options.samples(fields, prefix, self.options.n)
@@ -143,9 +102,9 @@ class RequestBuilder:
             num_tokens = len(token_ids)
             self._check_length(num_tokens, sampling.max_tokens, truncated=keep is not None)
         except Reject as e:
-            return ErrorRow(raw.index, record_id, f"{where}: {e}", kept, seed, num_tokens, raw.digest, cut, id_given)
-        return BuiltRequest(raw.index, record_id, kind, token_ids, sampling, kept, id_given, raw.digest, cut, n=n,
-                            priority=priority)
+            return head.error(str(e), seed, num_tokens, cut)
+        return BuiltRequest(raw.index, head.id, kind, token_ids, sampling, head.kept, head.id_given, raw.digest, cut,
+                            n=n, priority=priority)
 
     def _record_id(self, record: dict) -> str | None:
         """The record's own id, or None where it has none."""

@@ -27,7 +27,8 @@ from conveyor.core import GenerationRequest, InFlight, TokenLogprobs
 from conveyor.io.records.pooling_builder import BuiltPooling
 from conveyor.io.records.readers import RawRecord
 from conveyor.io.records.readers.record import location
-from conveyor.io.records.request_builder import BuiltRequest, ErrorRow
+from conveyor.io.records.record_head import BuiltRecord, ErrorRow
+from conveyor.io.records.request_builder import BuiltRequest
 from conveyor.io.records.seeds import sample_seed
 from conveyor.io.rows.figures import LatencyFigures
 from conveyor.io.rows.rows import (
@@ -92,7 +93,7 @@ class RunTotals:
 
 
 class RecordSink:
-    def admit(self, raw: RawRecord, built: BuiltRequest | ErrorRow):
+    def admit(self, raw: RawRecord, built: BuiltRecord | ErrorRow):
         """The GenerationRequest to submit for this record (a list of them for a record with n > 1), or None when
         it became a row here."""
         raise NotImplementedError
@@ -136,7 +137,7 @@ class JournalSink(RecordSink):
         self.sample_digests: dict[int, str | None] = {}  # (and the digest of its record, kept with its partial)
         self._last_commit = time.monotonic()
 
-    def admit(self, raw: RawRecord, built: BuiltRequest | ErrorRow):
+    def admit(self, raw: RawRecord, built: BuiltRecord | ErrorRow):
         where = location(raw.index, raw.line)
         if isinstance(built, BUILT) and built.id_given and not self.journal.claim_id(built.id, built.index):
             self._bad(built.error_row(duplicate_id_message(where, built.id)), "duplicate", where)

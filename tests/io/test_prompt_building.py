@@ -12,7 +12,8 @@ from conveyor.io.records.batch_lines import served_names
 from conveyor.io.records.build_options import BuildOptions
 from conveyor.io.records.prompt_template import PromptTemplate
 from conveyor.io.records.readers.record import RawRecord
-from conveyor.io.records.request_builder import BuiltRequest, ErrorRow, RequestBuilder
+from conveyor.io.records.record_head import ErrorRow
+from conveyor.io.records.request_builder import BuiltRequest, RequestBuilder
 
 DEFAULTS = SamplingParams(temperature=0.0, max_tokens=16)
 CHAT_URL = "/v1/chat/completions"

@@ -7,7 +7,8 @@ import pytest
 
 from conveyor.core import GenerationRequest, RequestOutput, SamplingParams
 from conveyor.io.records.readers import RawRecord
-from conveyor.io.records.request_builder import BuiltRequest, ErrorRow
+from conveyor.io.records.record_head import ErrorRow
+from conveyor.io.records.request_builder import BuiltRequest
 from conveyor.io.records_run import run_records
 from conveyor.io.rows.sink import RecordSink
 

@@ -13,7 +13,8 @@ from conveyor.core import GenerationRequest, ModelLimits, SamplingParams
 from conveyor.io.records.build_options import BuildOptions
 from conveyor.io.records.readers import open_reader
 from conveyor.io.records.readers.record import RawRecord
-from conveyor.io.records.request_builder import BuiltRequest, ErrorRow, RequestBuilder
+from conveyor.io.records.record_head import ErrorRow
+from conveyor.io.records.request_builder import BuiltRequest, RequestBuilder
 from conveyor.io.records.seeds import derive_seed
 
 SAMPLE_DATA = Path(__file__).resolve().parents[2] / "sample_data"

@@ -7,7 +7,8 @@ import pyarrow as pa
 
 from conveyor.core import RequestOutput, SamplingParams
 from conveyor.core.schedule_types import TokenLogprobs
-from conveyor.io.records.request_builder import BuiltRequest, ErrorRow
+from conveyor.io.records.record_head import ErrorRow
+from conveyor.io.records.request_builder import BuiltRequest
 from conveyor.io.rows.rows import (
     KIND_KEY,
     OPTIONAL_COLUMNS,

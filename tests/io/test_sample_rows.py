@@ -12,7 +12,8 @@ import pytest
 from conveyor.core import ConfigError, InFlight, ModelLimits, RequestOutput, SamplingParams
 from conveyor.io.records.build_options import BuildOptions
 from conveyor.io.records.readers import RawRecord
-from conveyor.io.records.request_builder import BuiltRequest, ErrorRow, RequestBuilder
+from conveyor.io.records.record_head import ErrorRow
+from conveyor.io.records.request_builder import BuiltRequest, RequestBuilder
 from conveyor.io.records.seeds import derive_seed, index_seed, sample_seed
 from conveyor.io.rows.rows import SAMPLES_KEY, duplicate_id_row, without_errors
 from conveyor.io.rows.sink import BadRecordStop, JournalSink

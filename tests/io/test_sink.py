@@ -7,7 +7,8 @@ import pytest
 
 from conveyor.core import RequestOutput, SamplingParams
 from conveyor.io.records.readers import RawRecord
-from conveyor.io.records.request_builder import BuiltRequest, ErrorRow, unreadable
+from conveyor.io.records.record_head import ErrorRow, unreadable
+from conveyor.io.records.request_builder import BuiltRequest
 from conveyor.io.rows.sink import BadRecordStop, CommitPolicy, JournalSink
 from conveyor.io.state.journal import Journal
 
