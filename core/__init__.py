@@ -29,9 +29,9 @@ from conveyor.core.loading import (
     load_pooling_tokenizer,
     load_tokenizer,
     model_fingerprint,
-    model_report,
     resolve_engine_config,
 )
+from conveyor.core.model_check import model_report
 from conveyor.core.model_loader import EMBEDDED_MODELS, check_model, is_embedded_cached, models_cache_dir
 from conveyor.core.outputs import GenerationRequest, InFlight, ModelLimits, RequestOutput
 from conveyor.core.pooling_params import (

@@ -12,7 +12,7 @@ import mmap
 
 import torch
 
-from conveyor.core.backends.base import KVLayout
+from conveyor.core.backends.step import KVLayout
 
 _ALIGN = 64  # bytes: each layer's tensor starts on a cache line (the kernels' vector loads)
 

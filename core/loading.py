@@ -133,14 +133,6 @@ def load_tokenizer(model: str) -> tuple[Any, int]:
     return load(model)
 
 
-def model_report(model: str, task: str = "auto") -> tuple[list[tuple[str, str]], str | None]:
-    """What `conveyor models --check` says of `model` doing `task` (auto: as `run --task auto` decides) from its
-    config, its weight files' headers and its tokenizer alone: (lines, why run refuses it or None)."""
-    from conveyor.core.model_check import check_report
-
-    return check_report(model, task)
-
-
 def check_before_loading(model: str, config: EngineConfig, grammar: Grammar | None = None) -> None:
     """What the engine would refuse only once `model` is loaded, checked from its config and tokenizer alone (read
     only where needed): a KV budget given that holds no block (ConfigError kv_cache_memory), and a run's own

@@ -18,9 +18,10 @@ from conveyor.core.model_support import architecture, fused_family, generation_r
 Lines = list[tuple[str, str]]
 
 
-def check_report(model: str, task: str = "auto") -> tuple[Lines, str | None]:
-    """(lines: (what, value), why run refuses `model` for `task` or None). ModelLoadError where there is nothing to
-    check (no such file or folder, no config)."""
+def model_report(model: str, task: str = "auto") -> tuple[Lines, str | None]:
+    """What `conveyor models --check` says of `model` doing `task` (auto: as `run --task auto` decides) from its
+    config, its weight files' headers and its tokenizer alone: (lines: (what, value), why run refuses it for `task`
+    or None). ModelLoadError where there is nothing to check (no such file or folder, no config)."""
     from conveyor.core.loading import auto_task, check_before_loading, check_pooling_model
     from conveyor.core.model_files import hub_snapshot
     from conveyor.core.model_loader import EMBEDDED_MODELS, _resolve, load_config

@@ -14,7 +14,8 @@ from collections.abc import Collection
 
 import torch
 
-from conveyor.core.backends.base import Backend, StepRows
+from conveyor.core.backends.base import Backend
+from conveyor.core.backends.step import StepRows
 from conveyor.core.logits_state import LogitsState
 from conveyor.core.logprobs import token_logprobs
 from conveyor.core.sampler import Sampler

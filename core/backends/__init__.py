@@ -16,6 +16,7 @@ import os
 
 import torch
 
+from conveyor.core.backends.attention_probe import model_attention
 from conveyor.core.backends.base import Backend
 from conveyor.core.config import BACKENDS, EngineConfig
 from conveyor.core.errors import ConfigError
@@ -123,7 +124,9 @@ def packed_pooling(model: torch.nn.Module, encoder: bool, classifier: bool, name
 
 def select_backend(model: torch.nn.Module, name: str = "auto", fused_forward: bool = True,
                    max_num_seqs: int = 64, max_num_batched_tokens: int = 2048) -> Backend:
-    """The backend `name` for `model` (on its device); ConfigError naming the field where it cannot run."""
+    """The backend `name` for `model` (on its device), handed the model's attention as its forward defines it (the
+    probe: `attention_probe.model_attention`, which switches the model to conveyor's attention); ConfigError naming
+    the field where it cannot run, UnsupportedModel where conveyor would not compute its attention as it does."""
     if name not in BACKENDS:
         raise ConfigError("backend", f"{name!r} is not one of {', '.join(BACKENDS)}")
     device = next(model.parameters()).device
@@ -134,17 +137,18 @@ def select_backend(model: torch.nn.Module, name: str = "auto", fused_forward: bo
     elif name not in runs:
         raise ConfigError("backend", f"does not run on {device} here ({_why_not(name, device)}); backends that do: "
                           f"{', '.join(runs)}", name)
+    attention = model_attention(model)
     if name == "cpu":
         from conveyor.core.backends.cpu.backend import CpuBackend
 
-        return CpuBackend(model, fused_forward=fused_forward)
+        return CpuBackend(model, attention, fused_forward=fused_forward)
     if name == "cuda":
         from conveyor.core.backends.cuda.backend import CudaBackend
 
-        return CudaBackend(model, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+        return CudaBackend(model, attention, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
     from conveyor.core.backends.sdpa import TorchBackend
 
-    return TorchBackend(model)
+    return TorchBackend(model, attention)
 
 
 def _why_not(name: str, device: torch.device) -> str:

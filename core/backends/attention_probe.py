@@ -17,7 +17,9 @@ from dataclasses import dataclass, field
 import torch
 
 from conveyor.core.attention_spec import LayerAttention, ModelAttention
+from conveyor.core.backends.transformers_forward import probing, register
 from conveyor.core.errors import UnsupportedModel
+from conveyor.core.model_support import check_supported
 
 # Keywords the attention function may be handed that change nothing here (the positions are the step's own) or
 # that the probe reads (scaling, dropout, sliding_window, softcap, s_aux).
@@ -66,6 +68,11 @@ class AttentionProbe:
     def __init__(self) -> None:
         self.calls: list[_Call] = []
 
+    @staticmethod
+    def mask(mask_function) -> MaskProbe:
+        """What stands for a mask transformers asks for while probing: its mask function."""
+        return MaskProbe(mask_function)
+
     def record(self, module, query, key, value, attention_mask, scaling, dropout, sliding_window, softcap, s_aux,
                kwargs) -> torch.Tensor:
         kwargs = dict(kwargs)
@@ -108,8 +115,6 @@ def probe_attention(model: torch.nn.Module, name: str) -> ModelAttention:
     """Every layer's attention as `model`'s transformers forward defines it (the model must have "conveyor_paged"
     attention set: `transformers_forward.register`); UnsupportedModel (naming `name`, its architecture and what)
     where it asks for something conveyor does not compute exactly."""
-    from conveyor.core.backends import transformers_forward
-
     cfg = model.config
     arch = (getattr(cfg, "architectures", None) or [type(model).__name__])[0]
     num_layers = cfg.num_hidden_layers
@@ -121,7 +126,7 @@ def probe_attention(model: torch.nn.Module, name: str) -> ModelAttention:
     probe = AttentionProbe()
     device = next(model.parameters()).device
     ids = torch.zeros(1, 1, dtype=torch.long, device=device)
-    with transformers_forward.probing(probe), torch.inference_mode():
+    with probing(probe), torch.inference_mode():
         try:
             model(input_ids=ids, position_ids=torch.zeros_like(ids), use_cache=False)
         except UnsupportedModel:
@@ -180,3 +185,13 @@ def probe_attention(model: torch.nn.Module, name: str) -> ModelAttention:
         raise refuse(f"its layers store K/V of different shapes {sorted(shapes)}; conveyor's pool has one")
     (kv_heads, head_dim), = shapes
     return ModelAttention(tuple(layers), kv_heads, head_dim)
+
+
+def model_attention(model: torch.nn.Module) -> ModelAttention:
+    """`model` switched to conveyor's attention ("conveyor_paged": `transformers_forward.register`), what the loader
+    refuses before the weights checked for a model handed over as it is (`model_support.check_supported`), and its
+    layers' attention as its forward defines it (`probe_attention`): what `select_backend` hands a backend."""
+    register(model)  # the model's own forward runs with conveyor's attention (the probe; the transformers route)
+    name = getattr(model.config, "_name_or_path", "") or type(model).__name__
+    check_supported(model.config, name)
+    return probe_attention(model, name)

@@ -8,7 +8,9 @@ A backend owns
 - the sampler's device ops (`sampler_ops`), whether it meets the exactness contract (`exact`,
   `conveyor.core.exactness`) and what the engine's warning says where it does not (`inexact_reason`, `note`);
 - waiting for its device (`synchronize`, for the runner's profiling).
-The model's shape (`ModelShape`: layers, heads, sizes, context) is read from its config here, once.
+The model's shape (`ModelShape`: layers, heads, sizes, context) is read from its config here, once, with the K/V
+shapes of the model's attention (`attention_probe`, which `select_backend` runs before a backend is made and hands
+to it). The step's types (`StepRows`, `Step`, `StepAttention`, `KVLayout`, `SamplerOps`) are `step.py`'s.
 
 The model runner and the engine know no kernel: they ask their backend. Backends: `cpu` (conveyor's C++
 kernels and fused forward), `cuda` (Triton paged attention, CUDA graphs), `torch` (plain torch: SDPA
@@ -19,110 +21,24 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import torch
 
+from conveyor.core.attention_spec import ModelAttention
+from conveyor.core.backends.step import (  # noqa: F401 - the step types, also named here (their old home)
+    FLASH,
+    KVLayout,
+    SamplerOps,
+    Step,
+    StepAttention,
+    StepRows,
+    flash_rows,
+    padded_tables,
+    store_flash,
+    tensor,
+)
 from conveyor.core.config import DEFAULT_KV_CACHE_MEMORY, parse_memory
 from conveyor.core.model_shape import ModelShape
-from conveyor.core.schedule_types import ScheduledRequest
-
-
-@dataclass(frozen=True)
-class KVLayout:
-    """Shapes of one layer's key and value tensors in a pool of `num_blocks` blocks."""
-
-    name: str
-    key_shape: Callable[[int, int, int, int], tuple[int, ...]]  # (num_blocks, block_size, kv_heads, head_dim)
-    value_shape: Callable[[int, int, int, int], tuple[int, ...]]
-
-
-# keys and values alike [num_blocks, block_size, kv_heads, head_dim]: a token slot's K (or V) is one row
-# of a [num_blocks * block_size, kv_heads, head_dim] view. The torch and CUDA backends read it.
-FLASH = KVLayout("flash", lambda n, bs, h, d: (n, bs, h, d), lambda n, bs, h, d: (n, bs, h, d))
-
-
-def flash_rows(kv_cache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A FLASH pool's keys and values of `layer` as [slots, kv_heads, head_dim] views: one row per token slot."""
-    k, v = kv_cache.keys[layer], kv_cache.values[layer]
-    return k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:])
-
-
-def store_flash(kv_cache, layer: int, slot_mapping: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
-    """Write the step's new keys / values [T, kv_heads, head_dim] into a FLASH pool's rows `slot_mapping` [T]."""
-    k, v = flash_rows(kv_cache, layer)
-    k.index_copy_(0, slot_mapping, k_new.to(k.dtype))
-    v.index_copy_(0, slot_mapping, v_new.to(v.dtype))
-
-
-def padded_tables(tables: Sequence[Sequence[int]], width: int | None = None) -> list[list[int]]:
-    """Block tables as rows of one width (`width`, else the longest table's): cut to it, padded with block 0. A
-    padding entry is never read: a row's keys end before it. An entry given back (NULL_BLOCK: out of every layer's
-    window) reads as block 0 too, and is never read either (`Backend.window_alignment`)."""
-    if width is None:
-        width = max(len(t) for t in tables)
-    out = []
-    for t in tables:
-        row = list(t[:width])
-        if row and row[0] < 0:  # (entries given back are a prefix of a table)
-            row = [max(b, 0) for b in row]
-        row.extend([0] * (width - len(row)))
-        out.append(row)
-    return out
-
-
-@dataclass
-class StepRows:
-    """One step flattened, as plain lists (built by the model runner from the plan, the same for every
-    backend): the step's rows are the scheduled entries' tokens, in entry order."""
-
-    entries: list[ScheduledRequest]
-    input_ids: list[int]
-    positions: list[int]
-    slots: list[int]  # where each row's K/V goes: block_id * block_size + offset
-    logit_rows: list[int]  # rows whose logits are wanted: the sampled ones, draft rows, then prompt-logprob rows
-    num_sampled: int  # logit_rows[:num_sampled] are sampled (one per sampled entry)
-    num_draft_rows: int = 0  # logit_rows[num_sampled:num_sampled + this]: the rows after draft tokens
-
-
-class StepAttention(ABC):
-    """Per-step attention metadata, shared by every layer."""
-
-    @abstractmethod
-    def store(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
-        """Write the step's new keys / values [T, kv_heads, head_dim] into the pool at their slots."""
-
-    @abstractmethod
-    def attend(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, scale: float,
-               window: int | None = None, softcap: float | None = None,
-               sinks: torch.Tensor | None = None) -> torch.Tensor:
-        """q [T, heads, head_dim] (already stored: k_new / v_new) -> each row attending to its request's keys
-        up to its own position (its last `window` keys only, where given), [T, heads, head_dim] in q's dtype:
-        softmax(scale * q.k) v, the scores capped to softcap * tanh(scores / softcap) where `softcap` is given,
-        and `sinks` ([heads] float32: a logit per query head) in each softmax's denominator where given
-        (`core/attention_spec.py`)."""
-
-
-@dataclass
-class Step:
-    """One step on the device: what `Backend.forward` reads."""
-
-    rows: StepRows
-    input_ids: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
-    logit_rows: torch.Tensor  # [L]
-    attention: StepAttention
-    extra: dict = field(default_factory=dict)  # backend-specific
-
-
-@dataclass(frozen=True)
-class SamplerOps:
-    """The sampler's faster exact routines for this device, or None for torch's (see `core/sampler.py`)."""
-
-    argmax: Callable | None = None
-    sample_rows: Callable | None = None
-    apply_bitmask: Callable | None = None
 
 
 class Backend(ABC):
@@ -132,22 +48,16 @@ class Backend(ABC):
     # tiles); None where it reads every key up to the query (the pool's blocks out of a window cannot be given back).
     window_alignment: int | None = None
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        from conveyor.core.backends.attention_probe import probe_attention
-        from conveyor.core.backends.transformers_forward import register
-        from conveyor.core.model_support import check_supported
-
+    def __init__(self, model: torch.nn.Module, attention: ModelAttention) -> None:
+        """`attention`: each layer's attention as the model's own forward defines it (`attention_probe`, run by
+        `select_backend` with the model switched to "conveyor_paged" attention); the K/V shapes its layers store
+        are what the pool takes over the config's guess."""
         self.model = model
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        register(model)  # the model's own forward runs with conveyor's attention (the probe; the transformers route)
-        # Each layer's attention as the model defines it (UnsupportedModel where conveyor would not compute it so),
-        # and the K/V shapes its layers store, which the pool takes over the config's guess.
-        name = getattr(model.config, "_name_or_path", "") or type(model).__name__
-        check_supported(model.config, name)  # what the loader refuses before the weights, for a model handed over
-        self.attention = probe_attention(model, name)
-        self.shape = dataclasses.replace(ModelShape.of(model), num_kv_heads=self.attention.num_kv_heads,
-                                         head_dim=self.attention.head_dim)
+        self.attention = attention
+        self.shape = dataclasses.replace(ModelShape.of(model), num_kv_heads=attention.num_kv_heads,
+                                         head_dim=attention.head_dim)
 
     @abstractmethod
     def kv_layout(self, head_dim: int, block_size: int, group: int) -> KVLayout:
@@ -205,7 +115,3 @@ class Backend(ABC):
         """What, beyond the model and the run's settings, decides a row's bits here: the kernels and the device
         they run on. A run resumed where this differs can differ in bits from an uninterrupted one (it says so)."""
         return self.describe()
-
-
-def tensor(values: list, device: torch.device, dtype=torch.long) -> torch.Tensor:
-    return torch.tensor(values, dtype=dtype, device=device)

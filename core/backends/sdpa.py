@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from conveyor.core.backends.base import (
+from conveyor.core.backends.base import Backend
+from conveyor.core.backends.step import (
     FLASH,
-    Backend,
     KVLayout,
     Step,
     StepAttention,

@@ -17,7 +17,7 @@ import contextlib
 
 import torch
 
-from conveyor.core.backends.base import Step
+from conveyor.core.backends.step import Step
 
 ATTN_IMPLEMENTATION = "conveyor_paged"
 _probing = False  # while `probing()`: masks are handed over as their mask functions, calls recorded
@@ -49,11 +49,10 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
 
 def _no_mask(*args, mask_function=None, **kwargs):
     """The causal structure lives in the step's metadata; transformers need not build a mask. (While probing, the
-    mask function stands for the mask, so the probe can read which keys each query sees.)"""
+    mask function stands for the mask, as the probe wraps it (`AttentionProbe.mask`), so the probe can read which
+    keys each query sees.)"""
     if _probing:
-        from conveyor.core.backends.attention_probe import MaskProbe
-
-        return MaskProbe(mask_function)
+        return _step.mask(mask_function)
     return None
 
 

@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import torch
 
-from conveyor.core.backends.base import (
-    Backend,
+from conveyor.core.attention_spec import ModelAttention
+from conveyor.core.backends.base import Backend
+from conveyor.core.backends.cpu.fused_decoder import FusedDecoder
+from conveyor.core.backends.cpu.kernels import build_tag, cpu_identity, cpu_isa, cpu_kernels
+from conveyor.core.backends.step import (
     KVLayout,
     SamplerOps,
     Step,
@@ -25,8 +28,6 @@ from conveyor.core.backends.base import (
     padded_tables,
     tensor,
 )
-from conveyor.core.backends.cpu.fused_decoder import FusedDecoder
-from conveyor.core.backends.cpu.kernels import build_tag, cpu_identity, cpu_isa, cpu_kernels
 from conveyor.core.backends.transformers_forward import transformers_forward
 from conveyor.core.malloc_tuning import keep_freed_memory
 
@@ -63,8 +64,8 @@ class CpuBackend(Backend):
     name = "cpu"
     window_alignment = 16  # a window task reads from a 16-aligned key (paged_attention.cpp)
 
-    def __init__(self, model: torch.nn.Module, fused_forward: bool = True) -> None:
-        super().__init__(model)
+    def __init__(self, model: torch.nn.Module, attention: ModelAttention, fused_forward: bool = True) -> None:
+        super().__init__(model, attention)
         if self.device.type != "cpu":
             raise ValueError(f"the cpu backend runs on the CPU, not on {self.device}")
         self.ops = cpu_kernels()

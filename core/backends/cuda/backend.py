@@ -21,48 +21,17 @@ import bisect
 
 import torch
 
-from conveyor.core.backends.base import (
-    FLASH,
-    Backend,
-    KVLayout,
-    Step,
-    StepAttention,
-    StepRows,
-    padded_tables,
-    store_flash,
-)
+from conveyor.core.attention_spec import ModelAttention
+from conveyor.core.backends.base import Backend
 from conveyor.core.backends.cuda.forward import DecoderForward, table_positions
 from conveyor.core.backends.cuda.graphs import GRAPH_BUCKETS, GRAPH_MAX_TOKENS, CapturedStep
-from conveyor.core.backends.cuda.triton_attention import TILE, block_shape, paged_attention, query_blocks
+from conveyor.core.backends.cuda.triton_attention import TILE, TritonAttention, block_shape, query_blocks
 from conveyor.core.backends.decoder_plan import decoder_plan
+from conveyor.core.backends.step import FLASH, KVLayout, Step, StepRows, padded_tables
 from conveyor.core.backends.transformers_forward import transformers_forward
 from conveyor.core.errors import ConfigError
 
 MARGIN = 512 << 20  # cuBLAS workspaces, Triton, the allocator's slack: kept out of the KV pool
-
-
-class TritonAttention(StepAttention):
-    def __init__(self, kv_cache, slot_mapping: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor,
-                 q_start: torch.Tensor, qb_seq: torch.Tensor, qb_first: torch.Tensor, block_m: int,
-                 block_q: int) -> None:
-        self.kv = kv_cache
-        self.slot_mapping = slot_mapping
-        self.tables = tables
-        self.seq_lens = seq_lens
-        self.q_start = q_start
-        self.qb_seq = qb_seq
-        self.qb_first = qb_first
-        self.block_m = block_m
-        self.block_q = block_q
-
-    def store(self, layer, k_new, v_new) -> None:
-        store_flash(self.kv, layer, self.slot_mapping, k_new, v_new)
-
-    def attend(self, layer, q, k_new, v_new, scale, window=None, softcap=None, sinks=None) -> torch.Tensor:
-        out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
-        return paged_attention(out, q.contiguous(), self.kv.keys[layer], self.kv.values[layer], self.tables,
-                               self.seq_lens, self.q_start, self.qb_seq, self.qb_first, scale, self.block_m,
-                               self.block_q, window, softcap, sinks)
 
 
 class CudaBackend(Backend):
@@ -70,8 +39,9 @@ class CudaBackend(Backend):
     exact = False
     window_alignment = TILE  # a window block of queries reads from a TILE-aligned key (triton_attention.py)
 
-    def __init__(self, model: torch.nn.Module, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048) -> None:
-        super().__init__(model)
+    def __init__(self, model: torch.nn.Module, attention: ModelAttention, max_num_seqs: int = 64,
+                 max_num_batched_tokens: int = 2048) -> None:
+        super().__init__(model, attention)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.group = self.shape.num_heads // self.shape.num_kv_heads

@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from conveyor.core.attention_spec import ModelAttention
-from conveyor.core.backends.base import StepAttention
 from conveyor.core.backends.decoder_plan import DecoderPlan, LayerPlan, MoePlan, NormPlan
+from conveyor.core.backends.step import StepAttention
 from conveyor.core.quant.weights import QuantWeight
 
 MAX_ROTARY_POSITIONS = 1 << 17  # a longer context grows the tables outside any graph (`reserve`)

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from conveyor.core.backends.base import StepRows, padded_tables
-from conveyor.core.backends.cuda.triton_attention import block_shape, query_blocks
+from conveyor.core.backends.cuda.triton_attention import TritonAttention, block_shape, query_blocks
+from conveyor.core.backends.step import StepRows, padded_tables
 
 GRAPH_MAX_TOKENS = 512
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 320, 384, 448, 512)
@@ -90,8 +90,6 @@ class CapturedStep:
     """The backend's lean forward over one bucket's `StaticInputs`, captured as a CUDA graph."""
 
     def __init__(self, backend, rows: int) -> None:
-        from conveyor.core.backends.cuda.backend import TritonAttention
-
         self.backend = backend
         dev = backend.device
         self.inputs = inputs = StaticInputs(rows, min(rows, backend.max_num_seqs), backend.max_blocks, backend.group,

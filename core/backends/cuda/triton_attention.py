@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from conveyor.core.backends.step import StepAttention, store_flash
+
 TILE = 32  # keys per iteration
 
 
@@ -176,3 +178,29 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, k_pool: torch.Tensor, v_
         BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=TILE, FP32=q.dtype == torch.float32,
         UPCAST=interpreting() and q.dtype != torch.float32)
     return out
+
+
+class TritonAttention(StepAttention):
+    """A step's attention through `paged_attention` (the CUDA backend's, eager or in a captured graph)."""
+
+    def __init__(self, kv_cache, slot_mapping: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor,
+                 q_start: torch.Tensor, qb_seq: torch.Tensor, qb_first: torch.Tensor, block_m: int,
+                 block_q: int) -> None:
+        self.kv = kv_cache
+        self.slot_mapping = slot_mapping
+        self.tables = tables
+        self.seq_lens = seq_lens
+        self.q_start = q_start
+        self.qb_seq = qb_seq
+        self.qb_first = qb_first
+        self.block_m = block_m
+        self.block_q = block_q
+
+    def store(self, layer, k_new, v_new) -> None:
+        store_flash(self.kv, layer, self.slot_mapping, k_new, v_new)
+
+    def attend(self, layer, q, k_new, v_new, scale, window=None, softcap=None, sinks=None) -> torch.Tensor:
+        out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+        return paged_attention(out, q.contiguous(), self.kv.keys[layer], self.kv.values[layer], self.tables,
+                               self.seq_lens, self.q_start, self.qb_seq, self.qb_first, scale, self.block_m,
+                               self.block_q, window, softcap, sinks)
