@@ -25,6 +25,8 @@ class Family:
     moe: str | None = None  # "dtype_weights" (Qwen3-MoE) or "float_weights" (Mixtral): sparse MoE layers
     multipliers: bool = False  # embedding, residual and logit multipliers (Granite)
     final_softcap: bool = False  # final_logit_softcapping (Gemma 2 and 3)
+    rope_per_layer_type: bool = False  # a rotary table per layer type: local and global bases (Gemma 3)
+    nope_global_layers: bool = False  # where the model slides, its global (not sliding) layers have no rotary (EXAONE 4)
 
 
 FUSED_FAMILIES: dict[str, Family] = {
@@ -39,9 +41,9 @@ FUSED_FAMILIES: dict[str, Family] = {
     "phi3": Family("pre", fused_mlp=True),
     "gemma": Family("pre", norm="one_plus"),
     "gemma2": Family("sandwich", norm="one_plus", final_softcap=True),
-    "gemma3_text": Family("sandwich", norm="one_plus", qk_norm="head", final_softcap=True),
+    "gemma3_text": Family("sandwich", norm="one_plus", qk_norm="head", final_softcap=True, rope_per_layer_type=True),
     "olmo2": Family("post", norm="float", qk_norm="whole"),
-    "exaone4": Family("post", qk_norm="head"),
+    "exaone4": Family("post", qk_norm="head", nope_global_layers=True),
 }
 FUSED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 

@@ -4,7 +4,8 @@ backends' own forwards run (the CPU's fused forward, the CUDA lean forward) inst
 A family (`core/model_support.py`: Llama, Mistral, Qwen2/3, Qwen3-MoE, Mixtral, Gemma 1/2/3, Phi-3, OLMo-2,
 Granite, SmolLM3, EXAONE 4) fixes where a layer's norms sit (before the sublayers, around them, after them), the
 norms' form (the weight multiplied in the model's dtype, or in float32: Gemma's 1 + w, OLMo-2's w), q/k norms (per
-head, or over all of q and k), the MLP (gated, dense or MoE) and the embedding and logit scalings. The attention
+head, or over all of q and k), the MLP (gated, dense or MoE), the embedding and logit scalings, and which rotary
+table a layer takes (one for every layer, one per layer type, none on a sliding model's global layers). The attention
 (scale, window, softcap) is the probe's (`attention_probe`), the rotary tables the model's own rotary modules',
 computed once per position (`RotaryTable`). `decoder_plan` returns None, with the reason, for anything else: the
 model then runs its own transformers forward.
@@ -222,7 +223,8 @@ def _attention_linears(attn: torch.nn.Module, family: Family):
     raise _Decline(f"an attention of modules {sorted(_children(attn))}")
 
 
-def _rotaries(model: torch.nn.Module, like: torch.Tensor) -> tuple[list[RotaryTable], Callable[[int], int | None]]:
+def _rotaries(model: torch.nn.Module, like: torch.Tensor, family: Family
+              ) -> tuple[list[RotaryTable], Callable[[int], int | None]]:
     """The model's rotary tables and which one layer i uses (None: none)."""
     inner, cfg = inner_model(model), model.config
     rotary = getattr(inner, "rotary_emb", None)
@@ -230,7 +232,7 @@ def _rotaries(model: torch.nn.Module, like: torch.Tensor) -> tuple[list[RotaryTa
         raise _Decline("no rotary module")
     layer_types = getattr(cfg, "layer_types", None)
     block = min(ROPE_BLOCK, context_of(cfg))
-    if cfg.model_type == "gemma3_text":  # a table per layer type (local and global bases)
+    if family.rope_per_layer_type:  # a table per layer type (local and global bases)
         kinds = sorted(set(layer_types))
         tables = [RotaryTable(lambda x, p, kind=kind: rotary(x, p, kind), like, block) for kind in kinds]
         return tables, lambda i: kinds.index(layer_types[i])
@@ -240,8 +242,8 @@ def _rotaries(model: torch.nn.Module, like: torch.Tensor) -> tuple[list[RotaryTa
         attn = inner.layers[i].self_attn
         if getattr(attn, "use_rope", True) in (0, False):  # SmolLM3's NoPE layers
             return None
-        if cfg.model_type == "exaone4" and not (attn.sliding_window is None or attn.is_sliding):
-            return None  # EXAONE 4's global layers are NoPE
+        if family.nope_global_layers and not (attn.sliding_window is None or attn.is_sliding):
+            return None  # a global layer of a sliding model: NoPE
         return 0
 
     return tables, which
@@ -274,7 +276,7 @@ def _plan(model: torch.nn.Module, attention: ModelAttention) -> DecoderPlan:
     inner = inner_model(model)
     roles = NORM_ROLES[family.layout]
     like = inner.embed_tokens.weight.detach()
-    rotaries, which = _rotaries(model, like)
+    rotaries, which = _rotaries(model, like, family)
     num_heads = cfg.num_attention_heads
     head_dim = attention.head_dim
     layers = []
