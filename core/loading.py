@@ -109,9 +109,10 @@ def check_pooling_model(model: str, task: str, pooling: str | None = None) -> No
     replace it (UnsupportedModel), weight files missing or cut short (ConfigError model)."""
     from conveyor.core.checkpoint_format import check_format
     from conveyor.core.model_files import hub_snapshot
-    from conveyor.core.model_loader import _resolve, check_weight_files, load_config
+    from conveyor.core.model_loader import _resolve, load_config
     from conveyor.core.model_support import architecture
     from conveyor.core.pooling_config import check_task, model_kind, pooling_config
+    from conveyor.core.weight_files import check_weight_files
 
     check_model_exists(model)
     path, gguf_file = _resolve(model)

@@ -93,8 +93,9 @@ def load_pooling_model(model: str, task: str, device: str, dtype: str, pooling: 
     from transformers import AutoModel, AutoModelForSequenceClassification, AutoTokenizer
 
     from conveyor.core.backends import resolve_device
-    from conveyor.core.model_loader import _resolve, check_weight_files, gguf_parsed_once, load_config, resolve_dtype
+    from conveyor.core.model_loader import _resolve, gguf_parsed_once, load_config, resolve_dtype
     from conveyor.core.model_support import architecture
+    from conveyor.core.weight_files import check_weight_files
 
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
