@@ -10,7 +10,7 @@ import itertools
 import os
 from collections.abc import Callable
 
-from conveyor.core import option_fields, option_meta
+from conveyor.core import Task, option_fields, option_meta
 from conveyor.io.errors import SpecError
 from conveyor.io.records.batch_lines import is_batch_line, url_task
 from conveyor.io.records.build_options import BuildOptions
@@ -126,7 +126,7 @@ def check_named_fields(spec: RunSpec, reader: Reader) -> None:
     and inputs of OpenAI batch lines (their fields are the body's). The input's first records are read once."""
     build, source = spec.build, spec.input.path
     named = named_fields(build)
-    needs_prompt = spec.task == "generate" and build.chat_field is None and build.prompt_template is None
+    needs_prompt = spec.task is Task.GENERATE and build.chat_field is None and build.prompt_template is None
     if not (named or needs_prompt) or source == "-" or not (os.path.isfile(source) or os.path.isdir(source)):
         return
     sample = 1 if reader.format in _TABLES else FIELD_SAMPLE
@@ -183,7 +183,7 @@ def check_task_options(spec: RunSpec) -> None:
     """An option that changes nothing for the run's task (resolved: not auto) is a usage error naming it: a
     pooling option where the run generates, a generation setting where it pools."""
     task = spec.task
-    if task == "generate":
+    if not task.pools:
         given = _changed(spec.pooling)
         if given:
             raise SpecError(f"{_option(given[0])} applies to --task embed (and score, rerank: the pooling tasks); "
@@ -201,11 +201,11 @@ def check_task_options(spec: RunSpec) -> None:
                                     "max_grammar_bytes"))
     if spec.engine.schedule != "fcfs":
         given.append("schedule")
-    if task != "embed":
+    if task is not Task.EMBED:
         given += _changed(spec.pooling, ("normalize", "dimensions"))
-    if task in ("classify", "reward"):
+    if task.labels:
         given += _changed(spec.pooling, ("pooling",))
-    if task in ("score", "rerank") and spec.build.system_prompt:
+    if task.pairs and spec.build.system_prompt:
         raise SpecError(f"--system-prompt: --task {task} scores pairs of raw texts, with no chat template to hold "
                         "a system message; drop it")
     if given:
@@ -213,7 +213,7 @@ def check_task_options(spec: RunSpec) -> None:
         raise SpecError(f"{_option(given[0])} is a setting of {what}, which --task {task} does not use; drop it")
 
 
-def first_batch_task(spec: RunSpec, reader: Reader) -> str | None:
+def first_batch_task(spec: RunSpec, reader: Reader) -> Task | None:
     """The task the input's first OpenAI batch line asks for by its url (None: the input is not batch lines, or
     cannot be read twice)."""
     source = spec.input.path

@@ -174,7 +174,7 @@ def _recorded(key: str, value: Any, switch: bool) -> dict[str, Any]:
     if key == "schedule":  # the other schedules give the same rows; this one reads a record's priority field
         return {key: value} if value == "priority" else {}
     if key == "task":  # recorded as it ran (`Run` resolves auto); a generation run's manifest as before it existed
-        return {} if value in ("auto", "generate") else {key: value}
+        return {key: Task(value).value} if Task(value).pools else {}
     if key == "chat_template" and value is not None:
         return {key: hashlib.sha256(value.encode()).hexdigest()[:16]}
     return {key: list(value) if isinstance(value, tuple) else value}

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from conveyor.core import auto_task, check_model, load_pooling_tokenizer, load_tokenizer
+from conveyor.core import Task, auto_task, check_model, load_pooling_tokenizer, load_tokenizer
 from conveyor.io.records.pooling_builder import PoolingRequestBuilder
 from conveyor.io.records.readers import open_reader
 from conveyor.io.records.request_builder import RequestBuilder
@@ -38,10 +38,10 @@ def validate_run(spec: RunSpec, show_errors: int, say: Callable[[str], None]) ->
     """The records of `spec` built and checked; the first `show_errors` error messages kept."""
     reader = open_reader(spec.input.path, spec.input.format, spec.input.split, spec.input.max_record_bytes)
     check_named_fields(spec, reader)
-    if spec.task == "auto":  # as the run would resolve it
+    if spec.task is Task.AUTO:  # as the run would resolve it
         spec = dataclasses.replace(spec, task=first_batch_task(spec, reader) or auto_task(spec.model))
     check_task_options(spec)
-    if spec.task == "generate":
+    if not spec.task.pools:
         check_model(spec.model)  # a model conveyor refuses, or whose weight files are not whole: refused here too
         tokenizer, limits = load_tokenizer(spec.model)
         builder = RequestBuilder(tokenizer, spec.build, spec.sampling, limits, spec.model,
@@ -53,7 +53,7 @@ def validate_run(spec: RunSpec, show_errors: int, say: Callable[[str], None]) ->
         builder = PoolingRequestBuilder(tokenizer, spec.build, spec.pooling, spec.task, limits, spec.model,
                                         cross_encoder, size, prompt)
     check_chat_template(spec, tokenizer)
-    if spec.task == "generate":
+    if not spec.task.pools:
         no_chat_template_note(spec, tokenizer, say)
     limit = spec.input.limit
     records = itertools.takewhile(lambda raw: limit is None or raw.index < limit, reader)

@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import json
 
+from conveyor.core import Task
 from conveyor.io.records import request_options
 from conveyor.io.records.readers.record import describe
 from conveyor.io.records.reject import Reject
 
 OPENAI_URLS = ("/v1/chat/completions", "/v1/completions")
 # The pooling endpoints (OpenAI's and vLLM's), and the task each asks for.
-POOLING_URLS = {"/v1/embeddings": "embed", "/embeddings": "embed", "/v1/score": "score", "/score": "score",
-                "/v1/rerank": "rerank", "/rerank": "rerank", "/v2/rerank": "rerank", "/v1/classify": "classify",
-                "/classify": "classify"}
+POOLING_URLS = {"/v1/embeddings": Task.EMBED, "/embeddings": Task.EMBED, "/v1/score": Task.SCORE,
+                "/score": Task.SCORE, "/v1/rerank": Task.RERANK, "/rerank": Task.RERANK, "/v2/rerank": Task.RERANK,
+                "/v1/classify": Task.CLASSIFY, "/classify": Task.CLASSIFY}
 # What an OpenAI batch body may hold: the request itself, its generation settings (OpenAI's and vLLM's names)
 # and fields that do not change the output ("model": the run's --model answers; "user", "metadata", "store").
 _BODY_FIELDS = frozenset({"messages", "prompt", "stream", *request_options.REQUEST_METADATA,
@@ -47,22 +48,21 @@ def served_names(model: str | None) -> tuple[str, ...]:
     return tuple(dict.fromkeys(n for n in (model, name, name.removesuffix(".gguf")) if n))
 
 
-def url_task(record: dict) -> str | None:
-    """The task a batch line's url asks for ("generate", "embed", ...), None where it names no endpoint conveyor
-    knows."""
+def url_task(record: dict) -> Task | None:
+    """The task a batch line's url asks for, None where it names no endpoint conveyor knows."""
     url = record.get("url")
     if url in OPENAI_URLS:
-        return "generate"
+        return Task.GENERATE
     return POOLING_URLS.get(url) if isinstance(url, str) else None
 
 
-def wrong_task(url: str, task: str) -> Reject:
+def wrong_task(url: str, task: Task) -> Reject:
     """The error of a line whose url asks for another task than the run's."""
-    asked = POOLING_URLS.get(url, "generate")
-    fix = "run these lines on their own with a model of that kind" if asked == "generate" else \
-        f"run these lines on their own with --task {asked}"
-    return Reject(f"url {url} asks for {'generation' if asked == 'generate' else '--task ' + asked}, but this run "
-                  f"does {'generation' if task == 'generate' else '--task ' + task}; {fix}")
+    asked = POOLING_URLS.get(url, Task.GENERATE)
+    fix = f"run these lines on their own with --task {asked}" if asked.pools else \
+        "run these lines on their own with a model of that kind"
+    return Reject(f"url {url} asks for {f'--task {asked}' if asked.pools else 'generation'}, but this run "
+                  f"does {f'--task {task}' if Task(task).pools else 'generation'}; {fix}")
 
 
 def line_body(record: dict, served_model_names: tuple[str, ...], task: str) -> tuple[dict, str]:
@@ -80,7 +80,7 @@ def line_body(record: dict, served_model_names: tuple[str, ...], task: str) -> t
     if method is not None and method != "POST":
         raise Reject(f"method {method!r} is not supported; batch lines are POST requests (\"method\": \"POST\")")
     url = record.get("url")
-    urls = OPENAI_URLS if task == "generate" else tuple(u for u, t in POOLING_URLS.items() if t == task)
+    urls = tuple(u for u, t in POOLING_URLS.items() if t == task) if Task(task).pools else OPENAI_URLS
     if url is None:
         raise Reject(f"the line has no 'url'; give the endpoint it calls: {' or '.join(urls)}")
     if url_task(record) is None:
@@ -101,7 +101,7 @@ def batch_body(record: dict, served_model_names: tuple[str, ...], priorities: bo
     """The body of generation batch line `record`, checked: the line's custom_id, method and url, and the body's
     fields. `served_model_names`: the names body.model may give ((): any); `priorities` (--schedule priority):
     body.priority orders the requests, else it must be 0."""
-    body, url = line_body(record, served_model_names, "generate")
+    body, url = line_body(record, served_model_names, Task.GENERATE)
     takes, other = ("messages", "prompt") if url == OPENAI_URLS[0] else ("prompt", "messages")
     if other in body and takes not in body:
         raise Reject(f"url {url} takes body.{takes}, not body.{other}; use {OPENAI_URLS[url == OPENAI_URLS[0]]} "

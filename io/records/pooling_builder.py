@@ -24,7 +24,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from conveyor.core import ModelLimits, PoolingOptions, PoolingRequest, SamplingParams, TokenSequence
+from conveyor.core import ModelLimits, PoolingOptions, PoolingRequest, SamplingParams, Task, TokenSequence
 from conveyor.io.records import request_options
 from conveyor.io.records.batch_lines import is_batch_line, line_body, served_names
 from conveyor.io.records.build_options import BuildOptions
@@ -36,10 +36,10 @@ from conveyor.io.records.reject import Reject
 
 # What a pooling batch body may hold, by task, beside `model` and `user` (which change nothing).
 _BODY_FIELDS = {
-    "embed": {"input", "encoding_format", "dimensions", "truncate_prompt_tokens", "normalize"},
-    "classify": {"input", "truncate_prompt_tokens"},
-    "score": {"text_1", "text_2", "queries", "documents", "truncate_prompt_tokens"},
-    "rerank": {"query", "documents", "top_n", "truncate_prompt_tokens", "return_documents"},
+    Task.EMBED: {"input", "encoding_format", "dimensions", "truncate_prompt_tokens", "normalize"},
+    Task.CLASSIFY: {"input", "truncate_prompt_tokens"},
+    Task.SCORE: {"text_1", "text_2", "queries", "documents", "truncate_prompt_tokens"},
+    Task.RERANK: {"query", "documents", "top_n", "truncate_prompt_tokens", "return_documents"},
 }
 _NEUTRAL = {"model", "user"}
 ENCODING_FORMATS = ("float", "base64")
@@ -56,7 +56,7 @@ class BuiltPooling:
 
     index: int
     id: str
-    kind: str  # the task, or for a batch line the url's ("embed", "score", "rerank", "classify")
+    kind: Task  # the task (a batch line's url asks for the run's)
     request: PoolingRequest
     kept: dict
     id_given: bool = True
@@ -83,14 +83,14 @@ class PoolingRequestBuilder:
     sequence (the two texts as the tokenizer pairs them) rather than two embeddings compared; `vector_size`: the
     embedding's size (a `dimensions` above it is refused); `prompt`: what the checkpoint prepends to every text."""
 
-    def __init__(self, tokenizer: Any, options: BuildOptions, pooling: PoolingOptions, task: str,
+    def __init__(self, tokenizer: Any, options: BuildOptions, pooling: PoolingOptions, task: Task,
                  limits: ModelLimits, model: str | None, cross_encoder: bool, vector_size: int | None,
                  prompt: str = "") -> None:
         self.tokenizer = tokenizer
         self.prompt = prompt
         self.options = options
         self.pooling = pooling
-        self.task = task
+        self.task = Task(task)
         self.limits = limits
         self.cross_encoder = cross_encoder
         self.vector_size = vector_size
@@ -130,7 +130,7 @@ class PoolingRequestBuilder:
 
     def _record_inputs(self, record: dict) -> tuple[list, bool]:
         """(the inputs: texts, chat token ids, or (text, text) pairs; whether the record gave a list)."""
-        if self.task in ("score", "rerank"):
+        if self.task.pairs:
             first = _first_present(record, ("text_1", "query", "queries"))
             second = _first_present(record, ("text_2", "documents"))
             if first is None or second is None:
@@ -175,9 +175,9 @@ class PoolingRequestBuilder:
         if unknown:
             raise Reject(f"body.{unknown[0]} is not read by conveyor's {task} endpoint; remove it (it takes "
                          f"{', '.join(sorted(_BODY_FIELDS[task] | {'model', 'user'}))})")
-        if task in ("score", "rerank"):
+        if task.pairs:
             names = ("text_1", "text_2") if "text_1" in body or "text_2" in body else \
-                ("query", "documents") if task == "rerank" else ("queries", "documents")
+                ("query", "documents") if task is Task.RERANK else ("queries", "documents")
             if body.get(names[0]) is None or body.get(names[1]) is None:
                 raise Reject(f"body.{names[0]} and body.{names[1]} are both needed")
             return self._pairs(body, names[0], names[1], "body.")
@@ -223,21 +223,21 @@ class PoolingRequestBuilder:
         dimensions, normalize, encoding = self._vector_options(fields, prefix)
         cuts: list[int] = []
         pairs = None
-        if self.task in ("score", "rerank") and not self.cross_encoder:  # two embeddings per pair
+        if self.task.pairs and not self.cross_encoder:  # two embeddings per pair
             texts = list(dict.fromkeys(t for pair in inputs for t in pair))
             sequences = [self._sequence(t, None, keep, cuts, prefix) for t in texts]
             pairs = tuple((texts.index(a), texts.index(b)) for a, b in inputs)
-        elif self.task in ("score", "rerank"):
+        elif self.task.pairs:
             sequences = [self._sequence(a, b, keep, cuts, prefix) for a, b in inputs]
         else:
             sequences = [self._sequence(t, None, keep, cuts, prefix) for t in inputs]
         request = PoolingRequest(str(raw.index), tuple(sequences), dimensions, normalize, pairs)
         top_n = None
-        if self.task == "rerank" and fields.get("top_n") is not None:
+        if self.task is Task.RERANK and fields.get("top_n") is not None:
             top_n = request_options.as_int(prefix + "top_n", fields["top_n"])
             if top_n < 0:
                 raise Reject(f"{prefix}top_n must be 0 (every document) or more, got {top_n}")
-        documents = tuple(b for _, b in inputs) if self.task == "rerank" and batch_line else ()
+        documents = tuple(b for _, b in inputs) if self.task is Task.RERANK and batch_line else ()
         return BuiltPooling(raw.index, head.id, self.task, request, head.kept, head.id_given, raw.digest,
                             sum(cuts) if keep is not None else None, encoding, batch_line, multiple, documents,
                             top_n or None)
@@ -257,7 +257,7 @@ class PoolingRequestBuilder:
 
     def _vector_options(self, fields: dict, prefix: str) -> tuple[int | None, bool, str]:
         dimensions, normalize, encoding = self.pooling.dimensions, self.pooling.normalize, "float"
-        if self.task != "embed":
+        if self.task is not Task.EMBED:
             for name in ("dimensions", "normalize", "encoding_format"):
                 if fields.get(name) is not None:
                     raise Reject(f"{prefix}{name} applies to embeddings, not to --task {self.task}; remove it")

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from conveyor.core import Task
 from conveyor.io.rows.rows import DOCUMENT_KEY, ENCODING_KEY, INPUT_INDEX, TOP_N_KEY, output_rows, unpack_vector
 
 
-def pooling_line(row: dict, task: str, model_name: str, created: int) -> dict:
+def pooling_line(row: dict, task: Task, model_name: str, created: int) -> dict:
     """The result line of a pooling record's journal row."""
+    task = Task(task)
     index = row["index"]
     line: dict[str, Any] = {"id": f"batch_req_{index}", "custom_id": row["id"]}
     parts = output_rows(row)
@@ -23,22 +25,22 @@ def pooling_line(row: dict, task: str, model_name: str, created: int) -> dict:
     tokens = sum(p.get("prompt_tokens") or 0 for p in parts)
     usage = {"prompt_tokens": tokens, "total_tokens": tokens}
     ordered = sorted(parts, key=lambda p: p.get(INPUT_INDEX) or 0)
-    if task == "embed":
+    if task is Task.EMBED:
         body = {"id": f"embd-{index}", "object": "list", "created": created, "model": model_name,
                 "data": [{"index": k, "object": "embedding", "embedding": _embedding(p)} for k, p in enumerate(ordered)],
                 "usage": usage}
-    elif task == "score":
+    elif task is Task.SCORE:
         body = {"id": f"score-{index}", "object": "list", "created": created, "model": model_name,
                 "data": [{"index": k, "object": "score", "score": p["score"]} for k, p in enumerate(ordered)],
                 "usage": usage}
-    elif task == "rerank":
+    elif task is Task.RERANK:
         results = [{"index": k, "document": {"text": p.get(DOCUMENT_KEY)}, "relevance_score": p["score"]}
                    for k, p in enumerate(ordered)]
         results.sort(key=lambda r: -r["relevance_score"])
         top_n = row.get(TOP_N_KEY)
         body = {"id": f"rerank-{index}", "model": model_name, "usage": usage,
                 "results": results[:top_n] if top_n else results}
-    elif task == "reward":
+    elif task is Task.REWARD:
         body = {"id": f"reward-{index}", "object": "list", "created": created, "model": model_name,
                 "data": [{"index": k, "object": "reward", "reward": p["reward"]} for k, p in enumerate(ordered)],
                 "usage": usage}

@@ -12,6 +12,7 @@ import struct
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from conveyor.core import Task
 from conveyor.io.records.readers.record import location
 
 # Rows may carry the request kind ("chat" or "completion") under this key, for openai-batch output, and where
@@ -36,8 +37,8 @@ SAMPLE_INDEX = "sample_index"  # 0 to n - 1; a run's files have it where some re
 # The pooling tasks' rows: their own columns instead of a completion's. A record with several inputs (a list of
 # texts, documents to score) is a group row (SAMPLES_KEY) of one row per input, numbered by INPUT_INDEX.
 POOLING_COLUMNS = ("id", "index", "status", "prompt_tokens", "error", "queue_s", "latency_s")
-TASK_VALUES = {"embed": ("embedding",), "classify": ("label", "probs"), "score": ("score",), "rerank": ("score",),
-               "reward": ("reward",)}
+TASK_VALUES = {Task.EMBED: ("embedding",), Task.CLASSIFY: ("label", "probs"), Task.SCORE: ("score",),
+               Task.RERANK: ("score",), Task.REWARD: ("reward",)}
 INPUT_INDEX = "input_index"  # 0 to k - 1: which input of its record a row answers (where a record had several)
 # Beside a pooling row, for its OpenAI batch result line: how its embeddings are encoded, a rerank line's
 # document and the number of best results it asked for. Not output columns.
@@ -64,11 +65,11 @@ def unpack_vector(text: str) -> list[float]:
     return list(struct.unpack(f"<{len(data) // 4}f", data))
 
 
-def part_columns(task: str, asked: Iterable[str]) -> tuple[str, ...]:
+def part_columns(task: Task, asked: Iterable[str]) -> tuple[str, ...]:
     """The optional columns of a `task` run's part files among `asked` (those its settings fill, and those its rows
     hold when the first part is written), in the columns' order: fixed then, so that the parts of one folder read as
     one table."""
-    allowed = _POOLING_OPTIONAL if task != "generate" else tuple(c for c in OPTIONAL_COLUMNS if c != INPUT_INDEX)
+    allowed = _POOLING_OPTIONAL if Task(task).pools else tuple(c for c in OPTIONAL_COLUMNS if c != INPUT_INDEX)
     asked = set(asked)
     return tuple(c for c in allowed if c in asked)
 
@@ -81,14 +82,14 @@ def vector_size(rows) -> int | None:
     return sizes.pop() if len(sizes) == 1 else None
 
 
-def pooled_row(b, out, task: str, labels: tuple[str, ...], where: str | None = None) -> dict[str, Any]:
+def pooled_row(b, out, task: Task, labels: tuple[str, ...], where: str | None = None) -> dict[str, Any]:
     """The row of a finished pooling request: `b` the record's `pooling_builder.BuiltPooling`, `out` the engine's
     PoolingOutput, `labels` a classifier's. One row per input where the record had several (a group row)."""
     base = {"id": b.id, "index": b.index, "status": "ok", "prompt_tokens": out.num_prompt_tokens, "error": None,
             "queue_s": round(out.queue_s, 6), "latency_s": round(out.latency_s, 6), KIND_KEY: b.kind, **b.kept}
     if b.prompt_tokens_truncated is not None:
         base["prompt_tokens_truncated"] = b.prompt_tokens_truncated
-    if b.batch_line and task == "embed":
+    if b.batch_line and task is Task.EMBED:
         base[ENCODING_KEY] = b.encoding_format
     values = [_task_values(task, v, labels) for v in out.results]
     if not b.multiple:
@@ -106,10 +107,10 @@ def pooled_row(b, out, task: str, labels: tuple[str, ...], where: str | None = N
     return row
 
 
-def _task_values(task: str, values: tuple[float, ...], labels: tuple[str, ...]) -> dict[str, Any]:
-    if task == "embed":
+def _task_values(task: Task, values: tuple[float, ...], labels: tuple[str, ...]) -> dict[str, Any]:
+    if task is Task.EMBED:
         return {"embedding": pack_vector(values)}
-    if task == "classify":
+    if task is Task.CLASSIFY:
         best = max(range(len(values)), key=values.__getitem__)
         return {"label": labels[best] if best < len(labels) else str(best), "probs": list(values)}
     return {TASK_VALUES[task][0]: values[0]}

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from conveyor.core import GenerationRequest, InFlight, TokenLogprobs
+from conveyor.core import GenerationRequest, InFlight, Task, TokenLogprobs
 from conveyor.io.records.pooling_builder import BuiltPooling
 from conveyor.io.records.readers import RawRecord
 from conveyor.io.records.readers.record import location
@@ -118,7 +118,7 @@ class JournalSink(RecordSink):
     def __init__(self, journal: Journal, policy: CommitPolicy = CommitPolicy(), on_error: str = ON_ERROR[0],
                  token_text: Callable[[int], str] = str, totals: RunTotals | None = None,
                  engine_in_flight: Callable[[], dict[str, InFlight]] | None = None,
-                 partials: dict[int, dict] | None = None, task: str = "generate", labels: tuple[str, ...] = (),
+                 partials: dict[int, dict] | None = None, task: Task = Task.GENERATE, labels: tuple[str, ...] = (),
                  after_commit: Callable[[], None] | None = None) -> None:
         if on_error not in ON_ERROR:
             raise ValueError(f"on_error must be one of {', '.join(ON_ERROR)}, got {on_error!r}")
@@ -129,7 +129,7 @@ class JournalSink(RecordSink):
         self.totals = totals if totals is not None else RunTotals()
         self.engine_in_flight = engine_in_flight
         self.partials = dict(partials or {})  # index -> a partial not yet continued
-        self.task = task  # a pooling task's rows are its own (rows.pooled_row); `labels`: a classifier's
+        self.task = Task(task)  # a pooling task's rows are its own (rows.pooled_row); `labels`: a classifier's
         self.labels = labels
         self.after_commit = after_commit  # (a part-file output writes the parts whose records all have rows)
         self.in_flight: dict[str, tuple[BuiltRequest, str, int]] = {}  # request id -> (record, where read, sample)

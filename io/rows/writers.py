@@ -15,6 +15,7 @@ import sys
 import time
 from typing import IO, Any, Iterable, Iterator
 
+from conveyor.core import Task
 from conveyor.io.errors import SpecError
 from conveyor.io.rows.openai_lines import pooling_line
 from conveyor.io.rows.rows import (
@@ -70,7 +71,7 @@ def check_keep_fields(keep_fields: tuple[str, ...]) -> None:
 
 def write_output(rows: Iterable[dict], path: str, output_format: str, keep_fields: tuple[str, ...] = (),
                  model_name: str = "", row_group_size: int = 4096, optional: Iterable[str] = (),
-                 task: str = "generate", vector_size: int | None = None, staging: str | None = None,
+                 task: Task = Task.GENERATE, vector_size: int | None = None, staging: str | None = None,
                  file_metadata: dict[str, str] | None = None) -> int:
     """Stream `rows` (output-row dicts, input order) to `path` atomically; returns the rows written.
 
@@ -95,7 +96,7 @@ def write_output(rows: Iterable[dict], path: str, output_format: str, keep_field
     with (_stdout() if path == STDOUT else _destination(path, "w", staging)) as f:
         if output_format == "jsonl":
             return _write_jsonl(rows, f, columns + extra + keep_fields)
-        if task != "generate":
+        if Task(task).pools:
             return _write_lines(rows, f, lambda row, created: pooling_line(row, task, model_name, created))
         return _write_lines(rows, f, lambda row, created: _openai_record_line(row, model_name, created))
 
