@@ -5,14 +5,17 @@ writes as --summary-json (`RunSummary`).
 with. `RunResult.summary()` is the `RunSummary`: plain, frozen data (counts, tokens, times, the model as it ran,
 finish reasons, the latency and occupancy figures), `to_json()` for --summary-json, and `merge()` for the driver of
 `--executor ray`, which adds its workers' summaries (each worker's latency sketches travel with its summary, so the
-driver's percentiles are over every worker's rows).
+driver's percentiles are over every worker's rows). Both are read from the fields: each says how it merges and which
+keys it writes (`figure`, its `SummaryRule`). `Outcome.of` is the one rule from error rows to an outcome.
 """
 
 from __future__ import annotations
 
 import enum
+import operator
 from collections import Counter
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import Field, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from conveyor.io.rows.figures import run_figures
@@ -28,13 +31,103 @@ class Outcome(enum.Enum):
     SOME_ERRORS = "some_errors"  # finished, and some rows are error rows
     STOPPED = "stopped"  # stopped early on purpose (a signal, --max-runtime) after committing what finished
 
+    @classmethod
+    def of(cls, errors: int | bool, skip_errors: bool) -> Outcome:
+        """How a run that finished ended: SOME_ERRORS where its output holds error rows (`errors`: their count, or
+        whether there are any), OK where it has none or `skip_errors` (--on-error skip) left them out."""
+        return cls.SOME_ERRORS if errors and not skip_errors else cls.OK
+
 
 _WORST_FIRST = (Outcome.STOPPED, Outcome.SOME_ERRORS, Outcome.OK)  # a run of several parts ends as its worst
-# The --summary-json keys of what only generation does: a pooling task's summary has none of them.
-GENERATION_KEYS = ("completion_tokens", "output_tokens_per_s", "preemptions", "prefix_cache_hit_rate", "draft_tokens",
-                   "accepted_draft_tokens", "draft_acceptance_rate", "continued", "tokens_carried_over",
-                   "in_flight_saved", "ttft_s", "tpot_s", "mean_running", "occupancy", "finish_reasons",
-                   "structured_outputs", "structured_outputs_cut")
+RULE = "conveyor.summary"  # the metadata key of a RunSummary field: its SummaryRule
+
+Getter = Callable[["RunSummary"], Any]
+
+
+@dataclass(frozen=True)
+class SummaryRule:
+    """What a RunSummary field says and how it merges. `merge`: the parts' values of a split run (the workers of
+    `--executor ray`) -> the run's; None for a latency or occupancy figure, which `run_figures` makes anew from the
+    merged `figures_states`. `json`: its --summary-json keys, in order, each with its value; None: the field's own
+    name and value. `generation`: only generation has it (a pooling task's JSON leaves its keys out)."""
+
+    merge: Callable[[list[Any]], Any] | None
+    json: tuple[tuple[str, Getter], ...] | None = None
+    generation: bool = False
+
+    def keys(self, name: str) -> tuple[tuple[str, Getter], ...]:
+        """The JSON keys of the field `name` and their values' getters."""
+        if self.json is not None:
+            return self.json
+        return ((name, operator.attrgetter(name)),)
+
+
+def figure(merge: Callable[[list[Any]], Any] | None, *, json: tuple[tuple[str, Getter], ...] | None = None,
+           generation: bool = False, **kwargs: Any) -> Any:
+    """A RunSummary field with its SummaryRule (`core.fields.option` does the same for an option)."""
+    return field(metadata={RULE: SummaryRule(merge, json, generation)}, **kwargs)
+
+
+def rule_of(f: Field) -> SummaryRule:
+    return f.metadata[RULE]
+
+
+# The merge rules: the workers run side by side, over the same spec.
+def added(values: list[Any]) -> Any:
+    return sum(values)
+
+
+def longest(values: list[Any]) -> Any:
+    return max(values)
+
+
+def first(values: list[Any]) -> Any:
+    return values[0]
+
+
+def worst(values: list[Outcome]) -> Outcome:
+    return next(o for o in _WORST_FIRST if o in set(values))
+
+
+def rates_added(values: list[float]) -> float:
+    """The cluster's rate while the workers all run."""
+    return round(sum(values), 2)
+
+
+def averaged(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def in_every(values: list[tuple[str, ...]]) -> tuple[str, ...]:
+    """The names every part has (a --keep-fields field is missing from the input where no shard found it)."""
+    return tuple(name for name in values[0] if all(name in v for v in values))
+
+
+def reasons_added(values: list[dict[str, int]]) -> dict[str, int]:
+    reasons: Counter[str] = Counter()
+    for v in values:
+        reasons.update(v)
+    return _most_first(reasons)
+
+
+def counts_added(counts: list[dict[str, int] | None]) -> dict[str, int] | None:
+    """Count dicts added key by key (the workers' reuse counts); None where none has one."""
+    given = [c for c in counts if c is not None]
+    if not given:
+        return None
+    total: Counter[str] = Counter()
+    for c in given:
+        total.update(c)
+    return {key: total[key] for key in given[0]}
+
+
+def joined(values: list[tuple[Any, ...]]) -> tuple[Any, ...]:
+    return tuple(item for v in values for item in v)
+
+
+def _setup(*names: str) -> tuple[tuple[str, Getter], ...]:
+    """JSON keys of the setup's fields, as they are named there."""
+    return tuple((name, operator.attrgetter(f"setup.{name}")) for name in names)
 
 
 def draft_acceptance_rate(draft_tokens: int, accepted: int) -> float | None:
@@ -61,44 +154,60 @@ class RunSetup:
 class RunSummary:
     """What a run did, as the summary table and --summary-json say it. Counts of records, samples, ok and error
     rows, tokens and the model's setup are the run's; `finish_reasons`, the structured-output counts and the
-    latency figures are over the ok rows this process (or, merged, each worker) finished."""
+    latency figures are over the ok rows this process (or, merged, each worker) finished.
 
-    outcome: Outcome
-    records: int  # rows in the journal: one per record
-    samples: int  # output rows: a record with n > 1 has n
-    ok: int
-    errors: int
-    prompt_tokens: int
-    completion_tokens: int
-    load_s: float
-    elapsed_s: float  # generation: from the first record admitted to the last step
-    output_tokens_per_s: float
-    preemptions: int
-    prefix_cache_hit_rate: float
-    draft_tokens: int  # --speculative: fed to the model ...
-    accepted_draft_tokens: int  # ... and accepted
-    resumed_from: int  # rows already committed when the run started
-    continued: int  # records continued from an earlier process's partial ...
-    tokens_carried_over: int  # ... and the tokens those held
-    in_flight_saved: int  # partials kept at a stop (0 where the run did not stop)
-    reuse: dict[str, int] | None  # over an input that changed (journal_rebase.Reuse): None where it had not
-    retried_errors: int  # --retry-errors: records whose error row of the run's own making was dropped
-    keep_fields_missing: tuple[str, ...]  # --keep-fields that no record of the input had (a column of nulls)
-    wall_s: float  # from the run's start (before its checks and the model's load) to its result
-    setup: RunSetup
-    finish_reasons: dict[str, int]  # ok output rows by finish reason ("stop", "length", ...), most first
-    structured_outputs: int  # ok output rows whose request had a grammar (--json-schema, --regex, --choice)
-    structured_outputs_cut: int  # of those, the ones max_tokens cut before their grammar was complete
-    # the latency and occupancy figures (`run_figures`) ...
-    ttft_s: dict[str, float | None]
-    latency_s: dict[str, float | None]
-    queue_s: dict[str, float | None]
-    tpot_s: dict[str, float | None]
-    mean_running: float
-    occupancy: float
-    steps: int
-    # ... and what they are made of (`RunResult.figures_state`), kept to merge them
-    figures_states: tuple[dict[str, Any], ...] = field(default=(), repr=False, compare=False)
+    Each field says how it merges and what --summary-json writes of it (`figure`, its SummaryRule); `to_json` and
+    `merge` read those, and the JSON's keys come in the fields' order (the order they have always had: a new field
+    goes before `outcome`, whose "status" is the last key)."""
+
+    records: int = figure(added)  # rows in the journal: one per record
+    samples: int = figure(added)  # output rows: a record with n > 1 has n
+    ok: int = figure(added)
+    errors: int = figure(added)
+    prompt_tokens: int = figure(added)
+    completion_tokens: int = figure(added, generation=True)
+    load_s: float = figure(longest)  # side by side: the longest, not the sum
+    elapsed_s: float = figure(longest)  # generation: from the first record admitted to the last step
+    output_tokens_per_s: float = figure(rates_added, generation=True)
+    preemptions: int = figure(added, generation=True)
+    prefix_cache_hit_rate: float = figure(averaged, generation=True)
+    draft_tokens: int = figure(added, generation=True)  # --speculative: fed to the model ...
+    accepted_draft_tokens: int = figure(added, generation=True, json=(  # ... and accepted
+        ("accepted_draft_tokens", operator.attrgetter("accepted_draft_tokens")),
+        ("draft_acceptance_rate", operator.attrgetter("draft_acceptance_rate"))))
+    resumed_from: int = figure(added)  # rows already committed when the run started
+    continued: int = figure(added, generation=True)  # records continued from an earlier process's partial ...
+    tokens_carried_over: int = figure(added, generation=True)  # ... and the tokens those held
+    in_flight_saved: int = figure(added, generation=True)  # partials kept at a stop (0 where the run did not stop)
+    # --keep-fields that no record of the input had (a column of nulls)
+    keep_fields_missing: tuple[str, ...] = figure(in_every, json=(
+        ("keep_fields_missing", lambda s: list(s.keep_fields_missing)),))
+    wall_s: float = figure(longest)  # from the run's start (before its checks and the model's load) to its result
+    setup: RunSetup = figure(first, json=_setup("model", "model_path", "dtype", "backend"))  # every part's the same
+    # the latency and occupancy figures (`run_figures`, over every part's rows) ...
+    ttft_s: dict[str, float | None] = figure(None, generation=True)
+    latency_s: dict[str, float | None] = figure(None)
+    queue_s: dict[str, float | None] = figure(None)
+    tpot_s: dict[str, float | None] = figure(None, generation=True)
+    mean_running: float = figure(None, generation=True)
+    occupancy: float = figure(None, generation=True)
+    steps: int = figure(None)
+    # ok output rows by finish reason ("stop", "length", ...), most first
+    finish_reasons: dict[str, int] = figure(reasons_added, generation=True, json=(
+        ("finish_reasons", lambda s: dict(s.finish_reasons)),))
+    # ok output rows whose request had a grammar (--json-schema, --regex, --choice) ...
+    structured_outputs: int = figure(added, generation=True)
+    # ... and of those, the ones max_tokens cut before their grammar was complete
+    structured_outputs_cut: int = figure(added, generation=True)
+    reuse: dict[str, int] | None = figure(counts_added)  # over an input that changed (Reuse): None where not
+    retried_errors: int = figure(added)  # --retry-errors: records whose error row of the run's own making was dropped
+    # the worst of the parts'; "status", last, after the keys that came before it
+    outcome: Outcome = figure(worst, json=(
+        *_setup("task"), ("records_per_s", operator.attrgetter("records_per_s")),
+        ("prompt_tokens_per_s", operator.attrgetter("prompt_tokens_per_s")), *_setup("cpu_isa", "batch_invariant"),
+        ("status", lambda s: s.outcome.value)))
+    # ... and what the figures are made of (`RunResult.figures_state`), kept to merge them: no JSON key of its own
+    figures_states: tuple[dict[str, Any], ...] = figure(joined, json=(), default=(), repr=False, compare=False)
 
     @classmethod
     def with_figures(cls, figures_states: tuple[dict[str, Any], ...], **fields: Any) -> RunSummary:
@@ -121,73 +230,23 @@ class RunSummary:
         return draft_acceptance_rate(self.draft_tokens, self.accepted_draft_tokens)
 
     def to_json(self) -> dict[str, Any]:
-        """The --summary-json object: the keys of the run's task (a pooling task's has no GENERATION_KEYS)."""
-        s = self.setup
-        out = {
-            "records": self.records, "samples": self.samples, "ok": self.ok, "errors": self.errors,
-            "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-            "load_s": self.load_s, "elapsed_s": self.elapsed_s, "output_tokens_per_s": self.output_tokens_per_s,
-            "preemptions": self.preemptions, "prefix_cache_hit_rate": self.prefix_cache_hit_rate,
-            "draft_tokens": self.draft_tokens, "accepted_draft_tokens": self.accepted_draft_tokens,
-            "draft_acceptance_rate": self.draft_acceptance_rate,
-            "resumed_from": self.resumed_from, "continued": self.continued,
-            "tokens_carried_over": self.tokens_carried_over, "in_flight_saved": self.in_flight_saved,
-            "keep_fields_missing": list(self.keep_fields_missing), "wall_s": self.wall_s,
-            "model": s.model, "model_path": s.model_path, "dtype": s.dtype, "backend": s.backend,
-            "ttft_s": self.ttft_s, "latency_s": self.latency_s, "queue_s": self.queue_s, "tpot_s": self.tpot_s,
-            "mean_running": self.mean_running, "occupancy": self.occupancy, "steps": self.steps,
-            "finish_reasons": dict(self.finish_reasons), "structured_outputs": self.structured_outputs,
-            "structured_outputs_cut": self.structured_outputs_cut,
-            "reuse": self.reuse, "retried_errors": self.retried_errors,
-            "task": s.task, "records_per_s": self.records_per_s, "prompt_tokens_per_s": self.prompt_tokens_per_s,
-            "cpu_isa": s.cpu_isa, "batch_invariant": s.batch_invariant,
-            "status": self.outcome.value,
-        }
-        return out if s.task == "generate" else {key: value for key, value in out.items() if key not in GENERATION_KEYS}
+        """The --summary-json object: each field's keys (its SummaryRule), in the fields' order; a pooling task's
+        has none of generation's."""
+        generation = self.setup.task == "generate"
+        return {key: value(self) for f in fields(self) if generation or not rule_of(f).generation
+                for key, value in rule_of(f).keys(f.name)}
 
     @classmethod
     def merge(cls, summaries: list[RunSummary]) -> RunSummary:
-        """The summary of a run made of `summaries` running side by side (the workers of `--executor ray`): counts
-        and tokens added, load and generation time the longest, the rates the cluster's (token rates added,
-        prefix-cache hit rates averaged), the latency figures over every part's rows; the setup is the first's
-        (every part runs the same spec), the outcome the worst."""
+        """The summary of a run made of `summaries` running side by side (the workers of `--executor ray`): each
+        field merged by its rule (counts and tokens added, load and generation time the longest, token rates added,
+        prefix-cache hit rates averaged, the setup the first's, the outcome the worst), the latency figures anew
+        over every part's rows."""
         if not summaries:
             raise ValueError("RunSummary.merge: no summaries to merge")
-        first = summaries[0]
-
-        def total(name: str) -> int:
-            return sum(getattr(s, name) for s in summaries)
-
-        reasons: Counter[str] = Counter()
-        for s in summaries:
-            reasons.update(s.finish_reasons)
-        missing = [name for name in first.keep_fields_missing
-                   if all(name in s.keep_fields_missing for s in summaries)]
-        outcomes = {s.outcome for s in summaries}
-        return cls.with_figures(
-            tuple(state for s in summaries for state in s.figures_states),
-            outcome=next(o for o in _WORST_FIRST if o in outcomes),
-            **{name: total(name) for name in (
-                "records", "samples", "ok", "errors", "prompt_tokens", "completion_tokens", "preemptions",
-                "draft_tokens", "accepted_draft_tokens", "resumed_from", "continued", "tokens_carried_over",
-                "in_flight_saved", "structured_outputs", "structured_outputs_cut", "retried_errors")},
-            reuse=_added([s.reuse for s in summaries]),
-            load_s=max(s.load_s for s in summaries), elapsed_s=max(s.elapsed_s for s in summaries),
-            output_tokens_per_s=round(sum(s.output_tokens_per_s for s in summaries), 2),  # while they all run
-            prefix_cache_hit_rate=sum(s.prefix_cache_hit_rate for s in summaries) / len(summaries),
-            keep_fields_missing=tuple(missing), wall_s=max(s.wall_s for s in summaries), setup=first.setup,
-            finish_reasons=_most_first(reasons))
-
-
-def _added(counts: list[dict[str, int] | None]) -> dict[str, int] | None:
-    """Count dicts added key by key (the workers' reuse counts); None where none has one."""
-    given = [c for c in counts if c is not None]
-    if not given:
-        return None
-    total: Counter[str] = Counter()
-    for c in given:
-        total.update(c)
-    return {key: total[key] for key in given[0]}
+        merged = {f.name: rule_of(f).merge([getattr(s, f.name) for s in summaries])
+                  for f in fields(cls) if rule_of(f).merge is not None}
+        return cls.with_figures(merged.pop("figures_states"), **merged)
 
 
 def _most_first(counts: Counter[str]) -> dict[str, int]:

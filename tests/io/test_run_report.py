@@ -8,9 +8,9 @@ import dataclasses
 
 import pytest
 
-from conveyor.io.rows.figures import LatencyFigures
+from conveyor.io.rows.figures import LatencyFigures, run_figures
 from conveyor.io.rows.sink import RunTotals
-from conveyor.io.run_report import Outcome, RunResult, RunSetup, RunSummary
+from conveyor.io.run_report import Outcome, RunResult, RunSetup, RunSummary, rule_of
 
 KEYS_BEFORE = ["records", "samples", "ok", "errors", "prompt_tokens", "completion_tokens", "load_s", "elapsed_s",
                "output_tokens_per_s", "preemptions", "prefix_cache_hit_rate", "draft_tokens", "accepted_draft_tokens",
@@ -80,3 +80,61 @@ def test_merge_needs_a_summary():
 def test_a_summary_with_no_rows_has_no_figures():
     summary = _summary(Outcome.STOPPED, [], {})
     assert summary.finish_reasons == {} and summary.latency_s == LatencyFigures().summary()["latency_s"]
+
+
+KEYS = ["records", "samples", "ok", "errors", "prompt_tokens", "completion_tokens", "load_s", "elapsed_s",
+        "output_tokens_per_s", "preemptions", "prefix_cache_hit_rate", "draft_tokens", "accepted_draft_tokens",
+        "draft_acceptance_rate", "resumed_from", "continued", "tokens_carried_over", "in_flight_saved",
+        "keep_fields_missing", "wall_s", "model", "model_path", "dtype", "backend", "ttft_s", "latency_s", "queue_s",
+        "tpot_s", "mean_running", "occupancy", "steps", "finish_reasons", "structured_outputs",
+        "structured_outputs_cut", "reuse", "retried_errors", "task", "records_per_s", "prompt_tokens_per_s",
+        "cpu_isa", "batch_invariant", "status"]  # --summary-json's keys, in their order (scripts read them)
+
+
+def test_the_summary_json_keys_keep_their_order_and_a_pooling_task_has_no_generation_keys():
+    summary = _summary(Outcome.OK, [0.1], {"stop": 1})
+    assert list(summary.to_json()) == KEYS
+    pooled = dataclasses.replace(summary, setup=dataclasses.replace(summary.setup, task="embed"))
+    generation = {key for f in dataclasses.fields(RunSummary) if rule_of(f).generation
+                  for key, _ in rule_of(f).keys(f.name)}
+    assert list(pooled.to_json()) == [key for key in KEYS if key not in generation]
+    assert generation == {"completion_tokens", "output_tokens_per_s", "preemptions", "prefix_cache_hit_rate",
+                          "draft_tokens", "accepted_draft_tokens", "draft_acceptance_rate", "continued",
+                          "tokens_carried_over", "in_flight_saved", "ttft_s", "tpot_s", "mean_running", "occupancy",
+                          "finish_reasons", "structured_outputs", "structured_outputs_cut"}
+
+
+def test_every_summary_field_has_a_merge_rule_and_reaches_the_json():
+    """A new figure is a RunSummary field with its rule (`figure`): to_json and merge read the rules, so one that
+    has none, or whose key is not in the JSON, is caught here."""
+    summary = _summary(Outcome.OK, [0.1], {"stop": 1})
+    said = summary.to_json()
+    made_by_figures = set(run_figures([]))
+    for f in dataclasses.fields(RunSummary):
+        rule = rule_of(f)  # (KeyError: a field with no rule)
+        assert (rule.merge is None) == (f.name in made_by_figures), f.name
+        if f.name == "figures_states":  # what the figures are made of: merged, never written
+            assert rule.keys(f.name) == ()
+            continue
+        keys = [key for key, _ in rule.keys(f.name)]
+        assert keys and set(keys) <= set(said), f.name
+        if f.name not in ("setup", "outcome"):  # (those two write other names: the setup's, "status")
+            assert f.name in keys and said[f.name] == _plain(getattr(summary, f.name)), f.name
+
+
+def test_merge_reads_every_field_and_a_merged_figure_reaches_the_json():
+    one = dataclasses.replace(_summary(Outcome.OK, [0.1], {"stop": 1}), retried_errors=2, in_flight_saved=1)
+    two = dataclasses.replace(_summary(Outcome.OK, [0.2], {"stop": 1}), retried_errors=3, in_flight_saved=0)
+    said = RunSummary.merge([one, two]).to_json()
+    assert (said["retried_errors"], said["in_flight_saved"], said["records"]) == (5, 1, 2)
+
+
+def _plain(value):
+    return list(value) if isinstance(value, tuple) else dict(value) if isinstance(value, dict) else value
+
+
+@pytest.mark.parametrize(("errors", "skip", "outcome"), [
+    (0, False, Outcome.OK), (3, False, Outcome.SOME_ERRORS), (3, True, Outcome.OK), (True, False, Outcome.SOME_ERRORS),
+    (False, True, Outcome.OK)])
+def test_the_outcome_of_a_finished_run(errors, skip, outcome):
+    assert Outcome.of(errors, skip) is outcome
