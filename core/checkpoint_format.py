@@ -19,6 +19,7 @@ from typing import Any
 
 from conveyor.core.errors import UnsupportedModel
 from conveyor.core.quant.formats import Refused, Scheme, scheme_of
+from conveyor.core.task import Task
 
 READ_METHODS = ("compressed-tensors", "gptq", "awq")  # the quantization methods conveyor reads itself
 
@@ -123,13 +124,14 @@ def format_refusal(cfg: Any, gguf: bool = False) -> str | None:
             "release of the model")
 
 
-def check_format(cfg: Any, name: str, gguf: bool = False, task: str = "generate") -> None:
+def check_format(cfg: Any, name: str, gguf: bool = False, task: Task | str = Task.GENERATE) -> None:
     """UnsupportedModel naming `name`, its architecture and why, where `format_refusal` refuses it, or where the
     pooling `task` is asked of a checkpoint whose quantized weights conveyor reads itself (generation only)."""
     from conveyor.core.model_support import architecture
 
+    task = Task(task)
     why = format_refusal(cfg, gguf)
-    if why is None and task != "generate" and read_scheme(cfg, gguf) is not None:
+    if why is None and task.pools and read_scheme(cfg, gguf) is not None:
         why = (f"its weights are quantized ({read_scheme(cfg, gguf).describe()}), and conveyor runs quantized "
                f"checkpoints for generation only, not for --task {task}; use an unquantized release of the model")
     if why is not None:

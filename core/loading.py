@@ -13,6 +13,7 @@ from conveyor.core.errors import ConfigError
 from conveyor.core.model_shape import ModelShape
 from conveyor.core.outputs import ModelLimits
 from conveyor.core.sampling_params import Grammar
+from conveyor.core.task import Task
 
 if TYPE_CHECKING:
     from conveyor.core.engine import Engine
@@ -44,22 +45,23 @@ def model_fingerprint(model: str) -> str | None:
     return fingerprint(model, {name: spec.package for name, spec in EMBEDDED_MODELS.items()})
 
 
-def load_pooling_engine(model: str, task: str, config: EngineConfig, pooling: str | None = None) -> PoolingEngine:
+def load_pooling_engine(model: str, task: Task | str, config: EngineConfig, pooling: str | None = None
+                        ) -> PoolingEngine:
     """The pooling engine for `model` doing `task` (embed, classify, score, rerank, reward), pooling by `pooling`
     (None: the checkpoint's own, else its kind's)."""
     from conveyor.core.pooling_engine import PoolingEngine
 
-    return PoolingEngine.from_pretrained(model, task, config, pooling)
+    return PoolingEngine.from_pretrained(model, Task(task), config, pooling)
 
 
-def auto_task(model: str) -> str:
+def auto_task(model: str) -> Task:
     """What `--task auto` does with `model` when its input says nothing (`pooling_config.default_task`), from its
     config and files alone (the embedded models generate)."""
     from conveyor.core.model_loader import EMBEDDED_MODELS, _resolve, load_config
     from conveyor.core.pooling_config import default_task
 
     if model in EMBEDDED_MODELS:
-        return "generate"
+        return Task.GENERATE
     check_model_exists(model)
     path = Path(_resolve(model)[0]).expanduser()
     return default_task(load_config(model), (path / "modules.json").is_file())
@@ -76,7 +78,7 @@ def check_model_exists(model: str) -> None:
         raise ConfigError("model", str(e).removeprefix("--")) from None
 
 
-def load_pooling_tokenizer(model: str, task: str, pooling: str | None = None
+def load_pooling_tokenizer(model: str, task: Task | str, pooling: str | None = None
                            ) -> tuple[Any, ModelLimits, bool, int | None, str]:
     """(tokenizer, limits, whether a score pair is one sequence (a cross-encoder), the embedding's size or None, the
     prompt its sentence-transformers config prepends to every text) of `model` doing pooling `task` (pooling by
@@ -89,6 +91,7 @@ def load_pooling_tokenizer(model: str, task: str, pooling: str | None = None
     from conveyor.core.pooling_config import context_limit, model_kind, pooling_config
     from conveyor.core.sentence_transformers_text import lowercase_texts
 
+    task = Task(task)
     check_pooling_model(model, task, pooling)
     path, gguf_file = _resolve(model)
     cfg = load_config(model)
@@ -103,7 +106,7 @@ def load_pooling_tokenizer(model: str, task: str, pooling: str | None = None
     return tokenizer, limits, kind.classifier, None if kind.classifier else int(cfg.hidden_size), config.prompt
 
 
-def check_pooling_model(model: str, task: str, pooling: str | None = None) -> None:
+def check_pooling_model(model: str, task: Task | str, pooling: str | None = None) -> None:
     """What the pooling engine would refuse once `model` loads, from its config and files alone: a model not there, a
     task the checkpoint cannot do, a pooling config conveyor does not compute where `pooling` (--pooling) does not
     replace it (UnsupportedModel), weight files missing or cut short (ConfigError model)."""
@@ -114,6 +117,7 @@ def check_pooling_model(model: str, task: str, pooling: str | None = None) -> No
     from conveyor.core.pooling_config import check_task, model_kind, pooling_config
     from conveyor.core.weight_files import check_weight_files
 
+    task = Task(task)
     check_model_exists(model)
     path, gguf_file = _resolve(model)
     cfg = load_config(model)

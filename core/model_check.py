@@ -14,11 +14,12 @@ from conveyor.core.checkpoint_format import format_lines
 from conveyor.core.config import EngineConfig
 from conveyor.core.errors import ConfigError
 from conveyor.core.model_support import architecture, fused_family, generation_routes
+from conveyor.core.task import Task
 
 Lines = list[tuple[str, str]]
 
 
-def model_report(model: str, task: str = "auto") -> tuple[Lines, str | None]:
+def model_report(model: str, task: Task | str = Task.AUTO) -> tuple[Lines, str | None]:
     """What `conveyor models --check` says of `model` doing `task` (auto: as `run --task auto` decides) from its
     config, its weight files' headers and its tokenizer alone: (lines: (what, value), why run refuses it for `task`
     or None). ModelLoadError where there is nothing to check (no such file or folder, no config)."""
@@ -26,19 +27,20 @@ def model_report(model: str, task: str = "auto") -> tuple[Lines, str | None]:
     from conveyor.core.model_files import hub_snapshot
     from conveyor.core.model_loader import EMBEDDED_MODELS, _resolve, load_config
 
+    task = Task(task)
     path, gguf_file = _resolve(model)
     cfg = load_config(model)
     local = Path(path).expanduser()
     folder = local if local.is_dir() else hub_snapshot(model)
     lines = [("model", model), ("architecture", f"{architecture(cfg)} (model type {getattr(cfg, 'model_type', '?')})")]
-    if task == "auto":
-        task = auto_task(model)
+    if task is Task.AUTO:
+        task = Task(auto_task(model))
         why = "the embedded model generates" if model in EMBEDDED_MODELS else _auto_reason(task, cfg, local)
         lines.append(("task", f"{task} (--task auto: {why}; an input of OpenAI batch lines chooses by its url)"))
     else:
         lines.append(("task", f"{task} (--task {task})"))
     try:
-        if task == "generate":
+        if task is Task.GENERATE:
             check_before_loading(model, EngineConfig())
         else:
             check_pooling_model(model, task)
@@ -52,16 +54,16 @@ def model_report(model: str, task: str = "auto") -> tuple[Lines, str | None]:
         from conveyor.core.quant.gguf_load import describe_gguf
 
         lines += describe_gguf(Path(path) / gguf_file)
-    if task == "generate":
+    if task is Task.GENERATE:
         return lines + generation_routes(cfg) + [("chat template", _chat_template(model))], None
     return lines + _pooling_lines(model, cfg, folder, task), None
 
 
-def _auto_reason(task: str, cfg: Any, folder: Path) -> str:
+def _auto_reason(task: Task, cfg: Any, folder: Path) -> str:
     """Why `--task auto` chose `task` (`pooling_config.default_task`)."""
-    if task == "classify":
+    if task is Task.CLASSIFY:
         return "a sequence classifier classifies"
-    if task == "embed":
+    if task is Task.EMBED:
         return ("its sentence-transformers modules.json makes it an embedding model"
                 if (folder / "modules.json").is_file() else "a base model without a head embeds")
     return (f"{architecture(cfg)} is no sequence classifier or base model, and has no sentence-transformers "
@@ -80,7 +82,7 @@ def _chat_template(model: str) -> str:
             "or a chat template with --chat-template FILE")
 
 
-def _pooling_lines(model: str, cfg: Any, folder: Path | None, task: str) -> Lines:
+def _pooling_lines(model: str, cfg: Any, folder: Path | None, task: Task) -> Lines:
     """What run does for pooling `task` with a checkpoint `check_pooling_model` let through."""
     from conveyor.core.pooling_config import context_limit, model_kind, pooling_config
 
@@ -90,17 +92,17 @@ def _pooling_lines(model: str, cfg: Any, folder: Path | None, task: str) -> Line
     if not kind.classifier:  # an embedder: its vectors, or the cosine of a pair's two
         source = "its sentence-transformers modules.json" if config.source == "modules.json" else config.source
         lines.append(("pooling", f"{config.pooling} ({source}); --pooling replaces it"))
-        if task == "embed":
+        if task is Task.EMBED:
             raw = "" if config.normalize else "; its modules.json has no Normalize module (sentence-transformers " \
                                               "gives them raw)"
             lines.append(("normalization", f"L2 (run's default; --no-normalize keeps the vectors raw){raw}"))
             lines.append(("dimension", f"{int(cfg.hidden_size)} (its hidden size; --dimensions N keeps the first N)"))
         else:
             lines.append(("score", "the cosine of the embeddings of a pair's two texts (each embedded alone)"))
-    elif task == "classify":
+    elif task is Task.CLASSIFY:
         how = "a sigmoid" if kind.num_labels == 1 else "a softmax"
         lines.append(("labels", f"{kind.num_labels}: {', '.join(kind.labels)} (probabilities: {how} of its head)"))
-    elif task == "reward":
+    elif task is Task.REWARD:
         lines.append(("reward", f"its head's raw score ({kind.labels[0]})"))
     else:
         through = "a sigmoid" if kind.score_activation == "sigmoid" else "no activation"

@@ -20,6 +20,7 @@ from pathlib import Path
 from conveyor.core.errors import UnsupportedModel
 from conveyor.core.model_shape import context_of
 from conveyor.core.sentence_transformers_text import PROMPTS_FILE, text_settings
+from conveyor.core.task import Task
 
 SEQUENCE_CLASSIFIER = "ForSequenceClassification"
 _SIGMOID = "torch.nn.modules.activation.Sigmoid"
@@ -191,38 +192,39 @@ def _activation(cfg, saved: dict) -> str | None:
     return None
 
 
-def check_task(kind: ModelKind, task: str, name: str, arch: str) -> None:
+def check_task(kind: ModelKind, task: Task | str, name: str, arch: str) -> None:
     """UnsupportedModel where `task` is not one the checkpoint can do."""
-    if task in ("classify", "reward") and not kind.classifier:
+    task = Task(task)
+    if task.labels and not kind.classifier:
         raise UnsupportedModel(f"--task {task} needs a checkpoint with a sequence-classification head "
                                f"(...{SEQUENCE_CLASSIFIER}); model {name} is {arch}. Use --task embed for its "
                                "vectors")
-    if task == "embed" and kind.classifier:
+    if task is Task.EMBED and kind.classifier:
         raise UnsupportedModel(f"--task embed: model {name} is a sequence classifier ({arch}); use --task classify "
                                "(or score, reward) for its head, or an embedding model")
-    if task == "reward" and kind.num_labels != 1:
+    if task is Task.REWARD and kind.num_labels != 1:
         raise UnsupportedModel(f"--task reward: model {name} has a head of {kind.num_labels} labels; a reward model "
                                "gives one score. Use --task classify for its labels")
-    if task in ("score", "rerank") and not kind.classifier and kind.similarity not in (None, "cosine"):
+    if task.pairs and not kind.classifier and kind.similarity not in (None, "cosine"):
         raise UnsupportedModel(f"--task {task}: model {name}'s config_sentence_transformers.json names the similarity "
                                f"{kind.similarity}, and conveyor scores an embedder's pairs by cosine; score them with "
                                "sentence-transformers, or embed them (--task embed) and compare the vectors yourself")
-    if task in ("score", "rerank") and kind.classifier and kind.num_labels != 1:
+    if task.pairs and kind.classifier and kind.num_labels != 1:
         raise UnsupportedModel(f"--task {task}: model {name} is a classifier of {kind.num_labels} labels; a "
                                "cross-encoder has one (its score); use --task classify for its labels")
 
 
-def default_task(cfg, has_pooling_config: bool) -> str:
+def default_task(cfg, has_pooling_config: bool) -> Task:
     """What `--task auto` does with a checkpoint whose input is not batch lines: a sequence classifier classifies; a
     model with a sentence-transformers pooling config, or a base model without a head (BertModel, Qwen3Model: what
     it can do is embed), embeds; anything else generates (a masked or causal LM: generation runs it or refuses it,
     saying which task would)."""
     archs = list(getattr(cfg, "architectures", None) or [])
     if any(a.endswith(SEQUENCE_CLASSIFIER) for a in archs):
-        return "classify"
+        return Task.CLASSIFY
     if has_pooling_config or (archs and all(a.endswith("Model") and "Head" not in a for a in archs)):
-        return "embed"  # (GPT2LMHeadModel ends in "Model" too, but has its LM head: it generates)
-    return "generate"
+        return Task.EMBED  # (GPT2LMHeadModel ends in "Model" too, but has its LM head: it generates)
+    return Task.GENERATE
 
 
 def context_limit(cfg, config: PoolingConfig) -> int:

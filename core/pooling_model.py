@@ -27,6 +27,7 @@ from conveyor.core.model_files import hub_snapshot
 from conveyor.core.pooling_config import ModelKind, PoolingConfig, check_task, context_limit, model_kind, pooling_config
 from conveyor.core.pooling_params import TokenSequence
 from conveyor.core.sentence_transformers_text import lowercase_texts
+from conveyor.core.task import Task
 
 
 class PoolingModel:
@@ -85,7 +86,7 @@ def _pool(hidden: torch.Tensor, first: int, n: int, method: str) -> torch.Tensor
     return total / n
 
 
-def load_pooling_model(model: str, task: str, device: str, dtype: str, pooling: str | None
+def load_pooling_model(model: str, task: Task | str, device: str, dtype: str, pooling: str | None
                        ) -> tuple[PoolingModel, object, PoolingConfig, int]:
     """(the model for `task`, its tokenizer (lowercasing texts where the checkpoint's sentence-transformers config
     asks), its pooling config, its context in tokens). UnsupportedModel before the weights are read where the
@@ -97,6 +98,7 @@ def load_pooling_model(model: str, task: str, device: str, dtype: str, pooling: 
     from conveyor.core.model_support import architecture
     from conveyor.core.weight_files import check_weight_files
 
+    task = Task(task)
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     path, gguf_file = _resolve(model)
