@@ -13,37 +13,39 @@ from typing import Any
 from conveyor.core.checkpoint_format import format_lines
 from conveyor.core.config import EngineConfig
 from conveyor.core.errors import ConfigError
+from conveyor.core.model_source import ModelSource
 from conveyor.core.model_support import architecture, fused_family, generation_routes
 from conveyor.core.task import Task
 
 Lines = list[tuple[str, str]]
 
 
-def model_report(model: str, task: Task | str = Task.AUTO) -> tuple[Lines, str | None]:
+def model_report(model: str | ModelSource, task: Task | str = Task.AUTO) -> tuple[Lines, str | None]:
     """What `conveyor models --check` says of `model` doing `task` (auto: as `run --task auto` decides) from its
     config, its weight files' headers and its tokenizer alone: (lines: (what, value), why run refuses it for `task`
     or None). ModelLoadError where there is nothing to check (no such file or folder, no config)."""
     from conveyor.core.loading import auto_task, check_before_loading, check_pooling_model
-    from conveyor.core.model_files import hub_snapshot
-    from conveyor.core.model_loader import EMBEDDED_MODELS, _resolve, load_config
+    from conveyor.core.model_loader import checkpoint_folder, load_config, resolve
 
     task = Task(task)
-    path, gguf_file = _resolve(model)
-    cfg = load_config(model)
+    source = ModelSource.of(model)
+    model = source.name
+    path, gguf_file = resolve(source)
+    cfg = load_config(source)
     local = Path(path).expanduser()
-    folder = local if local.is_dir() else hub_snapshot(model)
+    folder = checkpoint_folder(source, path)
     lines = [("model", model), ("architecture", f"{architecture(cfg)} (model type {getattr(cfg, 'model_type', '?')})")]
     if task is Task.AUTO:
-        task = Task(auto_task(model))
-        why = "the embedded model generates" if model in EMBEDDED_MODELS else _auto_reason(task, cfg, local)
+        task = Task(auto_task(source))
+        why = "the embedded model generates" if source.embedded else _auto_reason(task, cfg, local)
         lines.append(("task", f"{task} (--task auto: {why}; an input of OpenAI batch lines chooses by its url)"))
     else:
         lines.append(("task", f"{task} (--task {task})"))
     try:
         if task is Task.GENERATE:
-            check_before_loading(model, EngineConfig())
+            check_before_loading(source, EngineConfig())
         else:
-            check_pooling_model(model, task)
+            check_pooling_model(source, task)
     except ConfigError as e:
         reason = str(e)
         for prefix in (f"model {model} ({architecture(cfg)}): ", f"model {model}: "):
@@ -55,7 +57,7 @@ def model_report(model: str, task: Task | str = Task.AUTO) -> tuple[Lines, str |
 
         lines += describe_gguf(Path(path) / gguf_file)
     if task is Task.GENERATE:
-        return lines + generation_routes(cfg) + [("chat template", _chat_template(model))], None
+        return lines + generation_routes(cfg) + [("chat template", _chat_template(source))], None
     return lines + _pooling_lines(model, cfg, folder, task), None
 
 
@@ -70,7 +72,7 @@ def _auto_reason(task: Task, cfg: Any, folder: Path) -> str:
             "modules.json: a language model generates")
 
 
-def _chat_template(model: str) -> str:
+def _chat_template(model: ModelSource) -> str:
     """What the model's tokenizer does with chat records (run's `check_chat_template`, `no_chat_template_note`)."""
     from conveyor.core.model_loader import load_tokenizer
 

