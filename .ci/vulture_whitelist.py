@@ -5,13 +5,7 @@ validate_command
 status_command
 merge_command
 models_command
-json_schema  # `conveyor run`'s options reach build_config through locals()
-served_model_name  # so does --served-model-name (BuildOptions.served_model_names)
-no_ignore_eos  # and the hidden --no-NAME of a switch (cli/options.py `negatives`)
-no_prompt_logprobs
-no_quiet
-no_normalize
-no_profile
+_.__signature__  # a command's options, as Typer reads them (cli/options.py `takes`)
 _root  # the app's callback: --version
 _.metavar  # Typer reads an option's metavar to render --help (cli/app.py `_untyped_switches`)
 

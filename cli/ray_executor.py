@@ -33,18 +33,12 @@ import time
 import uuid
 from pathlib import Path
 
+from conveyor.cli.command_line import command_line
 from conveyor.cli.config import Invocation
 from conveyor.cli.exit_codes import UsageError
 from conveyor.cli.notes import quiet_libraries, say
 from conveyor.cli.stop_signals import StopController
-from conveyor.cli.summary import (
-    check_summary_path,
-    closing_line,
-    exit_code,
-    print_summary,
-    print_warnings,
-    write_summary_json,
-)
+from conveyor.cli.summary import Ending, check_summary_path, report
 from conveyor.io.counts import counted
 from conveyor.io.run_spec import RunSpec
 
@@ -101,20 +95,18 @@ class ShardWorker:
 
 
 def run_on_ray(invocation: Invocation) -> int:
+    """The run's shards on the Ray cluster, one worker each, until every one is done or a signal stops them; the
+    driver (io's SplitRun) then merges their summaries and rows. Its report and exit code."""
     try:
         import ray
     except ImportError:
         raise UsageError("--executor ray needs Ray: pip install 'conveyor[ray]'") from None
-    from conveyor.cli.command_line import command_line
-    from conveyor.io.run_report import Outcome, RunSummary
     from conveyor.io.split_run import SplitRun
 
     spec, cli = invocation.spec, invocation.cli
-    started = time.monotonic()
     driver = SplitRun(spec)
     run_dir = driver.open()
     check_summary_path(cli.summary_json)
-
     address = os.environ.get("RAY_ADDRESS") or None
     stopper = StopController()  # the deadline of --max-runtime is each worker's own
     stop_path = None
@@ -123,33 +115,14 @@ def run_on_ray(invocation: Invocation) -> int:
         ray.init(address=address, include_dashboard=False, log_to_driver=not cli.quiet,
                  logging_level="error" if cli.quiet else "warning")
     try:
-        resources = ray.cluster_resources()
-        gpus = int(resources.get("GPU", 0))
-        device = spec.engine.device
-        use_gpus = (gpus > 0 and device in ("auto", "cuda")) or device.startswith("cuda:")
-        workers_n = cli.num_workers or (gpus if use_gpus else 1)
-        if use_gpus and workers_n > gpus:
-            raise UsageError(f"--num-workers {workers_n}: the cluster has {counted(gpus, 'GPU')}, one per worker")
-        cpus = int(resources.get("CPU", 1))
-        per_worker = max(1, cpus // workers_n)
-        options = dict(num_cpus=0 if use_gpus else per_worker, num_gpus=1 if use_gpus else 0,
-                       max_restarts=MAX_RESTARTS, max_task_retries=MAX_RESTARTS)
-        worker_spec = dataclasses.replace(
-            spec, input=dataclasses.replace(spec.input, path=_absolute(spec.input.path)),
-            output=dataclasses.replace(spec.output, path=_absolute_output(spec.output.path)),
-            state=dataclasses.replace(spec.state, run_dir=str(run_dir.resolve())))
-        actor = ray.remote(ShardWorker)
         token = uuid.uuid4().hex[:12]
-        workers = [actor.options(name=worker_name(token, i, workers_n), **options).remote(
-            worker_spec, cli.max_runtime, None if use_gpus else per_worker, command_line()) for i in range(workers_n)]
-        _check_storage(ray, workers, run_dir)
+        workers, each = _start_workers(ray, spec, cli, run_dir, token)
         if not cli.quiet:
             where = f"cluster {address}" if address else "a local Ray instance" if owned else "the Ray cluster joined"
-            say(f"{counted(workers_n, 'worker')} on {where} ({'1 GPU' if use_gpus else counted(per_worker, 'CPU')} "
-                "each)")
+            say(f"{counted(len(workers), 'worker')} on {where} ({each} each)")
         stop_path = run_dir.resolve() / f"ray-stop-{token}"
         stopper.install()  # a signal: the workers stop at their next step, commit and return
-        results = _wait(ray, [w.run.remote(f"{i}/{workers_n}", str(stop_path)) for i, w in enumerate(workers)],
+        results = _wait(ray, [w.run.remote(f"{i}/{len(workers)}", str(stop_path)) for i, w in enumerate(workers)],
                         cli, stopper, stop_path)
     finally:
         stopper.uninstall()
@@ -157,41 +130,51 @@ def run_on_ray(invocation: Invocation) -> int:
             stop_path.unlink(missing_ok=True)
         if owned:
             ray.shutdown()
-    # the workers' summaries added; the wall time is the driver's, from its start to the workers' end
-    summary = dataclasses.replace(RunSummary.merge([r["summary"] for r in results]),
-                                  wall_s=round(time.monotonic() - started, 3))
-    if summary.outcome is Outcome.STOPPED:  # (a worker stopped)
+    return _report(driver, results, stopper, cli, len(workers))
+
+
+def _start_workers(ray, spec: RunSpec, cli, run_dir: Path, token: str) -> tuple[list, str]:
+    """The workers (Ray actor handles), and what each has ("1 GPU", "2 CPUs"): one per GPU where the cluster has GPUs
+    and the run may use them (`--num-workers` to use fewer), else `--num-workers` (default 1) with the cluster's CPUs
+    split between them; each checked to see the run directory and the input."""
+    resources = ray.cluster_resources()
+    gpus = int(resources.get("GPU", 0))
+    device = spec.engine.device
+    use_gpus = (gpus > 0 and device in ("auto", "cuda")) or device.startswith("cuda:")
+    workers_n = cli.num_workers or (gpus if use_gpus else 1)
+    if use_gpus and workers_n > gpus:
+        raise UsageError(f"--num-workers {workers_n}: the cluster has {counted(gpus, 'GPU')}, one per worker")
+    per_worker = max(1, int(resources.get("CPU", 1)) // workers_n)
+    options = dict(num_cpus=0 if use_gpus else per_worker, num_gpus=1 if use_gpus else 0,
+                   max_restarts=MAX_RESTARTS, max_task_retries=MAX_RESTARTS)
+    worker_spec = dataclasses.replace(
+        spec, input=dataclasses.replace(spec.input, path=_absolute(spec.input.path)),
+        output=dataclasses.replace(spec.output, path=_absolute_output(spec.output.path)),
+        state=dataclasses.replace(spec.state, run_dir=str(run_dir.resolve())))
+    actor = ray.remote(ShardWorker)
+    workers = [actor.options(name=worker_name(token, i, workers_n), **options).remote(
+        worker_spec, cli.max_runtime, None if use_gpus else per_worker, command_line()) for i in range(workers_n)]
+    _check_storage(ray, workers, run_dir)
+    return workers, "1 GPU" if use_gpus else counted(per_worker, "CPU")
+
+
+def _report(driver, results: list[dict], stopper: StopController, cli, workers_n: int) -> int:
+    """The run's summary from the driver (its workers' added; where none stopped, the rows merged), reported."""
+    from conveyor.io.run_report import Outcome
+
+    summary, merged = driver.finish([r["summary"] for r in results])
+    if merged is None:  # a worker stopped: nothing merged, and no --summary-json
         reason = stopper.reason or next(r["message"] for r in results if r["summary"].outcome is Outcome.STOPPED)
         message = f"stopped ({reason}); run the same command again to resume"
-        if cli.quiet:
-            print_warnings(summary)
-            say(closing_line(summary.records, None, summary.errors, message))
-        else:
-            print_summary(summary, message)
-        return exit_code(Outcome.STOPPED)
-    merged = driver.merge()
-    skip = spec.output.on_error == "skip"
-    summary = dataclasses.replace(  # the counts of the rows merged (a worker counts its own process's)
-        summary, records=merged.rows + (merged.errors if skip else 0), errors=merged.errors,
-        ok=merged.rows - (0 if skip else merged.errors), wall_s=round(time.monotonic() - started, 3),
-        outcome=Outcome.SOME_ERRORS if merged.errors and not skip else Outcome.OK)
+        return report(summary, Ending(message, message, None), cli.quiet, None)
     parts = driver.output_folder is not None
     # (the workers wrote the parts, some in earlier processes of the run: the folder's rows are said, not "wrote")
     wrote = f"{driver.output_folder}/ holds the run's {counted(merged.rows, 'row', thousands=True)} as part files" \
         if parts else \
-        f"wrote {spec.output.path}"
-    if cli.quiet:  # warnings and errors, and one closing line for a cron job's log
-        print_warnings(summary)
-        say(closing_line(summary.records, summary.records, summary.errors, wrote))
-    else:
-        shards = counted(merged.shards, "shard")
-        print_summary(summary, f"{counted(workers_n, 'worker')}; " + (f"{shards} wrote their parts" if parts else
-                                                                     f"merged {shards}"))
-    if cli.summary_json:
-        write_summary_json(cli.summary_json, summary)
-    if not cli.quiet:
-        say(wrote)
-    return exit_code(summary.outcome)
+        f"wrote {driver.spec.output.path}"
+    shards = counted(merged.shards, "shard")
+    message = f"{counted(workers_n, 'worker')}; " + (f"{shards} wrote their parts" if parts else f"merged {shards}")
+    return report(summary, Ending(message, wrote, summary.records, wrote), cli.quiet, cli.summary_json)
 
 
 def worker_name(token: str, shard: int, count: int) -> str:

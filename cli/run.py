@@ -29,109 +29,57 @@ Examples:
 """
 
 
-def run_command(
-    input: opt.InputArg,
-    output: opt.OutputOpt,
-    model: opt.ModelOpt = None,
-    config: opt.ConfigOpt = None,
-    chat_field: opt.ChatFieldOpt = None,
-    prompt_field: opt.PromptFieldOpt = None,
-    messages_field: opt.MessagesFieldOpt = None,
-    prompt_template: opt.PromptTemplateOpt = None,
-    prompt_template_as: opt.PromptTemplateAsOpt = None,
-    system_prompt: opt.SystemPromptOpt = None,
-    chat_template: opt.ChatTemplateOpt = None,
-    id_field: opt.IdFieldOpt = None,
-    input_format: opt.InputFormatOpt = None,
-    split: opt.SplitOpt = None,
-    limit: opt.LimitOpt = None,
-    max_record_bytes: opt.MaxRecordBytesOpt = None,
-    truncate_prompt_tokens: opt.TruncatePromptTokensOpt = None,
-    served_model_name: opt.ServedModelNameOpt = None,
-    output_format: opt.OutputFormatOpt = None,
-    rows_per_file: opt.RowsPerFileOpt = None,
-    keep_fields: opt.KeepFieldsOpt = None,
-    on_error: opt.OnErrorOpt = None,
-    max_tokens: opt.MaxTokensOpt = None,
-    temperature: opt.TemperatureOpt = None,
-    top_p: opt.TopPOpt = None,
-    top_k: opt.TopKOpt = None,
-    min_p: opt.MinPOpt = None,
-    seed: opt.SeedOpt = None,
-    n: opt.NOpt = None,
-    stop: opt.StopOpt = None,
-    ignore_eos: opt.IgnoreEosOpt = None,
-    no_ignore_eos: opt.NoIgnoreEosOpt = False,
-    min_tokens: opt.MinTokensOpt = None,
-    repetition_penalty: opt.RepetitionPenaltyOpt = None,
-    json_schema: opt.JsonSchemaOpt = None,
-    choice: opt.ChoiceOpt = None,
-    regex: opt.RegexOpt = None,
-    max_grammar_compile_s: opt.MaxGrammarCompileOpt = None,
-    max_grammar_bytes: opt.MaxGrammarBytesOpt = None,
-    logprobs: opt.LogprobsOpt = None,
-    prompt_logprobs: opt.PromptLogprobsOpt = None,
-    no_prompt_logprobs: opt.NoPromptLogprobsOpt = False,
-    reasoning_parser: opt.ReasoningParserOpt = None,
-    task: opt.TaskOpt = None,
-    pooling: opt.PoolingOpt = None,
-    normalize: opt.NormalizeOpt = None,
-    no_normalize: opt.NoNormalizeOpt = False,
-    dimensions: opt.DimensionsOpt = None,
-    dtype: opt.DtypeOpt = None,
-    device: opt.DeviceOpt = None,
-    backend: opt.BackendOpt = None,
-    cpu_isa: opt.CpuIsaOpt = None,
-    max_num_seqs: opt.MaxNumSeqsOpt = None,
-    max_num_batched_tokens: opt.MaxBatchedTokensOpt = None,
-    num_kv_blocks: opt.NumKvBlocksOpt = None,
-    kv_cache_memory: opt.KvMemoryOpt = None,
-    gpu_memory_utilization: opt.GpuMemoryOpt = None,
-    block_size: opt.BlockSizeOpt = None,
-    schedule: opt.ScheduleOpt = None,
-    lookahead: opt.LookaheadOpt = None,
-    speculative: opt.SpeculativeOpt = None,
-    num_speculative_tokens: opt.NumSpeculativeTokensOpt = None,
-    quiet: opt.QuietOpt = None,
-    no_quiet: opt.NoQuietOpt = False,
-    summary_json: opt.SummaryJsonOpt = None,
-    run_dir: opt.RunDirOpt = None,
-    checkpoint_every: opt.CheckpointEveryOpt = None,
-    max_runtime: opt.MaxRuntimeOpt = None,
-    restart: opt.RestartOpt = False,
-    retry_errors: opt.RetryErrorsOpt = False,
-    shard: opt.ShardOpt = None,
-    executor: opt.ExecutorOpt = None,
-    num_workers: opt.NumWorkersOpt = None,
-    profile: opt.ProfileOpt = None,
-    no_profile: opt.NoProfileOpt = False,
-) -> int:
+# `conveyor run`'s options, in --help's order: each is an alias of cli/options.py and fills the RunSpec field of its
+# name (cli/config.py); `run_command` gets them as `flags`.
+RUN_OPTIONS = (
+    opt.param("input", opt.InputArg, opt.REQUIRED), opt.param("output", opt.OutputOpt, opt.REQUIRED),
+    *opt.RECORD_OPTIONS,
+    opt.param("output_format", opt.OutputFormatOpt), opt.param("rows_per_file", opt.RowsPerFileOpt),
+    opt.param("keep_fields", opt.KeepFieldsOpt), opt.param("on_error", opt.OnErrorOpt),
+    opt.param("max_tokens", opt.MaxTokensOpt), opt.param("temperature", opt.TemperatureOpt),
+    opt.param("top_p", opt.TopPOpt), opt.param("top_k", opt.TopKOpt), opt.param("min_p", opt.MinPOpt),
+    opt.param("seed", opt.SeedOpt), opt.param("n", opt.NOpt), opt.param("stop", opt.StopOpt),
+    opt.param("ignore_eos", opt.IgnoreEosOpt), opt.param("no_ignore_eos", opt.NoIgnoreEosOpt, False),
+    opt.param("min_tokens", opt.MinTokensOpt), opt.param("repetition_penalty", opt.RepetitionPenaltyOpt),
+    opt.param("json_schema", opt.JsonSchemaOpt), opt.param("choice", opt.ChoiceOpt), opt.param("regex", opt.RegexOpt),
+    opt.param("max_grammar_compile_s", opt.MaxGrammarCompileOpt),
+    opt.param("max_grammar_bytes", opt.MaxGrammarBytesOpt), opt.param("logprobs", opt.LogprobsOpt),
+    opt.param("prompt_logprobs", opt.PromptLogprobsOpt),
+    opt.param("no_prompt_logprobs", opt.NoPromptLogprobsOpt, False),
+    opt.param("reasoning_parser", opt.ReasoningParserOpt), opt.param("task", opt.TaskOpt),
+    opt.param("pooling", opt.PoolingOpt), opt.param("normalize", opt.NormalizeOpt),
+    opt.param("no_normalize", opt.NoNormalizeOpt, False), opt.param("dimensions", opt.DimensionsOpt),
+    opt.param("dtype", opt.DtypeOpt), opt.param("device", opt.DeviceOpt), opt.param("backend", opt.BackendOpt),
+    opt.param("cpu_isa", opt.CpuIsaOpt), opt.param("max_num_seqs", opt.MaxNumSeqsOpt),
+    opt.param("max_num_batched_tokens", opt.MaxBatchedTokensOpt), opt.param("num_kv_blocks", opt.NumKvBlocksOpt),
+    opt.param("kv_cache_memory", opt.KvMemoryOpt), opt.param("gpu_memory_utilization", opt.GpuMemoryOpt),
+    opt.param("block_size", opt.BlockSizeOpt), opt.param("schedule", opt.ScheduleOpt),
+    opt.param("lookahead", opt.LookaheadOpt), opt.param("speculative", opt.SpeculativeOpt),
+    opt.param("num_speculative_tokens", opt.NumSpeculativeTokensOpt),
+    opt.param("quiet", opt.QuietOpt), opt.param("no_quiet", opt.NoQuietOpt, False),
+    opt.param("summary_json", opt.SummaryJsonOpt), opt.param("run_dir", opt.RunDirOpt),
+    opt.param("checkpoint_every", opt.CheckpointEveryOpt), opt.param("max_runtime", opt.MaxRuntimeOpt),
+    opt.param("restart", opt.RestartOpt, False), opt.param("retry_errors", opt.RetryErrorsOpt, False),
+    opt.param("shard", opt.ShardOpt), opt.param("executor", opt.ExecutorOpt),
+    opt.param("num_workers", opt.NumWorkersOpt), opt.param("profile", opt.ProfileOpt),
+    opt.param("no_profile", opt.NoProfileOpt, False),
+)
+
+
+@opt.takes(*RUN_OPTIONS)
+def run_command(**flags) -> int:
     """Generate a completion (or an embedding, a label, a score) for every record of INPUT into OUTPUT; resumable:
     rerun to continue."""
-    flags = opt.negatives(dict(locals()))
+    flags = opt.negatives(flags)
     config_path = flags.pop("config")
-    flags["restart"] = restart or None
-    flags["retry_errors"] = retry_errors or None
+    flags["restart"] = flags["restart"] or None
+    flags["retry_errors"] = flags["retry_errors"] or None
     return execute(build_config(flags, config_path))
 
 
 def execute(invocation: Invocation) -> int:
-    from conveyor.cli.command_line import command_line
-    from conveyor.cli.notes import quiet_libraries, say
-    from conveyor.cli.progress import make_progress
-    from conveyor.cli.stop_signals import StopController
-    from conveyor.cli.summary import (
-        check_summary_path,
-        exit_code,
-        print_profile,
-        print_summary,
-        print_warnings,
-        write_summary_json,
-    )
-    from conveyor.io.run import BadRecordStop, Run
-    from conveyor.io.run_report import Outcome
-
-    spec, cli = invocation.spec, invocation.cli
+    """`conveyor run` of checked options: its shards on a Ray cluster (`--executor ray`), else in this process."""
+    cli = invocation.cli
     if cli.executor == "ray":
         from conveyor.cli.ray_executor import run_on_ray
 
@@ -140,6 +88,19 @@ def execute(invocation: Invocation) -> int:
     if cli.num_workers is not None:
         raise UsageError("--num-workers: only with --executor ray (one engine per worker); without it, run shards "
                          "with --shard I/N")
+    return _run_here(invocation)
+
+
+def _run_here(invocation: Invocation) -> int:
+    """The run in this process: opened, its model loaded where records are pending, computed with progress shown and
+    a signal or --max-runtime stopping it cleanly; then its report and exit code."""
+    from conveyor.cli.command_line import command_line
+    from conveyor.cli.notes import quiet_libraries, say
+    from conveyor.cli.stop_signals import StopController
+    from conveyor.cli.summary import check_summary_path
+    from conveyor.io.run import BadRecordStop, Run
+
+    spec, cli = invocation.spec, invocation.cli
     check_summary_path(cli.summary_json)
     stopper = StopController(cli.max_runtime)
     # From here on SIGTERM/SIGINT ask for a clean stop (exit 75), also while the libraries and the model load.
@@ -153,26 +114,9 @@ def execute(invocation: Invocation) -> int:
             quiet_build_notes()
         run = Run(spec, command=command_line(), say=say)
         stopper.start_clock()
-        run.open()
-        pending = run.has_pending
-        if pending:
-            if not cli.quiet and (run.totals.resumed_from or run.partials):
-                say(f"resuming: {counted(run.totals.resumed_from, 'record')} already done"
-                    + (f", {len(run.partials)} to continue from where they stopped" if run.partials else ""))
-            if not stopper.should_stop():  # (a stop asked while it started: no model to load)
-                if not cli.quiet:
-                    _note_loading(spec.model)
-                run.load_engine()
-        elif not cli.quiet:
-            output = "checking its part files against" if run.parts is not None else "writing the output from"
-            say(f"nothing to do: every record has its row ({counted(run.totals.done, 'record')}, "
-                f"{counted(run.totals.errors, 'error row')}); {output} the run's journal, without loading the model")
-        progress = make_progress(cli.quiet or not pending, cli.log_every)  # (nothing computed: nothing to show)
-        collector.release()
+        pending = _start(run, cli.quiet, stopper)
         try:
-            with progress:
-                result = run.execute(stopper.should_stop, lambda: progress.update(run.progress))
-                progress.update(run.progress, force=True)
+            result = _compute(run, cli, stopper, pending)
         except BadRecordStop as e:
             sys.stderr.write(f"conveyor: {e}\nconveyor: stopped at the first bad record (--on-error fail); "
                              "fix the input, or use --on-error record, and run again\n")
@@ -181,34 +125,57 @@ def execute(invocation: Invocation) -> int:
         stopper.uninstall()
         if run is not None:
             run.close()
-    summary = result.summary()
+    return _report(run, result, stopper, cli, pending)
+
+
+def _start(run, quiet: bool, stopper) -> bool:
+    """Open `run` and, where it has records pending, load its model (not where a stop came while it started: no model
+    to load); whether it has."""
+    from conveyor.cli.notes import say
+
+    run.open()
+    pending = run.has_pending
+    if pending:
+        if not quiet and (run.totals.resumed_from or run.partials):
+            say(f"resuming: {counted(run.totals.resumed_from, 'record')} already done"
+                + (f", {len(run.partials)} to continue from where they stopped" if run.partials else ""))
+        if not stopper.should_stop():
+            if not quiet:
+                _note_loading(run.spec.model)
+            run.load_engine()
+    elif not quiet:
+        output = "checking its part files against" if run.parts is not None else "writing the output from"
+        say(f"nothing to do: every record has its row ({counted(run.totals.done, 'record')}, "
+            f"{counted(run.totals.errors, 'error row')}); {output} the run's journal, without loading the model")
+    return pending
+
+
+def _compute(run, cli, stopper, pending: bool):
+    """`run` executed, its progress shown (nothing where nothing is computed); its RunResult."""
+    from conveyor.cli.progress import make_progress
+
+    progress = make_progress(cli.quiet or not pending, cli.log_every)
+    collector.release()
+    with progress:
+        result = run.execute(stopper.should_stop, lambda: progress.update(run.progress))
+        progress.update(run.progress, force=True)
+    return result
+
+
+def _report(run, result, stopper, cli, pending: bool) -> int:
+    """The end of the run (`report`): the summary table, or where nothing was computed (said as it started) the
+    message and warnings alone; with --quiet one closing line."""
+    from conveyor.cli.summary import Ending, report
+    from conveyor.io.run_report import Outcome
+
     message = _stop_message(stopper, result) if result.status is Outcome.STOPPED else result.message
-    to_stdout = spec.output.path == "-"  # stdout carries the output: everything else goes to stderr
-    if cli.quiet:  # warnings and errors, and one closing line for a cron job's log
-        print_warnings(summary)
-        say(_closing_line(run, summary, message, result, to_stdout))
-    elif pending:
-        print_summary(summary, message, sys.stderr if to_stdout else sys.stdout)
-    else:  # nothing computed (said as it started): a table of zeros would say nothing
-        if message:
-            say(message)
-        print_warnings(summary)
-    if result.profile:
-        print_profile(result.profile, sys.stderr if to_stdout else sys.stdout)
-    if cli.summary_json:
-        write_summary_json(cli.summary_json, summary)
-    if result.output_written and not cli.quiet:
-        say("wrote the output to stdout" if to_stdout else result.written or f"wrote {spec.output.path}")
-    return exit_code(result.status)
-
-
-def _closing_line(run, summary, message: str, result, to_stdout: bool) -> str:
-    """--quiet's one line: the records with a row, the errors, and how the run ended."""
-    from conveyor.cli.summary import closing_line
-
-    ended = message or ("wrote the output to stdout" if to_stdout else
-                        (result.written or f"wrote {run.spec.output.path}") if result.output_written else "finished")
-    return closing_line(summary.records, run.totals.total, summary.errors, ended)
+    to_stdout = run.spec.output.path == "-"  # stdout carries the output: everything else goes to stderr
+    wrote = "" if not result.output_written else \
+        "wrote the output to stdout" if to_stdout else result.written or f"wrote {run.spec.output.path}"
+    ended = message or ("wrote the output to stdout" if to_stdout else wrote or "finished")
+    ending = Ending(message, ended, run.totals.total, wrote, table=pending,
+                    stream=sys.stderr if to_stdout else sys.stdout, profile=result.profile)
+    return report(result.summary(), ending, cli.quiet, cli.summary_json)
 
 
 def _stop_message(stopper, result) -> str:

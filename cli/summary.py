@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
 from conveyor.cli.exit_codes import ExitCode, UsageError
+from conveyor.cli.notes import say
 from conveyor.io.counts import counted
 from conveyor.io.run_report import Outcome, RunSummary
 
@@ -18,17 +21,68 @@ def exit_code(outcome: Outcome) -> int:
     return int(EXIT_CODES[outcome])
 
 
+@dataclass(frozen=True)
+class Ending:
+    """What the end of a run says beside its summary. `message`: beside the table, on stderr; `ended`: how the run
+    ended, at the end of --quiet's closing line, after the records with a row of `total` (where known); `wrote`:
+    where the output went, said last (not with --quiet; "" where none was written); `table`: False where nothing was
+    computed (a table of zeros would say nothing: the message and the warnings alone); `stream`: the table's and the
+    profile's (stdout by default; stderr where stdout carries the output); `profile`: the step-time profile, where
+    asked for."""
+
+    message: str
+    ended: str
+    total: int | None
+    wrote: str = ""
+    table: bool = True
+    stream: TextIO | None = None
+    profile: dict[str, float] | None = None
+
+
+def report(summary: RunSummary, ending: Ending, quiet: bool, summary_json: str | None) -> int:
+    """The end of a run, in this process or on Ray: the summary table (with --quiet, the warnings and errors and one
+    closing line for a cron job's log), the profile, --summary-json, where the output went; the outcome's exit
+    code."""
+    if quiet:
+        print_warnings(summary)
+        say(closing_line(summary.records, ending.total, summary.errors, ending.ended))
+    elif ending.table:
+        print_summary(summary, ending.message, ending.stream)
+    else:
+        if ending.message:
+            say(ending.message)
+        print_warnings(summary)
+    if ending.profile:
+        print_profile(ending.profile, ending.stream or sys.stdout)
+    if summary_json:
+        write_summary_json(summary_json, summary)
+    if ending.wrote and not quiet:
+        say(ending.wrote)
+    return exit_code(summary.outcome)
+
+
 def print_summary(summary: RunSummary, message: str, stream=None) -> None:
     """The summary table on `stream` (stdout by default), then `message` and the warnings on stderr."""
     from rich.console import Console
     from rich.table import Table
 
-    s = summary
     table = Table(title="conveyor run summary", show_header=False, title_justify="left")
     table.add_column("metric")
     table.add_column("value", justify="right")
+    for name, value in [*_task_rows(summary), *_resume_rows(summary)]:
+        table.add_row(name, str(value))
+    stream = stream or sys.stdout
+    console = Console(file=stream, width=max(60, Console().width if stream.isatty() else 80))
+    console.print(table)
+    if message:
+        sys.stderr.write(f"conveyor: {message}\n")
+    print_warnings(summary)
+
+
+def _task_rows(s: RunSummary) -> list[tuple[str, object]]:
+    """The table's rows of what the run's task did: a pooling task's records and their tokens, nothing generated."""
     if s.setup.task == "generate":
-        rows = [
+        return [
             ("records", s.records if s.samples == s.records else f"{s.records} ({counted(s.samples, 'sample')})"),
             ("ok", s.ok), ("errors", s.errors),
             *_finish_reason_rows(s),
@@ -38,15 +92,19 @@ def print_summary(summary: RunSummary, message: str, stream=None) -> None:
             ("prefix-cache hit rate", f"{s.prefix_cache_hit_rate:.1%}"),
             *_figure_rows(s),
         ]
-    else:  # a pooling task: records and their tokens, nothing generated
-        rows = [
-            ("task", s.setup.task), ("records", s.records if s.samples == s.records else
-                                     f"{s.records} ({counted(s.samples, 'row')})"),
-            ("ok", s.ok), ("errors", s.errors), ("tokens", s.prompt_tokens),
-            ("model load", f"{s.load_s:.1f} s"), ("compute", f"{s.elapsed_s:.1f} s"),
-            ("records/s", f"{s.records_per_s:.1f}"), ("tokens/s", f"{s.prompt_tokens_per_s:.1f}"),
-            *_figure_rows(s),
-        ]
+    return [
+        ("task", s.setup.task), ("records", s.records if s.samples == s.records else
+                                 f"{s.records} ({counted(s.samples, 'row')})"),
+        ("ok", s.ok), ("errors", s.errors), ("tokens", s.prompt_tokens),
+        ("model load", f"{s.load_s:.1f} s"), ("compute", f"{s.elapsed_s:.1f} s"),
+        ("records/s", f"{s.records_per_s:.1f}"), ("tokens/s", f"{s.prompt_tokens_per_s:.1f}"),
+        *_figure_rows(s),
+    ]
+
+
+def _resume_rows(s: RunSummary) -> list[tuple[str, object]]:
+    """The table's rows of what the run took over from earlier ones and left to later ones, where it did."""
+    rows: list[tuple[str, object]] = []
     if s.reuse is not None:
         rows.append(("input changed", f"reused {s.reuse['reused']}, new {s.reuse['new']}, changed "
                                       f"{s.reuse['changed']}, removed {s.reuse['removed']}"))
@@ -59,14 +117,7 @@ def print_summary(summary: RunSummary, message: str, stream=None) -> None:
                                   "carried over"))
     if s.in_flight_saved:
         rows.append(("in flight, saved", f"{counted(s.in_flight_saved, 'record')} (continued when the run resumes)"))
-    for name, value in rows:
-        table.add_row(name, str(value))
-    stream = stream or sys.stdout
-    console = Console(file=stream, width=max(60, Console().width if stream.isatty() else 80))
-    console.print(table)
-    if message:
-        sys.stderr.write(f"conveyor: {message}\n")
-    print_warnings(s)
+    return rows
 
 
 def _finish_reason_rows(s: RunSummary) -> list[tuple[str, str]]:

@@ -4,7 +4,9 @@ from each shard's journal, merged in input order by `state/shards.py`."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -12,10 +14,11 @@ from conveyor.io.counts import counted
 from conveyor.io.errors import SpecError
 from conveyor.io.rows.writers import STDOUT, infer_output_format
 from conveyor.io.run_checks import check_output, output_folder
-from conveyor.io.run_report import Outcome
+from conveyor.io.run_report import Outcome, RunSummary
 from conveyor.io.run_spec import RunSpec
+from conveyor.io.state.manifest import STATE_FILES
 from conveyor.io.state.paths import check_run_paths
-from conveyor.io.state.run_dir import STATE_FILES, RunDir
+from conveyor.io.state.run_dir import RunDir
 from conveyor.io.state.shards import MergeResult, Shard, ShardError, ShardSet, mark_done, merge
 from conveyor.io.storage import is_remote
 
@@ -44,18 +47,19 @@ def finish_shard(spec: RunSpec, shard: Shard, shard_run_dir: Path, output_format
     except ShardError as e:  # another shard's problem: this one's rows stand (a warning: said even when quiet)
         say(f"warning: shard {shard} done, but {output} cannot be written yet: {e}")
         return outcome, "", False
-    return (Outcome.SOME_ERRORS if merged.has_error_rows else Outcome.OK,
-            f"all {counted(shard.count, 'shard')} done: merged {counted(merged.rows, 'row', thousands=True)}", True)
+    return (merged.outcome, f"all {counted(shard.count, 'shard')} done: merged {counted(merged.rows, 'row', thousands=True)}", True)
 
 
 class SplitRun:
     """The driver of a run of `spec` whose shards run elsewhere (`--executor ray`): `open` checks the spec and
-    makes the run directory the shards' go inside; `merge` writes the output from them once they are done."""
+    makes the run directory the shards' go inside; `finish` adds the shards' summaries and, where none stopped,
+    writes the output from them (`merge`)."""
 
     def __init__(self, spec: RunSpec) -> None:
         self.spec = spec
         self.output_format = ""
         self.output_folder: str | None = None
+        self.started = time.monotonic()  # the driver's wall time runs from here to the shards' end
 
     def open(self) -> Path:
         """The run directory (made where it is not yet); SpecError where the spec cannot run split."""
@@ -75,6 +79,24 @@ class SplitRun:
             raise SpecError(f"{spec.input.path}: no such input file or directory")
         run_dir.mkdir(parents=True, exist_ok=True)
         return run_dir
+
+    def finish(self, summaries: list[RunSummary]) -> tuple[RunSummary, MergeResult | None]:
+        """The run's summary from its shards' `summaries` (added: `RunSummary.merge`; the wall time the driver's).
+        Where a shard stopped, that alone (nothing merged: None); else the output written from the shards
+        (`merge`, returned too) and the summary's counts and outcome those of the rows merged (a worker counts only
+        its own process's)."""
+        summary = RunSummary.merge(summaries)
+        if summary.outcome is Outcome.STOPPED:
+            return dataclasses.replace(summary, wall_s=self._wall_s()), None
+        merged = self.merge()
+        skip = self.spec.output.on_error == "skip"
+        return dataclasses.replace(
+            summary, records=merged.rows + (merged.errors if skip else 0), errors=merged.errors,
+            ok=merged.rows - (0 if skip else merged.errors), wall_s=self._wall_s(),
+            outcome=Outcome.of(merged.errors, skip)), merged
+
+    def _wall_s(self) -> float:
+        return round(time.monotonic() - self.started, 3)
 
     def merge(self) -> MergeResult:
         """Write the output from this run's finished shards, in input order; where they wrote part files, check and

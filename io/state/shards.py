@@ -29,6 +29,7 @@ from pathlib import Path
 from conveyor.io.counts import counted
 from conveyor.io.errors import SpecError
 from conveyor.io.rows.rows import SAMPLE_INDEX, SAMPLES_KEY, duplicate_id_row, vector_size, without_errors
+from conveyor.io.run_report import Outcome
 from conveyor.io.state.atomic import atomic_write_text, make_temp, remove_leftovers
 from conveyor.io.state.journal import Journal, JournalCorrupt
 from conveyor.io.state.run_dir import Manifest, RunDir, RunDirError
@@ -246,9 +247,9 @@ class MergeResult:
     skipped_errors: bool  # the shards ran with --on-error skip
 
     @property
-    def has_error_rows(self) -> bool:
-        """Whether the output holds error rows (exit code 3)."""
-        return bool(self.errors) and not self.skipped_errors
+    def outcome(self) -> Outcome:
+        """OK, or SOME_ERRORS where the output holds error rows (exit code 3)."""
+        return Outcome.of(self.errors, self.skipped_errors)
 
 
 def merge(run_dir: str | Path, output: str, output_format: str | None = None, write: bool = True) -> MergeResult:
