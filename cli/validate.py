@@ -1,5 +1,5 @@
 """`conveyor validate`: parse, template and tokenize every record without running the model (io's
-`Run.validate`), and report what was found."""
+`validate_run`), and report what was found."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ from conveyor.io.counts import counted
 
 def validate(flags: dict, config_path: str | None, show_errors: int) -> int:
     from conveyor.cli.notes import quiet_libraries, say
-    from conveyor.io.run import Run
+    from conveyor.io.validate_run import validate_run
 
     spec = build_config(flags, config_path).spec
     quiet_libraries()
-    report = Run(spec, say=say).validate(show_errors)
+    report = validate_run(spec, show_errors, say)
     sink = report.sink
     out = sys.stdout
     lengths = sink.lengths

@@ -29,6 +29,7 @@ from conveyor.core.grammar_admission import GrammarAdmission
 from conveyor.core.kv_cache import KVCache
 from conveyor.core.logits_state import LogitsState
 from conveyor.core.model_runner import ModelRunner
+from conveyor.core.model_source import ModelSource
 from conveyor.core.output_processor import OutputProcessor
 from conveyor.core.outputs import GenerationRequest, InFlight, RequestOutput
 from conveyor.core.request import FinishReason, Request
@@ -135,7 +136,7 @@ class Engine:
         return out
 
     @classmethod
-    def from_pretrained(cls, model: str, config: EngineConfig = EngineConfig()) -> "Engine":
+    def from_pretrained(cls, model: str | ModelSource, config: EngineConfig = EngineConfig()) -> "Engine":
         from conveyor.core.model_loader import load_model
 
         lm, tokenizer = load_model(model, device=config.device, dtype=config.dtype)

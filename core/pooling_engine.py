@@ -22,9 +22,11 @@ import torch
 
 from conveyor.core.config import EngineConfig
 from conveyor.core.engine_api import EngineInfo, EngineStats
+from conveyor.core.model_source import ModelSource
 from conveyor.core.outputs import ModelLimits
 from conveyor.core.pooling_model import PoolingModel, load_pooling_model
 from conveyor.core.pooling_params import PoolingOutput, PoolingRequest, TokenSequence
+from conveyor.core.task import Task
 
 DEFAULT_LOOKAHEAD = 256  # requests whose sequences are ordered together
 
@@ -43,7 +45,7 @@ class PoolingEngine:
         self.model = model
         self.tokenizer = tokenizer
         self.prompt = prompt  # what the checkpoint's sentence-transformers config prepends to every text (the builder)
-        self.task = task
+        self.task = Task(task)
         self.config = config = config.for_device(model.device.type)
         self.lookahead = config.lookahead or DEFAULT_LOOKAHEAD
         self.max_model_len = max_model_len
@@ -61,7 +63,8 @@ class PoolingEngine:
         self._timings = {"forward_s": 0.0, "pool_s": 0.0, "step_s": 0.0, "steps": 0}
 
     @classmethod
-    def from_pretrained(cls, model: str, task: str, config: EngineConfig, pooling: str | None) -> PoolingEngine:
+    def from_pretrained(cls, model: str | ModelSource, task: Task, config: EngineConfig,
+                        pooling: str | None) -> PoolingEngine:
         loaded, tokenizer, settings, context = load_pooling_model(model, task, config.device, config.dtype, pooling)
         return cls(loaded, tokenizer, task, config, context, settings.prompt)
 
@@ -204,9 +207,9 @@ class PoolingEngine:
         """The task's results from each sequence's raw output (a pooled vector, or a head's logits)."""
         kind = self.model.kind
         if kind.classifier:
-            if self.task == "reward":
+            if self.task is Task.REWARD:
                 return raw
-            if self.task in ("score", "rerank"):
+            if self.task.pairs:
                 return [torch.sigmoid(v) if kind.score_activation == "sigmoid" else v for v in raw]
             return [torch.sigmoid(v) if v.numel() == 1 else torch.softmax(v, dim=0) for v in raw]
         vectors = [embedding(v, request.dimensions, request.normalize) for v in raw]

@@ -1,25 +1,117 @@
 """An input that changed under a run directory, as the journal's rows are matched to it (io/state/journal_rebase.py):
-its records as entries (index, place, digest, own id), streamed, for `Run.open`, which carries the journal over,
-and for `conveyor status`, which counts what a rerun would compute without loading the model or changing a row.
+its records as entries (index, place, digest, own id), streamed, for `Run.open`, which carries the journal over
+(`Carry`), and for `conveyor status`, which counts what a rerun would compute without loading the model or changing
+a row.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from conveyor.io.counts import counted
 from conveyor.io.errors import InputError
 from conveyor.io.records.readers import DEFAULT_MAX_RECORD_BYTES, RawRecord, Reader, fingerprint, open_reader
 from conveyor.io.records.readers.record import location
 from conveyor.io.records.record_head import own_id
 from conveyor.io.records.reject import Reject
+from conveyor.io.rows.parts import STALE_KEY
+from conveyor.io.rows.sink import RunTotals
+from conveyor.io.run_spec import RunSpec
 from conveyor.io.state.journal import Journal
-from conveyor.io.state.journal_rebase import Entry, Reuse, rebase
+from conveyor.io.state.journal_rebase import Entry, Reuse, rebase, refresh_kept_fields
+from conveyor.io.state.manifest import DriftError, Manifest
 from conveyor.io.state.run_dir import RunDir
 from conveyor.io.state.shards import Shard
 
-__all__ = ["input_entries", "input_kept_fields", "pending_in_changed_input", "rows_of_other_records"]
+__all__ = ["Carry", "input_entries", "input_kept_fields", "pending_in_changed_input", "piped",
+           "rows_of_other_records"]
+
+
+def piped(input_fingerprint: str) -> bool:
+    """Whether the input is stdin or a pipe (`fingerprint` names them so): read once, so copied before a run."""
+    return input_fingerprint == "stdin" or input_fingerprint.startswith("stream:")
+
+
+def _count(number: int, noun: str) -> str:
+    """"1 row", "1,024 rows"."""
+    return counted(number, noun, thousands=True)
+
+
+def _without_keep_fields(manifest: Manifest) -> Manifest:
+    """`manifest` without --keep-fields, an output-only setting (the rows keep the fields; a change reads them again)."""
+    return dataclasses.replace(manifest, generation_config={k: v for k, v in manifest.generation_config.items()
+                                                            if k != "keep_fields"})
+
+
+class Carry:
+    """A run's journal carried over to its input as it is now: the rows of the records still there, unchanged,
+    reused (a row is reused only for its own record); the counts said (`say`) and kept for the summary (`totals`).
+    `shard`: the records this run answers; `run_dir`: named by the errors."""
+
+    def __init__(self, spec: RunSpec, shard: Shard | None, totals: RunTotals, run_dir: Path,
+                 say: Callable[[str], None]) -> None:
+        self.spec, self.shard, self.totals, self.run_dir, self.say = spec, shard, totals, run_dir, say
+
+    def carry_over(self, journal: Journal, drift: DriftError, stored: Manifest, manifest: Manifest,
+                   reader: Reader) -> bool:
+        """The journal of a run whose input or output-only settings changed, carried over: rows of the records still
+        there, unchanged, kept (`rebase`), and their kept fields read again where --keep-fields changed. False where
+        something else changed (drift: the model, a setting that decides rows)."""
+        old_keep = tuple(stored.generation_config.get("keep_fields", ()))
+        if "model" in drift.changed or "generation_config" in _without_keep_fields(manifest).changes_since(
+                _without_keep_fields(stored))[0]:
+            return False
+        keep = self.spec.build.keep_fields
+        if "input" in drift.changed:
+            if piped(stored.input_fingerprint) or piped(manifest.input_fingerprint):  # (read once: not matched)
+                return False
+            why = "the input changed since the last run" if drift.detail.startswith("the input file changed") \
+                else drift.detail.split(";")[0]
+            if not self.rebase(journal, reader, why):
+                raise DriftError(self.run_dir, drift.changed, f"{drift.detail}, and its rows were written by an "
+                                 "earlier release, which kept no digest of the records they answer, so none can be "
+                                 "reused")
+        if old_keep != keep:
+            refresh_kept_fields(journal, input_kept_fields(reader, keep, shard=self.shard), old_keep)
+            self.say(f"--keep-fields changed ({', '.join(old_keep) or 'none'} -> {', '.join(keep) or 'none'}): the "
+                     "rows are kept, their kept fields read again from the input")
+        return True
+
+    def check_rows(self, journal: Journal, reader: Reader) -> None:
+        """A resume over an input whose fingerprint did not change: its rows are still checked against the records
+        read now (a file rewritten while a run read it and restored, a selection an earlier release did not record),
+        and where some answer other records, the journal is carried over to the input as it is (`rebase`)."""
+        other = rows_of_other_records(journal, reader, self.spec.input.limit)
+        if not other:
+            return
+        why = (f"{_count(other, 'row')} of this run answer{'s' if other == 1 else ''} records that are not the ones "
+               "read now at their place (the input was changed, or read another way, after they were computed), and "
+               "a row is reused only for its own record")
+        if not self.rebase(journal, reader, why):
+            raise DriftError(self.run_dir, ("input",), f"{_count(other, 'row')} of this run answer records that "
+                             "are not in the input as it is now, and its rows were written by an earlier release, "
+                             "which kept no digest of the records they answer, so none can be reused")
+
+    def rebase(self, journal: Journal, reader: Reader, why: str) -> bool:
+        """The journal carried over to the input as it is now (the records this run answers: within --limit, this
+        shard's); the counts said and kept for the summary. False where its rows cannot be matched."""
+        spec = self.spec
+        journal.set_meta_value(STALE_KEY, "1")  # (its parts are checked against the rows: a kill in between too)
+        reuse = rebase(journal, input_entries(reader, spec.build.id_field, spec.input.limit, self.shard))
+        if reuse is None:
+            return False
+        self.totals.reuse = reuse.to_json()
+        self.say(f"{why}: {reuse.describe()}")
+        if reuse.moved_without_id:
+            one = reuse.moved_without_id == 1
+            self.say(f"{_count(reuse.moved_without_id, 'record')} without an id {'is' if one else 'are'} at another "
+                     "index than before (a record was inserted or removed ahead): a seed follows its record's index, "
+                     f"so {'it is' if one else 'they are'} computed again; "
+                     "give records an id (--id-field) to reuse their rows wherever they move")
+        return True
 
 
 def input_entries(reader: Reader, id_field: str, limit: int | None = None,

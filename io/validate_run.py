@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from conveyor.core import Task, auto_task, check_model, load_pooling_tokenizer, load_tokenizer
+from conveyor.core import ModelSource, Task, auto_task, check_model, load_pooling_tokenizer, load_tokenizer
 from conveyor.io.records.pooling_builder import PoolingRequestBuilder
 from conveyor.io.records.readers import open_reader
 from conveyor.io.records.request_builder import RequestBuilder
@@ -38,17 +38,17 @@ def validate_run(spec: RunSpec, show_errors: int, say: Callable[[str], None]) ->
     """The records of `spec` built and checked; the first `show_errors` error messages kept."""
     reader = open_reader(spec.input.path, spec.input.format, spec.input.split, spec.input.max_record_bytes)
     check_named_fields(spec, reader)
+    source = ModelSource.of(spec.model)
     if spec.task is Task.AUTO:  # as the run would resolve it
-        spec = dataclasses.replace(spec, task=first_batch_task(spec, reader) or auto_task(spec.model))
+        spec = dataclasses.replace(spec, task=first_batch_task(spec, reader) or auto_task(source))
     check_task_options(spec)
     if not spec.task.pools:
-        check_model(spec.model)  # a model conveyor refuses, or whose weight files are not whole: refused here too
-        tokenizer, limits = load_tokenizer(spec.model)
+        check_model(source)  # a model conveyor refuses, or whose weight files are not whole: refused here too
+        tokenizer, limits = load_tokenizer(source)
         builder = RequestBuilder(tokenizer, spec.build, spec.sampling, limits, spec.model,
                                  priorities=spec.engine.schedule == "priority")
     else:
-        tokenizer, limits, cross_encoder, size, prompt = load_pooling_tokenizer(spec.model, spec.task,
-                                                                                spec.pooling.pooling)
+        tokenizer, limits, cross_encoder, size, prompt = load_pooling_tokenizer(source, spec.task, spec.pooling.pooling)
         check_dimensions(spec, size)
         builder = PoolingRequestBuilder(tokenizer, spec.build, spec.pooling, spec.task, limits, spec.model,
                                         cross_encoder, size, prompt)

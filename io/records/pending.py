@@ -10,7 +10,7 @@ such), so io/records does not import io/state.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Protocol
 
 from conveyor.io.errors import InputError
@@ -95,3 +95,12 @@ class PendingRecords:
             raise InputError(self.source, None, f"the input ended before record {answered[0]}, which this run "
                              "already answered: it is not the input the run started with; feed the same input, or "
                              "run with --restart to start over")
+
+
+def noting_keep_fields(records: Iterable[RawRecord], wanted: tuple[str, ...], seen: set[str]) -> Iterator[RawRecord]:
+    """`records`, noting in `seen` which of the --keep-fields `wanted` they have (one no record has is said in the
+    summary)."""
+    for raw in records:
+        if raw.record is not None and len(seen) < len(wanted):
+            seen.update(name for name in wanted if name in raw.record)
+        yield raw

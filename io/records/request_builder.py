@@ -17,7 +17,7 @@ from conveyor.io.records.batch_lines import batch_body, is_batch_line, served_na
 from conveyor.io.records.build_options import BuildOptions
 from conveyor.io.records.prompts import PromptTokens
 from conveyor.io.records.readers.record import RawRecord
-from conveyor.io.records.record_head import ErrorRow, RecordHead, own_id, unreadable
+from conveyor.io.records.record_head import ErrorRow, RecordHead, unreadable
 from conveyor.io.records.reject import Reject
 from conveyor.io.records.seeds import sample_seed
 
@@ -105,10 +105,6 @@ class RequestBuilder:
             return head.error(str(e), seed, num_tokens, cut)
         return BuiltRequest(raw.index, head.id, kind, token_ids, sampling, head.kept, head.id_given, raw.digest, cut,
                             n=n, priority=priority)
-
-    def _record_id(self, record: dict) -> str | None:
-        """The record's own id, or None where it has none."""
-        return own_id(record, self.options.id_field)
 
     def _request_fields(self, record: dict) -> tuple[dict, str]:
         """The object holding the prompt and overrides, and the prefix that names its fields in messages: the

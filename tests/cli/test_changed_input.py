@@ -87,7 +87,7 @@ def test_with_nothing_to_compute_no_model_loads_and_the_gone_records_rows_are_dr
     def no_model(*_args, **_kwargs):
         raise AssertionError("the model was loaded with nothing to compute")
 
-    monkeypatch.setattr("conveyor.io.run.load_engine", no_model)
+    monkeypatch.setattr("conveyor.io.run_engine.load_engine", no_model)
     again = _run(tiny_model, src, out)
     assert again.code == 0, again.err
     assert "reused 6, new 0, changed 0, removed 2" in again.err and "without loading the model" in again.err
@@ -119,7 +119,7 @@ def test_status_counts_the_records_with_no_row_yet_without_loading_the_model(tin
     assert _run(tiny_model, src, out).code == 0
     assert run_in_process("status", out).code == 0
     write_jsonl(src, BASE[:6])
-    monkeypatch.setattr("conveyor.io.run.load_engine", None)
+    monkeypatch.setattr("conveyor.io.run_engine.load_engine", None)
     status = run_in_process("status", out)
     assert status.code == 75, status.out
     assert "2 records with no row yet (reused 4, new 2, changed 0, removed 0)" in status.out
@@ -190,7 +190,7 @@ def test_a_changed_keep_fields_is_no_drift_the_rows_are_kept_and_their_fields_re
     def no_model(*_args, **_kwargs):
         raise AssertionError("the model was loaded for an output-only change")
 
-    monkeypatch.setattr("conveyor.io.run.load_engine", no_model)
+    monkeypatch.setattr("conveyor.io.run_engine.load_engine", no_model)
     wider = _run(tiny_model, src, out, "--keep-fields", "question,topic")
     assert wider.code == 3, wider.err
     assert "--keep-fields changed (topic -> question, topic)" in wider.err
@@ -218,7 +218,7 @@ def test_restart_sets_the_rows_aside_and_going_back_to_their_settings_takes_them
     def no_model(*_args, **_kwargs):
         raise AssertionError("the model was loaded to go back to rows set aside")
 
-    monkeypatch.setattr("conveyor.io.run.load_engine", no_model)
+    monkeypatch.setattr("conveyor.io.run_engine.load_engine", no_model)
     back = _run(tiny_model, src, out, "--restart")
     assert back.code == 0, back.err
     assert "took back the 4 rows of an earlier run with these settings" in back.err

@@ -351,7 +351,7 @@ def test_disk_full_while_writing_the_output_exits_1_and_reruns_cleanly(tiny_mode
         return write_output(rows_then_enospc(), *args, **kwargs)
 
     with monkeypatch.context() as patch:
-        patch.setattr("conveyor.io.run.write_output", full_disk_after_3_rows)
+        patch.setattr("conveyor.io.run_output.write_output", full_disk_after_3_rows)
         failed = run_in_process(*command)
     _assert_one_line_disk_full(failed, "run the same command again")
     assert len(written) == 3  # the writer had started
@@ -424,7 +424,7 @@ def test_rerun_with_every_row_done_writes_the_output_without_loading_the_model(t
     def no_model(*_args, **_kwargs):
         raise AssertionError("the model was loaded with every record already answered")
 
-    monkeypatch.setattr("conveyor.io.run.load_engine", no_model)
+    monkeypatch.setattr("conveyor.io.run_engine.load_engine", no_model)
     again = run_in_process(*args)
     assert again.code == 0, again.err
     assert "without loading the model" in again.err

@@ -15,6 +15,7 @@ from conveyor.io.errors import RunDirError, SpecError
 from conveyor.io.run import Run
 from conveyor.io.run_report import Outcome
 from conveyor.io.run_spec import BuildOptions, InputOptions, OutputOptions, RunSpec, StateOptions
+from conveyor.io.validate_run import validate_run
 
 RECORDS = [{"id": f"r{i}", "prompt": "w3 w4 w5 " * (i % 4 + 1)} for i in range(10)] + [{"id": "bad", "prompt": ""}]
 
@@ -105,10 +106,12 @@ def test_options_that_cannot_work_are_refused_before_anything_is_written(tiny_mo
                                                                          changes, error, match):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # no Triton interpreter: no cuda backend on a CPU
     monkeypatch.chdir(tmp_path)
-    run = Run(spec_for(tiny_model, source, tmp_path / "out.jsonl", **changes))
-    with pytest.raises(error, match=match):
-        run.open()
-    run.close()
+    with pytest.raises(error, match=match):  # (the engine config is settled as the run is made; the rest at open)
+        run = Run(spec_for(tiny_model, source, tmp_path / "out.jsonl", **changes))
+        try:
+            run.open()
+        finally:
+            run.close()
     assert not (tmp_path / "out.jsonl.conveyor").exists() and not (tmp_path / "out.txt.conveyor").exists()
 
 
@@ -123,7 +126,7 @@ def test_shards_finish_apart_and_the_last_one_merges(tiny_model, source, tmp_pat
 
 
 def test_validation_builds_every_record_without_a_run_directory(tiny_model, source, tmp_path):
-    report = Run(spec_for(tiny_model, source, tmp_path / "out.jsonl")).validate(show_errors=5)
+    report = validate_run(spec_for(tiny_model, source, tmp_path / "out.jsonl"), 5, lambda note: None)
     assert (report.sink.records, report.sink.num_ok, report.sink.num_errors) == (11, 10, 1)
     assert "line 11" in report.sink.errors[0] and report.max_model_len == 2048
     assert not (tmp_path / "out.jsonl.conveyor").exists()
