@@ -11,6 +11,7 @@ from typing import TextIO
 
 from conveyor.cli.exit_codes import ExitCode, UsageError
 from conveyor.cli.notes import say
+from conveyor.core import Task
 from conveyor.io.counts import counted
 from conveyor.io.run_report import Outcome, RunSummary
 
@@ -81,7 +82,7 @@ def print_summary(summary: RunSummary, message: str, stream=None) -> None:
 
 def _task_rows(s: RunSummary) -> list[tuple[str, object]]:
     """The table's rows of what the run's task did: a pooling task's records and their tokens, nothing generated."""
-    if s.setup.task == "generate":
+    if not Task(s.setup.task).pools:
         return [
             ("records", s.records if s.samples == s.records else f"{s.records} ({counted(s.samples, 'sample')})"),
             ("ok", s.ok), ("errors", s.errors),
@@ -144,7 +145,7 @@ def _figure_rows(s: RunSummary) -> list[tuple[str, str]]:
     if s.draft_tokens:
         rows.append(("draft tokens accepted", f"{s.accepted_draft_tokens} of {s.draft_tokens} "
                                               f"({s.draft_acceptance_rate:.0%})"))
-    if s.steps and setup.task == "generate":
+    if s.steps and not Task(setup.task).pools:
         rows.append(("mean running (occupancy)", f"{s.mean_running:.1f} ({s.occupancy:.0%})"))
     if s.steps:
         rows.append(("engine steps", str(s.steps)))

@@ -79,7 +79,8 @@ def _count(number: int, noun: str) -> str:
 
 
 class Run:
-    """One run of `spec`, settled here once (the engine config as it runs on this machine, --task auto resolved).
+    """One run of `spec`, settled here once (the engine config as it runs on this machine, the output checked,
+    --task auto resolved).
     `command` is how to resume it (`conveyor status` shows it); `say` gets the notes a user should read (a run that
     starts over, a resume with other kernels, an option that does nothing here)."""
 
@@ -91,6 +92,8 @@ class Run:
         self.started = time.monotonic()  # the summary's wall_s counts from here
         self.totals = RunTotals()
         self.engine_config = resolved_engine_config(spec.engine, say)  # as it runs here
+        self.output_format = check_output(spec)  # (before --task auto reads the model: a bad output is said first)
+        self.folder = output_folder(spec)  # a part-file output's folder, else None
         self.source = ModelSource.of(spec.model)  # the model, told apart once for every core entry point
         self.spec = settled(spec, self.source, say)
         self.engine: InferenceEngine | None = None  # once loaded
@@ -98,7 +101,6 @@ class Run:
         self.has_pending = True  # whether a record still needs a row (read by `open`); without one no model is loaded
         self.partials: dict[int, dict] = {}  # the journal's partials, once `open` read them
         self.shard: Shard | None = None  # --shard: this run answers the records whose index is I mod N
-        self.output_format = ""
         self.arithmetic: str | None = None  # the backend's arithmetic the rows so far were computed with
         self.journal: Journal | None = None
         self.run_dir: RunDir | None = None
@@ -120,18 +122,15 @@ class Run:
     # -- open: every check that can fail does so here, before any model work ---------------------------------
 
     def open(self) -> None:
-        folder, reader = self._preflight()
-        reader, manifest, stored = self._open_state(folder, reader)
-        self._open_journal(folder, reader, manifest, stored)
+        reader = self._preflight()
+        reader, manifest, stored = self._open_state(reader)
+        self._open_journal(reader, manifest, stored)
         self._open_pending(reader)
 
-    def _preflight(self) -> tuple[str | None, Reader]:
-        """Every check that needs no state: the output, the settings, the paths, the input's fields; the run
-        directory (a shard's own is a folder inside the run's). (The output folder of a part-file output, the input's
-        reader.)"""
-        spec = self.spec
-        self.output_format = check_output(spec)
-        folder = output_folder(spec)
+    def _preflight(self) -> Reader:
+        """Every check that needs no state (the output was checked as the run was made): the settings, the paths, the
+        input's fields; the run directory (a shard's own is a folder inside the run's). (The input's reader.)"""
+        spec, folder = self.spec, self.folder
         check_settings(spec, self.source, self.engine_config)
         path = base_run_dir(spec)
         if spec.state.shard is not None:
@@ -145,15 +144,15 @@ class Run:
         check_named_fields(spec, reader)
         check_output_writable(folder if folder is not None else spec.output.path, folder=folder is not None)
         self.run_dir = RunDir(path)
-        return folder, reader
+        return reader
 
-    def _open_state(self, folder: str | None, reader: Reader) -> tuple[Reader, Manifest, Manifest | None]:
+    def _open_state(self, reader: Reader) -> tuple[Reader, Manifest, Manifest | None]:
         """The run directory locked and cleared of what a killed write left; this run's manifest and the stored one
         (after --restart, or taken back from one set aside); stdin or a pipe copied into it, read like a file from
         there (a run started before copies were made goes on without). (The reader, giving digests; the manifests.)"""
         spec = self.spec
         self.run_dir.acquire_lock()
-        remove_leftovers_of(self.run_dir.path, self.spec.output.path, folder, self.say)
+        remove_leftovers_of(self.run_dir.path, self.spec.output.path, self.folder, self.say)
         self._model_fingerprint = model_fingerprint(self.source)
         self.input_selection = reader.selection
         fresh = self._manifest(None, fingerprint(spec.input.path))  # (a file's hash: read once)
@@ -174,7 +173,7 @@ class Run:
         self._input_fingerprint = manifest.input_fingerprint
         return reader, manifest, stored
 
-    def _open_journal(self, folder: str | None, reader: Reader, manifest: Manifest, stored: Manifest | None) -> None:
+    def _open_journal(self, reader: Reader, manifest: Manifest, stored: Manifest | None) -> None:
         """The journal, carried over to the input as it is now where it changed (or where a resume's rows answer
         other records); --retry-errors; a part-file output's parts checked and those ready written."""
         spec, t = self.spec, self.totals
@@ -193,8 +192,8 @@ class Run:
                      "--retry-errors: no error row of the run's own making to retry")
         if t.reuse is None and not piped(self._input_fingerprint) and self.journal.num_committed():
             carry.check_rows(self.journal, reader)
-        if folder is not None:
-            self._open_parts(folder, rows_changed=bool(t.reuse) or bool(t.retried_errors))
+        if self.folder is not None:
+            self._open_parts(self.folder, rows_changed=bool(t.reuse) or bool(t.retried_errors))
         self.partials = self.journal.partials()  # records an earlier process left generating: they continue
 
     def _open_pending(self, reader: Reader) -> None:

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import Field, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
+from conveyor.core import Task
 from conveyor.io.rows.figures import run_figures
 
 if TYPE_CHECKING:
@@ -232,7 +233,7 @@ class RunSummary:
     def to_json(self) -> dict[str, Any]:
         """The --summary-json object: each field's keys (its SummaryRule), in the fields' order; a pooling task's
         has none of generation's."""
-        generation = self.setup.task == "generate"
+        generation = not Task(self.setup.task).pools
         return {key: value(self) for f in fields(self) if generation or not rule_of(f).generation
                 for key, value in rule_of(f).keys(f.name)}
 

@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from conveyor.core import Task
 from conveyor.io.counts import counted
 from conveyor.io.errors import SpecError
 from conveyor.io.rows.rows import SAMPLE_INDEX, SAMPLES_KEY, duplicate_id_row, vector_size, without_errors
@@ -283,8 +284,8 @@ def merge(run_dir: str | Path, output: str, output_format: str | None = None, wr
         return MergeResult(counts["rows"], counts["errors"], len(members), skip)
     config = first.manifest.generation_config
     fmt = output_format or first.manifest.output_format
-    task = config.get("task", "generate")
-    size = vector_size(shards.rows(members)) if task == "embed" and fmt == "parquet" else None
+    task = Task(config.get("task", Task.GENERATE))
+    size = vector_size(shards.rows(members)) if task is Task.EMBED and fmt == "parquet" else None
     served = config.get("served_model_names") or [first.manifest.model]  # (the name result lines give, as a run's)
     write_output(rows(), output, fmt, tuple(config.get("keep_fields") or ()), model_name=served[0],
                  optional=shards.columns(members) | ({SAMPLE_INDEX} if "n" in config else set()), task=task,
