@@ -8,8 +8,7 @@ it was written from. A process killed between the two finds the file there on re
 before the rename writes it again (and the temporary file it left is removed); a part recorded written is never
 written again. Only rows that changed under a written part (an input that changed, --retry-errors: `revalidate`)
 remove its file at once, to be written again when its records all have rows. A shard writes the parts of its own
-records (`part-00003-shard-1-of-4.parquet`: shard 1's records among records 3N to 4N - 1), so shards never write
-the same file and need no merge.
+records (`part-00003-shard-1-of-4.parquet`: records 3N to 4N - 1 of shard 1), so shards never share a file.
 """
 
 from __future__ import annotations
