@@ -82,16 +82,34 @@ def test_a_builder_killed_mid_build_blocks_no_one_and_its_leftovers_are_cleared(
     assert not dead_scratch.exists(), "the killed builder's scratch directory was not cleared"
 
 
-def test_a_second_caller_waits_for_the_running_builder_and_uses_its_result(tmp_path, capfd):
+class _Said:
+    """A stderr that keeps what is written to it, read from another thread without losing a write (reading a
+    captured stream while it is written can drop what lands between the read and its reset)."""
+
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.parts.append(text)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def text(self) -> str:
+        return "".join(self.parts)
+
+
+def test_a_second_caller_waits_for_the_running_builder_and_uses_its_result(tmp_path, monkeypatch):
     folder = tmp_path / "kernels" / "py311-abc"
     release = tmp_path / "release"
     child = _start_child(folder, tmp_path / "started", release)
-    said: list[str] = []
+    said = _Said()
+    monkeypatch.setattr(sys, "stderr", said)
 
     def release_once_the_caller_waits() -> None:
         deadline = time.monotonic() + 120
-        while "waiting for another process to finish building" not in "".join(said) and time.monotonic() < deadline:
-            said.append(capfd.readouterr().err)
+        while "waiting for another process to finish building" not in said.text() and time.monotonic() < deadline:
             time.sleep(0.05)
         release.write_text("")
 
@@ -103,7 +121,7 @@ def test_a_second_caller_waits_for_the_running_builder_and_uses_its_result(tmp_p
     assert calls == [], "the waiting caller built it a second time"
     assert path.read_text() == "built by the child"
     assert child.wait(30) == 0
-    assert "waiting for another process to finish building" in "".join(said)
+    assert "waiting for another process to finish building" in said.text()
 
 
 def test_a_lock_file_left_on_disk_does_not_block(tmp_path):
