@@ -1,6 +1,6 @@
 """Run: one run of a RunSpec, from its run directory to its output file.
 
-    run = Run(spec, command="conveyor run ...", say=print)   # the spec settled: engine config, --task auto
+    run = Run(spec, command="conveyor run ...", say=print)   # settled: engine config, output, --task auto
     try:
         run.open()                      # checks, run directory, the records left: usage errors here, before the model
         run.load_engine()
@@ -80,8 +80,7 @@ def _count(number: int, noun: str) -> str:
 
 class Run:
     """One run of `spec`, settled here once (the engine config as it runs on this machine, the output checked,
-    --task auto resolved).
-    `command` is how to resume it (`conveyor status` shows it); `say` gets the notes a user should read (a run that
+    --task auto resolved, the model told apart). `command` is how to resume it (`conveyor status` shows it); `say` gets the notes a user should read (a run that
     starts over, a resume with other kernels, an option that does nothing here)."""
 
     def __init__(self, spec: RunSpec, command: str | None = None, merge_when_done: bool = True,
