@@ -81,10 +81,10 @@ def make_texts(n: int, seed: int, words: tuple[int, int]) -> list[str]:
 def _conveyor(folder: str, dtype: str, threads: int):
     import torch
 
-    from conveyor.core import EngineConfig, PoolingRequest, TokenSequence, load_pooling_engine
+    from conveyor.core import EngineConfig, PoolingRequest, TokenSequence, load_engine
 
     torch.set_num_threads(threads)
-    engine = load_pooling_engine(folder, "embed", EngineConfig(device="cpu", dtype=dtype))
+    engine = load_engine(folder, EngineConfig(device="cpu", dtype=dtype), "embed")
 
     def embed(texts):
         ids = engine.tokenizer(texts)["input_ids"]

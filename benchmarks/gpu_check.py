@@ -71,7 +71,7 @@ def model_config(tiny: bool, size: str = "check"):
 def make_tokenizer(vocab_size: int):
     """conveyor's cached SmolLM2 tokenizer if its vocab matches, else a word-level tokenizer made offline."""
     try:
-        from conveyor.core.model_loader import embedded_model_dir, is_embedded_cached
+        from conveyor.core.model_source import embedded_model_dir, is_embedded_cached
 
         if is_embedded_cached("smollm2-135m-instruct"):
             from transformers import AutoTokenizer

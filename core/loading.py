@@ -36,10 +36,12 @@ def load_engine(model: str | ModelSource, config: EngineConfig, task: Task | str
     """The engine for `model` (an embedded name, a folder, a .gguf file or a hub id) with `config`: for
     `task` generate the generation engine, for a pooling task (embed, classify, score, rerank, reward) the pooling
     engine, pooling by `pooling` (None: the checkpoint's own, else its kind's; for a pooling task only). ValueError
-    for task auto, which the caller resolves first (`auto_task`)."""
+    for task auto, which the caller resolves first (`auto_task`), and for a pooling method given with generation."""
     task = Task(task)
     if task is Task.AUTO:
         raise ValueError("load_engine: task auto is resolved before the engine loads (auto_task)")
+    if pooling is not None and not task.pools:
+        raise ValueError(f"load_engine: pooling {pooling!r} is a pooling task's; task {task} pools nothing")
     if task.pools:
         from conveyor.core.pooling_engine import PoolingEngine
 
@@ -57,15 +59,6 @@ def model_fingerprint(model: str | ModelSource) -> str | None:
 
     name = ModelSource.of(model).name
     return fingerprint(name, {embedded: spec.package for embedded, spec in EMBEDDED_MODELS.items()})
-
-
-def load_pooling_engine(model: str | ModelSource, task: Task | str, config: EngineConfig, pooling: str | None = None
-                        ) -> PoolingEngine:
-    """The pooling engine for `model` doing pooling `task`: `load_engine` with a pooling task."""
-    task = Task(task)
-    if not task.pools:
-        raise ValueError(f"load_pooling_engine: {task} is not a pooling task")
-    return load_engine(model, config, task, pooling)
 
 
 def auto_task(model: str | ModelSource) -> Task:

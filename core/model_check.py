@@ -36,7 +36,7 @@ def model_report(model: str | ModelSource, task: Task | str = Task.AUTO) -> tupl
     folder = checkpoint_folder(source, path)
     lines = [("model", model), ("architecture", f"{architecture(cfg)} (model type {getattr(cfg, 'model_type', '?')})")]
     if task is Task.AUTO:
-        task = Task(auto_task(source))
+        task = auto_task(source)
         why = "the embedded model generates" if source.embedded else _auto_reason(task, cfg, local)
         lines.append(("task", f"{task} (--task auto: {why}; an input of OpenAI batch lines chooses by its url)"))
     else:

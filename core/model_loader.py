@@ -26,13 +26,11 @@ from conveyor.core.config import DEFAULT_MODEL
 from conveyor.core.errors import ConfigError, ModelLoadError
 from conveyor.core.model_files import hub_snapshot
 from conveyor.core.model_shape import ModelShape
-from conveyor.core.model_source import (  # noqa: F401 - the embedded models' names, also here (their old home)
+from conveyor.core.model_source import (
     EMBEDDED_MODELS,
     EmbeddedModel,
     ModelSource,
     embedded_model_dir,
-    is_embedded_cached,
-    models_cache_dir,
 )
 from conveyor.core.model_support import check_supported
 from conveyor.core.outputs import ModelLimits

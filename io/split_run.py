@@ -47,7 +47,7 @@ def finish_shard(spec: RunSpec, shard: Shard, shard_run_dir: Path, output_format
     except ShardError as e:  # another shard's problem: this one's rows stand (a warning: said even when quiet)
         say(f"warning: shard {shard} done, but {output} cannot be written yet: {e}")
         return outcome, "", False
-    return (merged.outcome, f"all {counted(shard.count, 'shard')} done: merged {counted(merged.rows, 'row', thousands=True)}", True)
+    return merged.outcome, f"all {counted(shard.count, 'shard')} done: merged {counted(merged.rows, 'row', thousands=True)}", True
 
 
 class SplitRun:
@@ -89,11 +89,10 @@ class SplitRun:
         if summary.outcome is Outcome.STOPPED:
             return dataclasses.replace(summary, wall_s=self._wall_s()), None
         merged = self.merge()
-        skip = self.spec.output.on_error == "skip"
+        skip = merged.skipped_errors
         return dataclasses.replace(
             summary, records=merged.rows + (merged.errors if skip else 0), errors=merged.errors,
-            ok=merged.rows - (0 if skip else merged.errors), wall_s=self._wall_s(),
-            outcome=Outcome.of(merged.errors, skip)), merged
+            ok=merged.rows - (0 if skip else merged.errors), wall_s=self._wall_s(), outcome=merged.outcome), merged
 
     def _wall_s(self) -> float:
         return round(time.monotonic() - self.started, 3)

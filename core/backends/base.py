@@ -25,18 +25,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from conveyor.core.attention_spec import ModelAttention
-from conveyor.core.backends.step import (  # noqa: F401 - the step types, also named here (their old home)
-    FLASH,
-    KVLayout,
-    SamplerOps,
-    Step,
-    StepAttention,
-    StepRows,
-    flash_rows,
-    padded_tables,
-    store_flash,
-    tensor,
-)
+from conveyor.core.backends.step import KVLayout, SamplerOps, Step, StepRows
 from conveyor.core.config import DEFAULT_KV_CACHE_MEMORY, parse_memory
 from conveyor.core.model_shape import ModelShape
 

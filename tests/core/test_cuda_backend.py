@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from conveyor.core import ConfigError
 from conveyor.core.backends import available_backends, select_backend
-from conveyor.core.backends.base import FLASH
+from conveyor.core.backends.step import FLASH
 from conveyor.core.kv_cache import KVCache
 from conveyor.core.model_runner import ModelRunner
 from conveyor.core.sampling_params import SamplingParams

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModel, AutoModelForSequenceClassification, AutoTokenizer
 
-from conveyor.core import EngineConfig, PoolingRequest, TokenSequence, load_pooling_engine
+from conveyor.core import EngineConfig, PoolingRequest, TokenSequence, load_engine
 from conveyor.core.backends.cpu.kernels import cpu_kernels, native_bf16
 from conveyor.core.errors import UnsupportedModel
 
@@ -23,7 +23,7 @@ KERNELS = pytest.mark.skipif(cpu_kernels() is None, reason="the packed route nee
 
 
 def _engine(folder, task, config=F32, pooling=None):
-    return load_pooling_engine(str(folder), task, config, pooling)
+    return load_engine(str(folder), config, task, pooling)
 
 
 def _results(engine, sequences, **request) -> list[torch.Tensor]:
@@ -170,3 +170,10 @@ def test_task_auto_follows_the_checkpoints_architecture(architectures, pooling_c
     from conveyor.core.pooling_config import default_task
 
     assert default_task(SimpleNamespace(architectures=architectures), pooling_config) == task
+
+
+def test_load_engine_refuses_a_pooling_method_for_generation_and_an_unresolved_task():
+    with pytest.raises(ValueError, match="pooling 'mean'"):
+        load_engine("no-such-folder", EngineConfig(device="cpu"), "generate", "mean")
+    with pytest.raises(ValueError, match="task auto"):
+        load_engine("no-such-folder", EngineConfig(device="cpu"), "auto")

@@ -23,7 +23,7 @@ from pooling_models import (
     sentence_transformers_files,
 )
 
-from conveyor.core import EngineConfig, PoolingRequest, TokenSequence, load_pooling_engine, load_pooling_tokenizer
+from conveyor.core import EngineConfig, PoolingRequest, TokenSequence, load_engine, load_pooling_tokenizer
 from conveyor.core.errors import UnsupportedModel
 
 st = pytest.importorskip("sentence_transformers", minversion="6",
@@ -49,7 +49,7 @@ def _results(engine, sequences, normalize=True):
 
 
 def _embed(folder, pooling=None, normalize=True, texts=TEXTS):
-    engine = load_pooling_engine(str(folder), "embed", F32, pooling)
+    engine = load_engine(str(folder), F32, "embed", pooling)
     sequences = [TokenSequence(tuple(engine.tokenizer(t)["input_ids"])) for t in texts]
     return engine, _results(engine, sequences, normalize)
 
@@ -131,7 +131,7 @@ def test_the_5x_flags_name_the_pooling_conveyor_does_not_compute(bert, tmp_path)
 def test_a_length_limit_kept_in_the_tokenizer_cuts_texts_where_sentence_transformers_does(bert, tmp_path):
     """6.x keeps max_seq_length as the tokenizer's model_max_length, not in sentence_bert_config.json."""
     folder = saved_by_sentence_transformers(tmp_path / "st", bert, "mean", max_seq_length=16)
-    assert load_pooling_engine(str(folder), "embed", F32).limits.max_model_len == 16
+    assert load_engine(str(folder), F32, "embed").limits.max_model_len == 16
 
 
 def test_texts_rendered_through_a_chat_template_are_refused(tmp_path):
@@ -221,7 +221,7 @@ def test_a_setting_that_changes_the_tokens_is_refused_before_the_weights_load(be
     path.write_text(json.dumps({**json.loads(path.read_text()), **settings}))
     (folder / "model.safetensors").unlink()  # (refused before its weights are looked for)
     with pytest.raises(UnsupportedModel, match=f"{path.name}: {refusal}"):
-        load_pooling_engine(str(folder), "embed", F32)
+        load_engine(str(folder), F32, "embed")
 
 
 @pytest.mark.parametrize("activation", ["Sigmoid", "Identity"])
@@ -230,7 +230,7 @@ def test_a_cross_encoder_saved_by_sentence_transformers_scores_as_its_predict(tm
     model = st.CrossEncoder(str(cross_encoder(tmp_path / "base")), device="cpu",
                             activation_fn=getattr(torch.nn, activation)())
     model.save(str(tmp_path / "ce"))
-    engine = load_pooling_engine(str(tmp_path / "ce"), "score", F32)
+    engine = load_engine(str(tmp_path / "ce"), F32, "score")
     pairs = [("what is the capital of france?", "the capital of france is paris."), ("hello", "hello world")]
     encoded = [engine.tokenizer(a, b) for a, b in pairs]
     got = _results(engine, [TokenSequence(tuple(e["input_ids"]), tuple(e["token_type_ids"])) for e in encoded])
