@@ -11,6 +11,7 @@ import signal
 import sqlite3
 import time
 
+import pytest
 from cli_helpers import Child, read_rows, run_in_process, stable, tiny_args, window_of, write_jsonl
 
 # Long enough (near the tiny model's 2048-token context) that a child process is still generating when a checkpoint
@@ -42,8 +43,14 @@ def _reference(tiny_model, tmp_path, records, *extra, summary: bool = False):
     return (rows, json.loads(said.read_text())) if summary else rows
 
 
-def test_windows_shorter_than_any_generation_finish_with_the_rows_of_one_run(tiny_model, tmp_path):
-    reference, said = _reference(tiny_model, tmp_path, RECORDS, summary=True)
+@pytest.fixture(scope="module")
+def records_run(tiny_model, tmp_path_factory):
+    """RECORDS' rows and summary from one uninterrupted run."""
+    return _reference(tiny_model, tmp_path_factory.mktemp("reference"), RECORDS, summary=True)
+
+
+def test_windows_shorter_than_any_generation_finish_with_the_rows_of_one_run(tiny_model, tmp_path, records_run):
+    reference, said = records_run
     src, out = write_jsonl(tmp_path / "in.jsonl", RECORDS), tmp_path / "out.jsonl"
     summaries = []
     # A window of 1/2.5 of the generation: each resume first recomputes the carried tokens (up to ~10k here), which
@@ -65,8 +72,8 @@ def test_windows_shorter_than_any_generation_finish_with_the_rows_of_one_run(tin
     assert _partials(tmp_path / "out.jsonl.conveyor") == (0, 0)  # every partial went with its row
 
 
-def test_a_kill_9_after_a_checkpoint_resumes_from_the_partials(tiny_model, tmp_path):
-    reference = _reference(tiny_model, tmp_path, RECORDS)
+def test_a_kill_9_after_a_checkpoint_resumes_from_the_partials(tiny_model, tmp_path, records_run):
+    reference, _ = records_run
     src, out, run_dir = write_jsonl(tmp_path / "in.jsonl", RECORDS), tmp_path / "out.jsonl", tmp_path / "out.jsonl.conveyor"
     config = tmp_path / "c.yaml"
     config.write_text("checkpoint_seconds: 0.2\n", encoding="utf-8")

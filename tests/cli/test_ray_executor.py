@@ -97,7 +97,7 @@ def test_a_worker_killed_mid_run_is_restarted_and_resumes_writing_its_parts_once
 def test_a_driver_stopped_by_sigterm_or_killed_with_kill_9_resumes_to_the_same_output(tmp_path, tiny_model):
     # longer answers than RECORDS': each shard runs for seconds, so both interruptions land mid-shard
     records = [{"id": f"r{i:02d}", "prompt": f"w{i} w{i + 3} " * (1 + i % 6), "max_tokens": 60 + i % 13}
-               for i in range(48)]
+               for i in range(32)]
     src = write_jsonl(tmp_path / "in.jsonl", records)
     opts = ("--ignore-eos", "--max-num-seqs", "2")
     assert run_in_process(*_args(tiny_model, src, tmp_path / "single.jsonl", *opts)).code == 0

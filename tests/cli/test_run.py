@@ -238,20 +238,20 @@ def test_bad_options_are_one_line_usage_errors(args, named, tmp_path):
 
 
 def test_no_tty_progress_is_plain_log_lines_on_stderr(tiny_model, tmp_path):
-    records = [{"id": f"n{i}", "prompt": f"line {i} of the log test"} for i in range(300)]
+    records = [{"id": f"n{i}", "prompt": f"line {i} of the log test"} for i in range(150)]
     config = tmp_path / "run.yaml"
     config.write_text("log_every: 0.1\nmax_num_seqs: 4\ntemperature: 0\n")
     result = run_child("run", write_jsonl(tmp_path / "in.jsonl", records), "-o", tmp_path / "out.jsonl",
                        "-c", config, *tiny_args(tiny_model), "--max-tokens", "8", "--ignore-eos")
     assert result.code == 0, result.err
-    progress = re.findall(r"^conveyor: \d\d:\d\d:\d\d records (\d+)/300 errors 0 ", result.err, re.M)
+    progress = re.findall(r"^conveyor: \d\d:\d\d:\d\d records (\d+)/150 errors 0 ", result.err, re.M)
     assert len(progress) >= 2, result.err
-    assert progress[-1] == "300"
+    assert progress[-1] == "150"
     assert [int(p) for p in progress] == sorted(int(p) for p in progress)
     assert "\x1b" not in result.err  # no terminal escapes without a TTY
     assert "records" not in result.out.replace("│ records", "")  # progress stays off stdout
     assert "conveyor run summary" in result.out
-    assert len(read_rows(tmp_path / "out.jsonl")) == 300
+    assert len(read_rows(tmp_path / "out.jsonl")) == 150
 
 
 def test_quiet_prints_no_progress_and_one_closing_line(tiny_model, tmp_path):
