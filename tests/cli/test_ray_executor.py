@@ -2,7 +2,7 @@
 row, and a summary over both workers' rows; a worker killed with `ray.kill` mid-run is restarted by Ray and resumes
 its shard, writing each of its part files once; a driver given SIGTERM
 stops its workers and exits 75, and one killed with kill -9 is resumed by the same command; nothing is lost or
-written twice."""
+written twice. The drivers in child processes join the module's Ray instance."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ import time
 import numpy as np
 import pytest
 from cli_helpers import Child, assert_same_rows, num_committed, read_rows, run_in_process, tiny_args, write_jsonl
+
+pytestmark = pytest.mark.heavy  # long tests: scheduled first (tests/conftest.py)
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'conveyor[ray]')")
 
@@ -37,9 +39,11 @@ def single(tmp_path_factory, tiny_model):
 
 @pytest.fixture(scope="module")
 def local_ray():
+    """A local Ray instance for the module (2 CPUs), its address yielded: the drivers in this process join it, and so
+    do those in child processes given it as RAY_ADDRESS (a cluster's start is seconds of two cores)."""
     # address="local": a fresh cluster, never one `ray start` left running on the host
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
+    context = ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield context.address_info["address"]
     ray.shutdown()
 
 
@@ -94,7 +98,9 @@ def test_a_worker_killed_mid_run_is_restarted_and_resumes_writing_its_parts_once
                      single)
 
 
-def test_a_driver_stopped_by_sigterm_or_killed_with_kill_9_resumes_to_the_same_output(tmp_path, tiny_model):
+def test_a_driver_stopped_by_sigterm_or_killed_with_kill_9_resumes_to_the_same_output(tmp_path, tiny_model, local_ray,
+                                                                                      monkeypatch):
+    monkeypatch.setenv("RAY_ADDRESS", local_ray)  # each driver joins the cluster (a driver's death ends its workers)
     # longer answers than RECORDS': each shard runs for seconds, so both interruptions land mid-shard
     records = [{"id": f"r{i:02d}", "prompt": f"w{i} w{i + 3} " * (1 + i % 6), "max_tokens": 60 + i % 13}
                for i in range(32)]
