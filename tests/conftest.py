@@ -18,12 +18,6 @@ if not _has_cuda():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-def pytest_collection_modifyitems(items):
-    """The files marked `heavy` first, then the rest, each in its order: xdist hands out whole files in this order
-    (`--no-loadscope-reorder`), so a long file does not run alone at the end while the other worker waits."""
-    items.sort(key=lambda item: item.get_closest_marker("heavy") is None)
-
-
 @pytest.fixture(autouse=True)
 def _no_grammar_compiles_outlive_their_test():
     """A compile a test left running (a grammar given up) ends before the next test: a process whose finalizers run

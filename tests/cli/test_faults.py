@@ -15,8 +15,6 @@ from cli_helpers import Child, num_committed, read_rows, run_in_process, tiny_ar
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-pytestmark = pytest.mark.heavy  # long tests: scheduled first (tests/conftest.py)
-
 QUIET = ("--quiet", "--max-tokens", "4", "--temperature", "0")
 
 

@@ -23,8 +23,6 @@ from hypothesis import strategies as st
 
 from conveyor.io.records.seeds import derive_seed, index_seed
 
-pytestmark = pytest.mark.heavy  # long tests: scheduled first (tests/conftest.py)
-
 FAST = ["--max-tokens", "4", "--temperature", "0", "--quiet"]
 
 

@@ -9,8 +9,6 @@ import sqlite3
 import pytest
 from cli_helpers import Child, read_rows, run_in_process, stable, tiny_args, window_of, write_jsonl
 
-pytestmark = pytest.mark.heavy  # long tests: scheduled first (tests/conftest.py)
-
 RECORDS = [{"id": f"p{i}", "prompt": f"tell me about {i}", "max_tokens": 12} for i in range(3)]
 OPTS = ("--dtype", "float32", "--quiet")
 

@@ -14,8 +14,6 @@ import time
 import pytest
 from cli_helpers import Child, read_rows, run_in_process, stable, tiny_args, window_of, write_jsonl
 
-pytestmark = pytest.mark.heavy  # long tests: scheduled first (tests/conftest.py)
-
 # Long enough (near the tiny model's 2048-token context) that a child process is still generating when a checkpoint
 # shows what the tests wait for, on the fastest kernels too.
 RECORDS = [{"id": f"p{i}", "prompt": f"a long answer about {i}", "max_tokens": 1800 + 7 * i} for i in range(6)]

@@ -15,8 +15,6 @@ import numpy as np
 import pytest
 from cli_helpers import Child, assert_same_rows, num_committed, read_rows, run_in_process, tiny_args, write_jsonl
 
-pytestmark = pytest.mark.heavy  # long tests: scheduled first (tests/conftest.py)
-
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'conveyor[ray]')")
 
 RECORDS = [{"id": f"r{i:02d}", "prompt": f"w{i} w{i + 3} " * (1 + i % 6), "max_tokens": 8 + i % 13}

@@ -30,8 +30,6 @@ from cli_helpers import (
 
 from conveyor.core.backends.cpu.kernels import cpu_kernels, native_bf16
 
-pytestmark = pytest.mark.heavy  # long tests: scheduled first (tests/conftest.py)
-
 TOPICS = ["the moon", "bread", "rivers", "chess", "bees", "volcanoes", "libraries", "trains", "owls", "glass",
           "tea", "bridges", "maps", "snow", "violins", "deserts"]
 # Per-record max_tokens from 6 to 16: with 4 requests running, they finish one by one, so every

@@ -25,8 +25,6 @@ from cli_helpers import (
 
 from conveyor.io.records.seeds import derive_seed
 
-pytestmark = pytest.mark.heavy  # long tests: scheduled first (tests/conftest.py)
-
 RECORDS = [
     {"id": "r-0", "prompt": "The sky is", "topic": "weather"},
     {"id": "r-1", "prompt": "Once upon a time", "topic": "story"},

@@ -40,8 +40,8 @@ def _native_bf16() -> bool:
 
 
 # The contract is the cpu backend's (C++ kernels); the torch backend, where they do not run, declines it.
-pytestmark = [pytest.mark.slow, pytest.mark.heavy, pytest.mark.skipif(cpu_kernels() is None, reason="no exact backend here (conveyor's C++ kernels do not "
-                                "run on this CPU)")]
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
+    cpu_kernels() is None, reason="no exact backend here (conveyor's C++ kernels do not run on this CPU)")]
 DTYPES = ["float32", pytest.param("bfloat16", marks=pytest.mark.skipif(
     not _native_bf16(), reason="this CPU has no native bf16 (AMX or AVX512-BF16)"))]
 

@@ -14,7 +14,7 @@ from conveyor.core import EngineConfig, GenerationRequest, SamplingParams
 from conveyor.core.backends.cpu.kernels import cpu_kernels
 from conveyor.core.engine import Engine
 
-pytestmark = [pytest.mark.slow, pytest.mark.heavy]
+pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)

@@ -15,8 +15,6 @@ from conveyor.core import EngineConfig, GenerationRequest, SamplingParams
 from conveyor.core.backends.cpu.kernels import cpu_identity, cpu_kernels
 from conveyor.core.engine import Engine
 
-pytestmark = pytest.mark.heavy  # long tests: scheduled first (tests/conftest.py)
-
 MAX_TOKENS = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 # A pool too small for every request at once (preemption), a token budget that chunks the long prompts.

@@ -23,8 +23,6 @@ from conveyor.core.kv_cache import KVCache
 from conveyor.core.model_runner import ModelRunner
 from conveyor.core.schedule_types import ScheduledRequest, SchedulerOutput
 
-pytestmark = pytest.mark.heavy  # long tests: scheduled first (tests/conftest.py)
-
 VOCAB = 256
 MAX_TOKENS = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)

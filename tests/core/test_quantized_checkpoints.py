@@ -31,8 +31,6 @@ from conveyor.core.model_loader import load_config
 from conveyor.core.quant.load import load_quantized
 from conveyor.core.quant.weights import QuantLinear, QuantWeight
 
-pytestmark = pytest.mark.heavy  # long tests: scheduled first (tests/conftest.py)
-
 MAX_TOKENS = 10
 NEAR_TIE = 0.1  # logits apart (W8A8 only; the tiny models' logits are about 5 in size)
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)

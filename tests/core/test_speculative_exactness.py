@@ -22,7 +22,7 @@ MAX_TOKENS = 40
 SCHEMA = json.dumps({"type": "object", "properties": {"name": {"type": "string"}, "year": {"type": "integer"}},
                      "required": ["name", "year"]})
 
-pytestmark = [pytest.mark.slow, pytest.mark.heavy, pytest.mark.skipif(
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     cpu_kernels() is None, reason="no exact backend here (conveyor's C++ kernels do not run on this CPU)")]
 
 

@@ -18,7 +18,7 @@ import torch
 from conveyor.core import EngineConfig, GenerationRequest, Grammar, SamplingParams
 from conveyor.core.engine import Engine
 
-pytestmark = [pytest.mark.slow, pytest.mark.heavy]
+pytestmark = pytest.mark.slow
 
 SCHEMAS = [
     {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40}, "age": {"type": "integer"}},
