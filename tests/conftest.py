@@ -1,13 +1,28 @@
 """Shared setup for every test: where no CUDA device exists, Triton runs its kernels in its interpreter on
 the CPU (TRITON_INTERPRET=1, read when a kernel is defined), so the cuda backend's kernels are tested here
-too (set before any test module imports Triton); and a tiny random Llama folder built once per session."""
+too (set before any test module imports Triton); conveyor's modules compiled to bytecode once, before the
+workers start; and a tiny random Llama folder built once per session."""
 
 from __future__ import annotations
 
+import compileall
 import os
 import shutil
+from pathlib import Path
 
 import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def pytest_configure(config):
+    """Compile conveyor's modules once (in the main process: the workers and every child process they start then
+    load bytecode). Where PYTHONDONTWRITEBYTECODE is set, as on some CI images, no import writes it, and each of
+    the suite's hundred-odd child processes (runs killed and resumed, Ray workers) compiled ~150 modules again:
+    half a second of a core each."""
+    if not hasattr(config, "workerinput"):
+        for package in ("cli", "core", "io"):
+            compileall.compile_dir(ROOT / package, quiet=1)
 
 
 def _has_cuda() -> bool:
