@@ -2,7 +2,7 @@
 row, and a summary over both workers' rows; a worker killed with `ray.kill` mid-run is restarted by Ray and resumes
 its shard, writing each of its part files once; a driver given SIGTERM
 stops its workers and exits 75, and one killed with kill -9 is resumed by the same command; nothing is lost or
-written twice. The drivers in child processes join the module's Ray instance."""
+written twice."""
 
 from __future__ import annotations
 
@@ -98,7 +98,8 @@ def test_a_worker_killed_mid_run_is_restarted_and_resumes_writing_its_parts_once
 
 def test_a_driver_stopped_by_sigterm_or_killed_with_kill_9_resumes_to_the_same_output(tmp_path, tiny_model, local_ray,
                                                                                       monkeypatch):
-    monkeypatch.setenv("RAY_ADDRESS", local_ray)  # each driver joins the cluster (a driver's death ends its workers)
+    monkeypatch.setenv("RAY_ADDRESS", local_ray)  # the first drivers join the cluster (a driver's death ends its
+    # workers); the last starts a local Ray instance of its own, as a driver without RAY_ADDRESS does
     # longer answers than RECORDS': each shard runs for seconds, so both interruptions land mid-shard
     records = [{"id": f"r{i:02d}", "prompt": f"w{i} w{i + 3} " * (1 + i % 6), "max_tokens": 60 + i % 13}
                for i in range(32)]
@@ -129,6 +130,7 @@ def test_a_driver_stopped_by_sigterm_or_killed_with_kill_9_resumes_to_the_same_o
     child.wait_until(lambda: committed() >= 6, timeout=300, what="more commits")
     child.kill9()
     done_before = committed()
+    monkeypatch.delenv("RAY_ADDRESS")
     again = Child(args, tmp_path, "again").wait(timeout=300)
     assert again.code == 0, again.err
     assert again.err.strip().splitlines()[-1] == \

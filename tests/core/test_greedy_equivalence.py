@@ -160,9 +160,9 @@ def test_stop_string_on_real_text(smollm, prompts, references):
     assert "Paris" in tok.decode(out.output_token_ids) and EOS not in out.output_token_ids
 
 
-def test_engine_equals_generate(smollm, prompts, references):
-    """(The model's own transformers forward under the engine: tests/core/test_model_families.py, every family.)"""
-    outs, stats = _run(smollm, prompts, EngineConfig(num_kv_blocks=320))
+@pytest.mark.parametrize("fused_forward", [True, False], ids=["fused-forward", "transformers-forward"])
+def test_engine_equals_generate(smollm, prompts, references, fused_forward):
+    outs, stats = _run(smollm, prompts, EngineConfig(num_kv_blocks=320, fused_forward=fused_forward))
     assert stats.num_preemptions == 0
     _assert_same(outs, references)
 
