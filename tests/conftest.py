@@ -18,8 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def pytest_configure(config):
     """Compile conveyor's modules once (in the main process: the workers and every child process they start then
     load bytecode). Where PYTHONDONTWRITEBYTECODE is set, as on some CI images, no import writes it, and each of
-    the suite's hundred-odd child processes (runs killed and resumed, Ray workers) compiled ~150 modules again:
-    half a second of a core each."""
+    the suite's child Pythons that import conveyor (runs killed and resumed, scripts, Ray workers: about 60)
+    compiled ~150 modules again: half a second of a core each."""
     if not hasattr(config, "workerinput"):
         for package in ("cli", "core", "io"):
             compileall.compile_dir(ROOT / package, quiet=1)
