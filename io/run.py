@@ -80,8 +80,9 @@ def _count(number: int, noun: str) -> str:
 
 class Run:
     """One run of `spec`, settled here once (the engine config as it runs on this machine, the output checked,
-    --task auto resolved, the model told apart). `command` is how to resume it (`conveyor status` shows it); `say` gets the notes a user should read (a run that
-    starts over, a resume with other kernels, an option that does nothing here)."""
+    --task auto resolved, the model told apart). `command` is how to resume it (`conveyor status` shows it); `say`
+    gets the notes a user should read (a run that starts over, a resume with other kernels, an option that does
+    nothing here)."""
 
     def __init__(self, spec: RunSpec, command: str | None = None, merge_when_done: bool = True,
                  say: Callable[[str], None] = lambda note: None) -> None:
