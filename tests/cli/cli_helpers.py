@@ -2,8 +2,9 @@
 
 In-process runs call `conveyor.cli.app.main`, the console script's own entry point, so they take
 the same path as `conveyor ...` minus the 5-10 s of importing torch and transformers again; the
-tests that need a real process (exit status, stderr of a fresh interpreter, signals, kill -9,
-locks) start one with `python -m conveyor.cli`.
+tests that need a real process (exit status, stderr, signals, kill -9, locks) start one with
+`python -m conveyor.cli`, forked from a warm Python (`warm_python.py`) unless they ask for a fresh
+interpreter (`fresh=True`: a claim about the interpreter's start itself).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import textwrap
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from warm_python import WarmProcess, run_warm
 
 CONVEYOR = [sys.executable, "-m", "conveyor.cli"]
 # The columns of an output row that must not depend on timing, batching or interruptions.
@@ -83,12 +86,19 @@ def tiny_run_argv(model: Path, tmp_path: Path, count: int, max_tokens: int) -> t
                                              "--quiet"]
 
 
-def entry_in_child(argv: list[str], setup: str = "", after: str = "") -> subprocess.CompletedProcess:
-    """`argv` through the console script's entry (`cli/entry.py`) in a fresh interpreter: the Python lines of `setup`
-    first, those of `after` once the command has exited (its SystemExit as `e`), then the process exits as it would."""
+def entry_in_child(argv: list[str], setup: str = "", after: str = "", fresh: bool = False
+                   ) -> subprocess.CompletedProcess:
+    """`argv` through the console script's entry (`cli/entry.py`) in a child process: the Python lines of `setup`
+    first, those of `after` once the command has exited (its SystemExit as `e`), then the process exits as it would.
+    `fresh`: in a fresh interpreter (a claim about what happens while it imports the libraries)."""
     script = ("import sys\nfrom conveyor.cli import entry\n" + setup + f"sys.argv = {argv!r}\n"
               "try:\n    entry.main()\nexcept SystemExit as e:\n" + textwrap.indent(after + "raise\n", "    "))
-    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=child_env())
+    if fresh:
+        return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                              env=child_env())
+    done = run_warm(["-c"], child_env(), code=script, timeout=300)
+    return subprocess.CompletedProcess(done.args, done.returncode, done.stdout.decode(errors="replace"),
+                                       done.stderr.decode(errors="replace"))
 
 
 def dead_pid() -> int:
@@ -98,9 +108,15 @@ def dead_pid() -> int:
     return proc.pid
 
 
-def run_child(*args, stdin: bytes | None = None, timeout: float = 600, cwd: Path | None = None) -> Result:
-    proc = subprocess.run([*CONVEYOR, *map(str, args)], input=stdin, capture_output=True, timeout=timeout,
-                          env=child_env(), cwd=cwd)
+def run_child(*args, stdin: bytes | None = None, timeout: float = 600, cwd: Path | None = None,
+              fresh: bool = False) -> Result:
+    """`conveyor ARGS` in a child process (`fresh`: a fresh interpreter)."""
+    if fresh:
+        proc = subprocess.run([*CONVEYOR, *map(str, args)], input=stdin, capture_output=True, timeout=timeout,
+                              env=child_env(), cwd=cwd)
+    else:
+        proc = run_warm(["conveyor", *map(str, args)], child_env(), stdin=stdin, timeout=timeout,
+                        module="conveyor.cli", cwd=cwd)
     return Result(proc.returncode, proc.stdout.decode(errors="replace"), proc.stderr.decode(errors="replace"))
 
 
@@ -127,11 +143,11 @@ class Child:
         child: `STOP_AFTER_PART` stops it at a chosen point, for the test to look at it there)."""
         self.out_path = log_dir / f"{name}.stdout"
         self.err_path = log_dir / f"{name}.stderr"
-        argv = [*CONVEYOR, *map(str, args)] if not setup else \
-            [sys.executable, "-c", f"import sys\n{setup}sys.argv = {['conveyor', *map(str, args)]!r}\n"
-                                   "from conveyor.cli import entry\nentry.main()\n"]
-        with open(self.out_path, "wb") as out, open(self.err_path, "wb") as err:
-            self.proc = subprocess.Popen(argv, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=child_env())
+        code = f"import sys\n{setup}sys.argv = {['conveyor', *map(str, args)]!r}\nfrom conveyor.cli import entry\n" \
+               "entry.main()\n" if setup else None
+        with open(self.out_path, "wb") as out, open(self.err_path, "wb") as err, open(os.devnull, "rb") as null:
+            self.proc = WarmProcess(["conveyor", *map(str, args)], child_env(), null.fileno(), out.fileno(),
+                                    err.fileno(), module=None if setup else "conveyor.cli", code=code)
         self.started = time.monotonic()
         Child.live.append(self)
 

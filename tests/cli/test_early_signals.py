@@ -17,7 +17,7 @@ def test_a_sigterm_while_the_command_starts_stops_the_run_with_75_and_it_resumes
     proc = entry_in_child([a for a in argv if a != "--quiet"], setup="import os, signal\n"
                                       "from conveyor.cli import stop_signals\n"
                                       "stop_signals.hold_early_signals()\n"
-                                      "os.kill(os.getpid(), signal.SIGTERM)\n")
+                                      "os.kill(os.getpid(), signal.SIGTERM)\n", fresh=True)
     assert proc.returncode == 75, proc.stderr
     assert "SIGTERM received" in proc.stderr
     # the stop is taken before the model loads, and nothing claims what did not happen

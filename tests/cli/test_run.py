@@ -228,7 +228,7 @@ def test_bom_crlf_and_blank_lines_are_fine(tiny_model, tmp_path):
                          ids=["temperature", "unknown-option", "not-an-int", "missing-input"])
 def test_bad_options_are_one_line_usage_errors(args, named, tmp_path):
     source = write_jsonl(tmp_path / "in.jsonl", RECORDS) if args else tmp_path / "nope.jsonl"
-    result = run_child("run", source, "-o", tmp_path / "out.jsonl", *args)
+    result = run_child("run", source, "-o", tmp_path / "out.jsonl", *args, fresh=True)
     assert result.code == 2
     assert len(result.err_lines) == 1, result.err
     assert result.err.startswith("conveyor") and "Traceback" not in result.err
@@ -338,11 +338,11 @@ def test_models_lists_the_embedded_model():
 
 
 def test_help_is_fast_and_shows_examples():
-    top = run_child("--help")
+    top = run_child("--help", fresh=True)
     assert top.code == 0
     for command in ("run", "validate", "status", "models"):
         assert command in top.out
-    run_help = run_child("run", "--help")
+    run_help = run_child("run", "--help", fresh=True)
     assert run_help.code == 0
     assert "Examples" in run_help.out and "conveyor run prompts.jsonl -o answers.parquet" in run_help.out
     assert "--max-tokens" in run_help.out and "--max-runtime" in run_help.out
