@@ -37,6 +37,15 @@ def _encoder_config(cls, tokenizer, **extra):
                intermediate_size=128, max_position_embeddings=136, pad_token_id=tokenizer.pad_token_id, **extra)
 
 
+def sentence_transformers():
+    """The installed sentence-transformers (6 or newer), imported when a test first needs it rather than while every
+    worker collects the tests (7 s of a core), or that test skipped where it is not installed."""
+    import pytest
+
+    return pytest.importorskip("sentence_transformers", minversion="6",
+                               reason="sentence-transformers 6 or newer is not installed (pip install 'conveyor[dev]')")
+
+
 def sentence_transformers_files(folder: Path, pooling: str, normalize: bool = True, max_seq_length: int = 128,
                                 do_lower_case: bool = False):
     """sentence-transformers 5.x's files around the model in `folder`: its module paths, its pooling_mode_* flags."""

@@ -17,11 +17,9 @@ from pooling_models import (
     cased_bert_model,
     cross_encoder,
     saved_by_sentence_transformers,
+    sentence_transformers,
     sentence_transformers_files,
 )
-
-st = pytest.importorskip("sentence_transformers", minversion="6",
-                         reason="sentence-transformers 6 or newer is not installed (pip install 'conveyor[dev]')")
 
 TEXTS = ["hello world", "what is the capital of france?", "a",
          "paris is the capital city of france and the answer to the question " * 2]  # (over 16 tokens)
@@ -40,7 +38,7 @@ def _embeddings(folder, tmp_path, *options, out="out.jsonl", texts=TEXTS):
 
 
 def _encode(folder, texts=TEXTS):
-    return st.SentenceTransformer(str(folder), device="cpu").encode(texts, convert_to_tensor=True)
+    return sentence_transformers().SentenceTransformer(str(folder), device="cpu").encode(texts, convert_to_tensor=True)
 
 
 @pytest.mark.parametrize("layout", ["saved by sentence-transformers", "5.x"])
@@ -96,7 +94,7 @@ def test_embed_prepends_the_default_prompt_as_encode_does_within_the_length_limi
     folder = saved_by_sentence_transformers(tmp_path / "st", cased_bert_model(tmp_path / "cased"), "mean",
                                             max_seq_length=16, prompts=PROMPTS, default_prompt_name=default)
     texts = ["hello world", "What is the capital of France?", FITS, FITS + " " + FITS]
-    tokenizer = st.SentenceTransformer(str(folder), device="cpu").tokenizer
+    tokenizer = sentence_transformers().SentenceTransformer(str(folder), device="cpu").tokenizer
     assert len(tokenizer(FITS)["input_ids"]) <= 16 < len(tokenizer(PROMPTS["query"] + FITS)["input_ids"])
     cut, got = _embeddings(folder, tmp_path, "--truncate-prompt-tokens", "auto", texts=texts)
     assert cut.code == 0, cut.err
@@ -118,8 +116,8 @@ def test_embed_prepends_the_default_prompt_as_encode_does_within_the_length_limi
 
 
 def test_score_puts_a_cross_encoders_default_prompt_before_each_pairs_first_text(tmp_path):
-    model = st.CrossEncoder(str(cross_encoder(tmp_path / "base")), device="cpu", prompts={"rank": "rank the: "},
-                            default_prompt_name="rank")
+    model = sentence_transformers().CrossEncoder(str(cross_encoder(tmp_path / "base")), device="cpu",
+                                                 prompts={"rank": "rank the: "}, default_prompt_name="rank")
     model.save(str(tmp_path / "ce"))
     pairs = [("what is the capital of france?", "the capital of france is paris."), ("hello", "hello world")]
     source = write_jsonl(tmp_path / "pairs.jsonl", [{"text_1": a, "text_2": b} for a, b in pairs])
@@ -127,7 +125,7 @@ def test_score_puts_a_cross_encoders_default_prompt_before_each_pairs_first_text
                             *F32)
     assert result.code == 0, result.err
     got = torch.tensor([row["score"] for row in read_rows(tmp_path / "out.jsonl")])
-    expected = st.CrossEncoder(str(tmp_path / "ce"), device="cpu").predict(pairs)
+    expected = sentence_transformers().CrossEncoder(str(tmp_path / "ce"), device="cpu").predict(pairs)
     torch.testing.assert_close(got, torch.tensor(expected), rtol=1e-5, atol=1e-6)
 
 

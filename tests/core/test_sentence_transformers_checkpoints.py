@@ -20,14 +20,12 @@ from pooling_models import (
     cross_encoder,
     qwen3_model,
     saved_by_sentence_transformers,
+    sentence_transformers,
     sentence_transformers_files,
 )
 
 from conveyor.core import EngineConfig, PoolingRequest, TokenSequence, load_engine, load_pooling_tokenizer
 from conveyor.core.errors import UnsupportedModel
-
-st = pytest.importorskip("sentence_transformers", minversion="6",
-                         reason="sentence-transformers 6 or newer is not installed (pip install 'conveyor[dev]')")
 
 TEXTS = ["hello world", "what is the capital of france?", "the blender was loud, three stars", "a",
          "paris is the capital city of france and the answer to the question " * 2]
@@ -55,7 +53,7 @@ def _embed(folder, pooling=None, normalize=True, texts=TEXTS):
 
 
 def _encode(folder, texts=TEXTS):
-    return st.SentenceTransformer(str(folder), device="cpu").encode(texts, convert_to_tensor=True)
+    return sentence_transformers().SentenceTransformer(str(folder), device="cpu").encode(texts, convert_to_tensor=True)
 
 
 @pytest.mark.parametrize("mode", ["mean", "cls", "lasttoken"])
@@ -227,8 +225,8 @@ def test_a_setting_that_changes_the_tokens_is_refused_before_the_weights_load(be
 @pytest.mark.parametrize("activation", ["Sigmoid", "Identity"])
 def test_a_cross_encoder_saved_by_sentence_transformers_scores_as_its_predict(tmp_path, activation):
     """6.x keeps the activation in config_sentence_transformers.json, no longer in config.json."""
-    model = st.CrossEncoder(str(cross_encoder(tmp_path / "base")), device="cpu",
-                            activation_fn=getattr(torch.nn, activation)())
+    model = sentence_transformers().CrossEncoder(str(cross_encoder(tmp_path / "base")), device="cpu",
+                                                 activation_fn=getattr(torch.nn, activation)())
     model.save(str(tmp_path / "ce"))
     engine = load_engine(str(tmp_path / "ce"), F32, "score")
     pairs = [("what is the capital of france?", "the capital of france is paris."), ("hello", "hello world")]
