@@ -112,7 +112,10 @@ class _Server:
     def _receive(self, timeout: float | None) -> dict | None:
         if timeout is not None and not select.select([self.sock], [], [], timeout)[0]:
             return None
-        message = json.loads(self.sock.recv(1 << 16))
+        data = self.sock.recv(1 << 16)
+        if not data:
+            raise RuntimeError(f"the warm Python (pid {self.proc.pid}) ended: exit code {self.proc.poll()}")
+        message = json.loads(data)
         if "exit" in message:
             self.exits[message["exit"]] = message["code"]
         return message
