@@ -75,7 +75,8 @@ class BlockManager:
         """
         if not self.enable_prefix_caching:
             return []
-        extend_block_hashes(request.block_hashes, request.token_ids, self.block_size)
+        keys = request.cache_keys()
+        extend_block_hashes(request.block_hashes, keys, self.block_size)
         max_hits = (request.num_tokens - 1) // self.block_size
         hits: list[int] = []
         for i in range(max_hits):
@@ -84,7 +85,7 @@ class BlockManager:
                 break
             block = self.blocks[block_id]
             start = i * self.block_size
-            if block.token_ids != tuple(request.token_ids[start:start + self.block_size]):
+            if block.token_ids != tuple(keys[start:start + self.block_size]):
                 break
             hits.append(block_id)
         return hits
@@ -186,8 +187,8 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         num_full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
-        extend_block_hashes(request.block_hashes, request.token_ids[: num_full * self.block_size],
-                            self.block_size)
+        keys = request.cache_keys()
+        extend_block_hashes(request.block_hashes, keys[: num_full * self.block_size], self.block_size)
         for i in range(self.released.get(request.req_id, 0), num_full):
             block = self.blocks[request.block_ids[i]]
             if block.block_hash is not None:
@@ -195,7 +196,7 @@ class BlockManager:
             block_hash = request.block_hashes[i]
             start = i * self.block_size
             block.block_hash = block_hash
-            block.token_ids = tuple(request.token_ids[start:start + self.block_size])
+            block.token_ids = tuple(keys[start:start + self.block_size])
             self.cached.setdefault(block_hash, block.block_id)
 
     # -- checks --------------------------------------------------------------------------------

@@ -161,6 +161,7 @@ class Engine:
         req = Request(request.req_id, request.prompt_token_ids, request.sampling, request.priority,
                       arrival_time=time.monotonic())
         req.token_ids.extend(request.output_token_ids)  # (a continued request: recomputed like a preempted one)
+        req.prompt_embeds = request.prompt_embeds
         self.scheduler.check(req)
         if request.sampling.grammar is None:
             self._admit(req, None, request.output_logprobs)

@@ -7,6 +7,7 @@ plain plan data; never a path, a record or a Request, and no kernel.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import sys
 import time
@@ -35,6 +36,17 @@ def _warn_inexact(backend: Backend) -> None:
     why = f" ({note})" if note else ""
     sys.stderr.write(f"conveyor: the {backend.name} backend{why} is not batch-invariant: "
                      f"{backend.inexact_reason()}\n")
+
+
+def _given_embeddings(entry: ScheduledRequest, row: int, rows: list[int], values: list) -> None:
+    """Append the step rows of `entry` (its first at `row`) whose embedding its request gives, and those embeddings:
+    the positions of its PromptEmbeds inside this chunk (a chunk may begin or end inside an image's tokens)."""
+    embeds = entry.prompt_embeds
+    first = bisect.bisect_left(embeds.positions, entry.start_pos)
+    end = bisect.bisect_left(embeds.positions, entry.start_pos + entry.num_tokens - entry.num_drafts)
+    for i in range(first, end):
+        rows.append(row + embeds.positions[i] - entry.start_pos)
+        values.append(embeds.values[i])
 
 
 class ModelRunner:
@@ -72,6 +84,9 @@ class ModelRunner:
         t = time.perf_counter() if profiling else 0.0
         rows = self.flatten(plan.scheduled)
         step = self.backend.prepare(rows)
+        if rows.embed_rows:
+            step.embeds = (torch.tensor(rows.embed_rows, dtype=torch.long, device=self.device),
+                           torch.stack(rows.embed_values).to(self.device))
         if profiling:
             t = self._tick("prepare_s", t)
         logits = self.backend.forward(step)
@@ -160,8 +175,12 @@ class ModelRunner:
         sample_rows: list[int] = []
         draft_rows: list[int] = []
         prompt_rows: list[int] = []
+        embed_rows: list[int] = []
+        embed_values: list = []
         for e in entries:
             row = len(input_ids)
+            if e.prompt_embeds is not None:
+                _given_embeddings(e, row, embed_rows, embed_values)
             input_ids.extend(e.token_ids)
             pos = range(e.start_pos, e.start_pos + e.num_tokens)
             positions.extend(pos)
@@ -173,7 +192,7 @@ class ModelRunner:
                 draft_rows.extend(range(last + 1, last + 1 + e.num_drafts))
             prompt_rows.extend(range(row, row + len(e.prompt_targets)))
         return StepRows(entries, input_ids, positions, slots, sample_rows + draft_rows + prompt_rows,
-                        len(sample_rows), len(draft_rows))
+                        len(sample_rows), len(draft_rows), embed_rows, embed_values)
 
     @torch.inference_mode()
     def measure_rows(self, row_counts: list[int], context: int, num_blocks: int, repeats: int = 2) -> list[float]:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from conveyor.core.sampling_params import SamplingParams
 from conveyor.core.schedule_types import TokenLogprobs
@@ -18,6 +19,18 @@ class ModelLimits:
 
 
 @dataclass(frozen=True, slots=True)
+class PromptEmbeds:
+    """Embeddings that stand in for the token embeddings at some prompt positions (an image's features, from its
+    vision tower and projector): `positions` ascending, `values` their rows ([len(positions), hidden], a tensor: opaque
+    here), and `keys`, one int per position standing for its content in the prefix cache (from the image's digest, so
+    two prompts share blocks only where their images are the same)."""
+
+    positions: tuple[int, ...]
+    values: Any
+    keys: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class GenerationRequest:
     """A tokenized prompt and how to continue it. Lower `priority` runs earlier; ties run FIFO."""
 
@@ -29,6 +42,7 @@ class GenerationRequest:
     # recomputed like a preempted request, and ends as it would have uninterrupted.
     output_token_ids: tuple[int, ...] = ()
     output_logprobs: tuple[TokenLogprobs, ...] | None = None  # theirs, where it asks for logprobs
+    prompt_embeds: PromptEmbeds | None = None  # embeddings given for some prompt positions (images)
 
 
 @dataclass(frozen=True, slots=True)

@@ -71,7 +71,7 @@ class Request:
         "req_id", "token_ids", "num_prompt_tokens", "sampling", "priority", "status",
         "num_computed_tokens", "num_cached_tokens", "block_ids", "block_hashes", "finish_reason",
         "arrival_time", "first_scheduled_time", "first_token_time", "finish_time", "num_preemptions", "error",
-        "logits_state", "output_state", "draft_state", "schedule_state",
+        "logits_state", "output_state", "draft_state", "schedule_state", "prompt_embeds", "_prompt_keys",
     )
 
     def __init__(self, req_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
@@ -112,6 +112,8 @@ class Request:
         self.output_state: OutputState | None = None  # where the output needs more than its tokens
         self.draft_state: DraftState | None = None  # once speculation drafted for it
         self.schedule_state: ScheduleState | None = None  # once the scheduler has it
+        self.prompt_embeds = None  # a PromptEmbeds (core/outputs.py): embeddings given for some prompt positions
+        self._prompt_keys: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -128,6 +130,19 @@ class Request:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+    def cache_keys(self) -> list[int]:
+        """The tokens as the prefix cache keys them: the token ids, with each position whose embedding is given
+        (`prompt_embeds`) standing as its content's key instead of its placeholder token."""
+        embeds = self.prompt_embeds
+        if embeds is None:
+            return self.token_ids
+        if self._prompt_keys is None:
+            keys = list(self.token_ids[:self.num_prompt_tokens])
+            for position, key in zip(embeds.positions, embeds.keys):
+                keys[position] = key
+            self._prompt_keys = keys
+        return self._prompt_keys + self.token_ids[self.num_prompt_tokens:]
 
     @property
     def max_total_tokens(self) -> int:

@@ -26,6 +26,9 @@ class ScheduledRequest:
     # fed after its last token; their rows are sampled too, and each is accepted where it equals the token sampled
     # before it.
     num_drafts: int = 0
+    # The request's PromptEmbeds (core/outputs.py) where this chunk feeds prompt tokens of a request that has them:
+    # the runner puts their rows in place of the token embeddings at their positions.
+    prompt_embeds: object = None
 
     @property
     def num_tokens(self) -> int:

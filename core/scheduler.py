@@ -264,6 +264,7 @@ class Scheduler:
             num_output_tokens=request.num_output_tokens,
             prompt_targets=targets,
             num_drafts=len(drafts),
+            prompt_embeds=request.prompt_embeds if start < request.num_prompt_tokens else None,
         )
 
     def _preempt(self, request: Request) -> None:

@@ -70,6 +70,9 @@ class StepRows:
     logit_rows: list[int]  # rows whose logits are wanted: the sampled ones, draft rows, then prompt-logprob rows
     num_sampled: int  # logit_rows[:num_sampled] are sampled (one per sampled entry)
     num_draft_rows: int = 0  # logit_rows[num_sampled:num_sampled + this]: the rows after draft tokens
+    # Rows whose embedding is given (a prompt's image positions), and each one's embedding (a [hidden] tensor row)
+    embed_rows: list[int] = field(default_factory=list)
+    embed_values: list = field(default_factory=list)
 
 
 class StepAttention(ABC):
@@ -100,6 +103,16 @@ class Step:
     logit_rows: torch.Tensor  # [L]
     attention: StepAttention
     extra: dict = field(default_factory=dict)  # backend-specific
+    # (rows [E], embeddings [E, hidden]) given in place of those rows' token embeddings, or None
+    embeds: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+def with_embeds(h: torch.Tensor, embeds: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """The step's token embeddings `h` [T, hidden] with the given rows' embeddings in place (in `h`'s dtype)."""
+    if embeds is not None:
+        rows, values = embeds
+        h.index_copy_(0, rows, values.to(h.dtype))
+    return h
 
 
 @dataclass(frozen=True)

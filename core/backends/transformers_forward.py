@@ -17,7 +17,7 @@ import contextlib
 
 import torch
 
-from conveyor.core.backends.step import Step
+from conveyor.core.backends.step import Step, with_embeds
 
 ATTN_IMPLEMENTATION = "conveyor_paged"
 _probing = False  # while `probing()`: masks are handed over as their mask functions, calls recorded
@@ -97,5 +97,9 @@ def transformers_forward(model: torch.nn.Module, step: Step) -> torch.Tensor:
         raise RuntimeError(f"the model's attention implementation is {impl!r}, not {ATTN_IMPLEMENTATION!r}; "
                            "it was changed after the engine was built")
     with _running(step.attention):
+        if step.embeds is not None:
+            h = with_embeds(model.get_input_embeddings()(step.input_ids), step.embeds)
+            return model(inputs_embeds=h.unsqueeze(0), position_ids=step.positions.unsqueeze(0), use_cache=False,
+                         logits_to_keep=step.logit_rows).logits[0]
         return model(input_ids=step.input_ids.unsqueeze(0), position_ids=step.positions.unsqueeze(0),
                      use_cache=False, logits_to_keep=step.logit_rows).logits[0]

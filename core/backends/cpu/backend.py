@@ -99,7 +99,7 @@ class CpuBackend(Backend):
 
     def forward(self, step: Step) -> torch.Tensor:
         if self.fused is not None:
-            return self.fused(step.input_ids, step.positions, step.attention, step.logit_rows)
+            return self.fused(step.input_ids, step.positions, step.attention, step.logit_rows, step.embeds)
         return transformers_forward(self.model, step)
 
     def sampler_ops(self) -> SamplerOps:

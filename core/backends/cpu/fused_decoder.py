@@ -19,6 +19,7 @@ import torch
 from conveyor.core.attention_spec import ModelAttention
 from conveyor.core.backends.cpu.linears import Linear
 from conveyor.core.backends.decoder_plan import DecoderPlan, LayerPlan, NormPlan, decoder_plan
+from conveyor.core.backends.step import with_embeds
 
 if TYPE_CHECKING:
     from conveyor.core.backends.cpu.backend import CpuAttention
@@ -82,9 +83,9 @@ class FusedDecoder:
         return cls(plan, attention, ops), None
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: CpuAttention,
-                 sample_rows: torch.Tensor) -> torch.Tensor:
+                 sample_rows: torch.Tensor, embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         plan = self.plan
-        logits = self.lm_head(self.hidden(input_ids, positions, batch, sample_rows))
+        logits = self.lm_head(self.hidden(input_ids, positions, batch, sample_rows, embeds))
         if plan.final_softcap is not None:
             self.ops.softcap(logits, plan.final_softcap)
         if plan.logits_divisor is not None:
@@ -92,10 +93,11 @@ class FusedDecoder:
         return logits
 
     def hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: CpuAttention,
-               rows: torch.Tensor) -> torch.Tensor:
-        """The last hidden states (after the final norm) of the step's `rows`, [len(rows), hidden]."""
+               rows: torch.Tensor, embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """The last hidden states (after the final norm) of the step's `rows`, [len(rows), hidden]; `embeds`: rows
+        whose embedding is given (`Step.embeds`)."""
         plan = self.plan
-        h = plan.embed(input_ids).contiguous()  # [T, hidden]; the residual stream, updated in place
+        h = with_embeds(plan.embed(input_ids).contiguous(), embeds)  # [T, hidden]; the residual stream, in place
         known_max = int(positions.max())  # (read once for every rotary table)
         tables = [rotary(positions, known_max) for rotary in plan.rotaries]
         cos = [c.contiguous() for c, _ in tables]

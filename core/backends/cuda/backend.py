@@ -94,6 +94,7 @@ class CudaBackend(Backend):
         entries = rows.entries
         T = len(rows.input_ids)
         graphable = (self.use_graphs and T <= GRAPH_MAX_TOKENS and len(rows.logit_rows) == rows.num_sampled
+                     and not rows.embed_rows
                      and len(entries) <= self.max_num_seqs and self.lean.covers(max(rows.positions)))
         if graphable:
             return Step(rows, None, None, None, None, extra={"graph_rows": T})
@@ -121,7 +122,7 @@ class CudaBackend(Backend):
         if "graph_rows" in step.extra:
             return self._replay(step.rows)
         if self.lean is not None:
-            return self.lean(step.input_ids, step.positions, step.attention, step.logit_rows)
+            return self.lean(step.input_ids, step.positions, step.attention, step.logit_rows, step.embeds)
         return transformers_forward(self.model, step)
 
     # -- CUDA graphs ----------------------------------------------------------------------------------------

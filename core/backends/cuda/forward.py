@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from conveyor.core.attention_spec import ModelAttention
 from conveyor.core.backends.decoder_plan import DecoderPlan, LayerPlan, MoePlan, NormPlan
-from conveyor.core.backends.step import StepAttention
+from conveyor.core.backends.step import StepAttention, with_embeds
 from conveyor.core.quant.weights import QuantWeight
 
 MAX_ROTARY_POSITIONS = 1 << 17  # a longer context grows the tables outside any graph (`reserve`)
@@ -145,10 +145,10 @@ class DecoderForward:
         return h + m
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: StepAttention,
-                 logit_rows: torch.Tensor) -> torch.Tensor:
+                 logit_rows: torch.Tensor, embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         plan = self.plan
         tables = [(t.cos.index_select(0, positions), t.sin.index_select(0, positions)) for t in self.rotaries]
-        h = plan.embed(input_ids)
+        h = with_embeds(plan.embed(input_ids), embeds)
         for i, layer in enumerate(plan.layers):
             h = self._layer(i, layer, h, tables, attention)
         rows = h.index_select(0, logit_rows)
