@@ -158,6 +158,8 @@ class Engine:
         if any(not 0 <= t < vocab for t in request.prompt_token_ids):
             raise ValueError(f"request {request.req_id!r}: a prompt token id is outside the vocabulary [0, {vocab})")
         self._check_continued(request)
+        if request.prompt_embeds is not None:
+            self._check_embeds(request)
         req = Request(request.req_id, request.prompt_token_ids, request.sampling, request.priority,
                       arrival_time=time.monotonic())
         req.token_ids.extend(request.output_token_ids)  # (a continued request: recomputed like a preempted one)
@@ -167,6 +169,21 @@ class Engine:
             self._admit(req, None, request.output_logprobs)
         else:  # compiled off the step loop: the request waits for it there while the others run
             self.grammar_admission.submit(req, request.sampling.grammar, request.output_logprobs)  # ValueError: too big
+
+    def _check_embeds(self, request: GenerationRequest) -> None:
+        """Embeddings given for prompt positions: ascending positions inside the prompt, one row of the model's
+        hidden size and one cache key for each."""
+        embeds, name = request.prompt_embeds, f"request {request.req_id!r}"
+        positions, n = embeds.positions, len(request.prompt_token_ids)
+        inside = not positions or 0 <= positions[0] and positions[-1] < n
+        if not inside or any(b <= a for a, b in zip(positions, positions[1:])):
+            raise ValueError(f"{name}: the positions of its given embeddings are not ascending inside its "
+                             f"{n}-token prompt")
+        hidden = self.backend.shape.hidden_size
+        if tuple(embeds.values.shape) != (len(positions), hidden) or len(embeds.keys) != len(positions):
+            raise ValueError(f"{name}: {len(positions)} given positions need {len(positions)} rows of {hidden} "
+                             f"values and as many cache keys; got values {tuple(embeds.values.shape)} and "
+                             f"{len(embeds.keys)} keys")
 
     def _check_continued(self, request: GenerationRequest) -> None:
         """What a continued request carries must be something this engine could have generated for it."""

@@ -3,7 +3,8 @@ LLaVA (CLIP tower, Llama text model) built here, its image features computed onc
 projector, and the engine on its text model with those features at the image's positions gives transformers' own
 greedy `generate` (float32, token for token), also with a chunked prefill that cuts through the image, under forced
 preemption, and with the image's blocks served from the prefix cache to a second record with the same image (and not
-to one with another image)."""
+to one with another image). Given embeddings that do not fit the prompt or the model are refused, naming the
+request."""
 
 from __future__ import annotations
 
@@ -138,3 +139,18 @@ def test_the_prefix_cache_serves_an_image_only_to_the_same_image(llava, records)
     [changed] = engine.generate([GenerationRequest("c2", ids_c, sampling, prompt_embeds=other)])
     first_image_block = embeds_c.positions[0] // 16
     assert changed.num_cached_tokens == first_image_block * 16
+
+
+def test_given_embeddings_that_do_not_fit_the_prompt_or_the_model_are_refused(llava, records):
+    _, _, lm, tok, _, _ = llava
+    engine = Engine(lm, tok, EngineConfig(dtype="float32"))
+    ids, embeds, _ = records["a"]
+    sampling = SamplingParams(temperature=0, max_tokens=2)
+    bad = {"past the prompt": PromptEmbeds(tuple(p + len(ids) for p in embeds.positions), embeds.values, embeds.keys),
+           "not ascending": PromptEmbeds(embeds.positions[::-1], embeds.values, embeds.keys),
+           "another hidden size": PromptEmbeds(embeds.positions, embeds.values[:, :32], embeds.keys),
+           "too few keys": PromptEmbeds(embeds.positions, embeds.values, embeds.keys[:-1])}
+    for why, given in bad.items():
+        with pytest.raises(ValueError, match="request 'x'") as refused:
+            engine.add_request(GenerationRequest("x", ids, sampling, prompt_embeds=given))
+        assert ("positions" if why in ("past the prompt", "not ascending") else "rows of 64") in str(refused.value)
