@@ -39,14 +39,16 @@ def _warn_inexact(backend: Backend) -> None:
 
 
 def _given_embeddings(entry: ScheduledRequest, row: int, rows: list[int], values: list) -> None:
-    """Append the step rows of `entry` (its first at `row`) whose embedding its request gives, and those embeddings:
-    the positions of its PromptEmbeds inside this chunk (a chunk may begin or end inside an image's tokens)."""
+    """Append the step rows of `entry` (its first at `row`) whose embedding its request gives, and those embeddings
+    (one slice of its PromptEmbeds' rows): its positions inside this chunk (a chunk may begin or end inside an
+    image's tokens)."""
     embeds = entry.prompt_embeds
     first = bisect.bisect_left(embeds.positions, entry.start_pos)
     end = bisect.bisect_left(embeds.positions, entry.start_pos + entry.num_tokens - entry.num_drafts)
-    for i in range(first, end):
-        rows.append(row + embeds.positions[i] - entry.start_pos)
-        values.append(embeds.values[i])
+    if end > first:
+        shift = row - entry.start_pos
+        rows.extend(p + shift for p in embeds.positions[first:end])
+        values.append(embeds.values[first:end])
 
 
 class ModelRunner:
@@ -86,7 +88,7 @@ class ModelRunner:
         step = self.backend.prepare(rows)
         if rows.embed_rows:
             step.embeds = (torch.tensor(rows.embed_rows, dtype=torch.long, device=self.device),
-                           torch.stack(rows.embed_values).to(self.device))
+                           torch.cat(rows.embed_values).to(self.device))
         if profiling:
             t = self._tick("prepare_s", t)
         logits = self.backend.forward(step)

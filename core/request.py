@@ -71,7 +71,7 @@ class Request:
         "req_id", "token_ids", "num_prompt_tokens", "sampling", "priority", "status",
         "num_computed_tokens", "num_cached_tokens", "block_ids", "block_hashes", "finish_reason",
         "arrival_time", "first_scheduled_time", "first_token_time", "finish_time", "num_preemptions", "error",
-        "logits_state", "output_state", "draft_state", "schedule_state", "prompt_embeds", "_prompt_keys",
+        "logits_state", "output_state", "draft_state", "schedule_state", "prompt_embeds", "_cache_keys",
     )
 
     def __init__(self, req_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
@@ -113,7 +113,7 @@ class Request:
         self.draft_state: DraftState | None = None  # once speculation drafted for it
         self.schedule_state: ScheduleState | None = None  # once the scheduler has it
         self.prompt_embeds = None  # a PromptEmbeds (core/outputs.py): embeddings given for some prompt positions
-        self._prompt_keys: list[int] | None = None
+        self._cache_keys: list[int] | None = None  # cache_keys(), kept up to date as tokens are appended
 
     @property
     def num_tokens(self) -> int:
@@ -137,12 +137,13 @@ class Request:
         embeds = self.prompt_embeds
         if embeds is None:
             return self.token_ids
-        if self._prompt_keys is None:
-            keys = list(self.token_ids[:self.num_prompt_tokens])
+        keys = self._cache_keys
+        if keys is None:
+            keys = self._cache_keys = list(self.token_ids[:self.num_prompt_tokens])
             for position, key in zip(embeds.positions, embeds.keys):
                 keys[position] = key
-            self._prompt_keys = keys
-        return self._prompt_keys + self.token_ids[self.num_prompt_tokens:]
+        keys.extend(self.token_ids[len(keys):])  # the tokens generated since (given positions are the prompt's)
+        return keys
 
     @property
     def max_total_tokens(self) -> int:

@@ -70,7 +70,8 @@ class StepRows:
     logit_rows: list[int]  # rows whose logits are wanted: the sampled ones, draft rows, then prompt-logprob rows
     num_sampled: int  # logit_rows[:num_sampled] are sampled (one per sampled entry)
     num_draft_rows: int = 0  # logit_rows[num_sampled:num_sampled + this]: the rows after draft tokens
-    # Rows whose embedding is given (a prompt's image positions), and each one's embedding (a [hidden] tensor row)
+    # Rows whose embedding is given (a prompt's image positions), and their embeddings: [n, hidden] tensors, one per
+    # entry that has any, whose rows follow embed_rows in order
     embed_rows: list[int] = field(default_factory=list)
     embed_values: list = field(default_factory=list)
 

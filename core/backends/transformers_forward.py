@@ -96,10 +96,9 @@ def transformers_forward(model: torch.nn.Module, step: Step) -> torch.Tensor:
     if impl != ATTN_IMPLEMENTATION:
         raise RuntimeError(f"the model's attention implementation is {impl!r}, not {ATTN_IMPLEMENTATION!r}; "
                            "it was changed after the engine was built")
+    # where the step gives embeddings for some rows (images), the model takes its token embeddings with them in place
+    inputs = ({"input_ids": step.input_ids.unsqueeze(0)} if step.embeds is None else
+              {"inputs_embeds": with_embeds(model.get_input_embeddings()(step.input_ids), step.embeds).unsqueeze(0)})
     with _running(step.attention):
-        if step.embeds is not None:
-            h = with_embeds(model.get_input_embeddings()(step.input_ids), step.embeds)
-            return model(inputs_embeds=h.unsqueeze(0), position_ids=step.positions.unsqueeze(0), use_cache=False,
-                         logits_to_keep=step.logit_rows).logits[0]
-        return model(input_ids=step.input_ids.unsqueeze(0), position_ids=step.positions.unsqueeze(0),
-                     use_cache=False, logits_to_keep=step.logit_rows).logits[0]
+        return model(**inputs, position_ids=step.positions.unsqueeze(0), use_cache=False,
+                     logits_to_keep=step.logit_rows).logits[0]

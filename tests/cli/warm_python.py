@@ -188,11 +188,11 @@ def run_warm(argv: list[str], env: dict[str, str], stdin: bytes | None = None, t
         inp.seek(0)
         proc = WarmProcess(argv, env, inp.fileno(), out.fileno(), err.fileno(), module=module, code=code, cwd=cwd)
         try:
-            code_ = proc.wait(timeout)
+            returncode = proc.wait(timeout)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
             raise
         out.seek(0)
         err.seek(0)
-        return subprocess.CompletedProcess(argv, code_, out.read(), err.read())
+        return subprocess.CompletedProcess(argv, returncode, out.read(), err.read())

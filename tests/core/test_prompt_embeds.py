@@ -13,6 +13,7 @@ import hashlib
 import numpy as np
 import pytest
 import torch
+from routes import ROUTES, route_config
 
 from conveyor.core import EngineConfig, GenerationRequest, SamplingParams
 from conveyor.core.engine import Engine
@@ -107,12 +108,12 @@ def test_the_given_embeddings_decide_the_output(llava, records):
     assert out.output_token_ids != expected
 
 
-@pytest.mark.parametrize("route", [{}, {"fused_forward": False}, {"backend": "torch"}],
-                         ids=["default", "transformers-forward", "torch"])
+@pytest.mark.parametrize("route", ROUTES)
 def test_greedy_equals_transformers_generate_with_the_image(llava, records, route):
-    """On this machine's default route (the cpu backend's fused forward where the kernels run), the model's own
-    transformers forward given `inputs_embeds` over the paged pool, and the torch backend."""
-    _run(llava, records, ["a", "b", "c"], **route)
+    """On every route here (tests/core/routes.py): the cpu backend's fused forward, the model's own transformers
+    forward given `inputs_embeds` over the paged pool, the torch backend, the cuda backend's lean forward."""
+    config = route_config(route, EngineConfig(dtype="float32"))
+    _run(llava, records, ["a", "b", "c"], backend=config.backend, fused_forward=config.fused_forward)
 
 
 def test_a_chunked_prefill_through_the_image(llava, records):
